@@ -1,0 +1,71 @@
+"""attnkit: exact attention for PyTorch, every step first-class and hard to get wrong.
+
+The loop: scores `QKᵀ·scale` -> visibility mask -> stable softmax -> weighted sum of V.
+See DESIGN.md for the conventions: `True` = may attend, causal alignment never guessed,
+empty rows give zeros.
+"""
+
+from attnkit.contracts import (
+    attention_contract_ok,
+    attention_score_elements,
+    check_attention_contract,
+)
+from attnkit.errors import MaskError, ShapeContractError
+from attnkit.functional import attention, attention_probs, attention_with_lse, explain
+from attnkit.heads import merge_heads, split_heads
+from attnkit.masks import (
+    Mask,
+    and_masks,
+    causal,
+    document,
+    from_additive_mask,
+    from_hf_attention_mask,
+    from_key_padding_mask,
+    key_padding,
+    or_masks,
+    prefix_lm,
+    sliding_window,
+)
+from attnkit.modules import SingleHeadAttention
+from attnkit.planner import Plan
+from attnkit.reference import (
+    attention_weights,
+    build_attention_mask,
+    build_causal_mask,
+    scaled_dot_product_attention,
+)
+from attnkit.softmax import masked_softmax
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mask",
+    "MaskError",
+    "Plan",
+    "ShapeContractError",
+    "SingleHeadAttention",
+    "and_masks",
+    "attention",
+    "attention_contract_ok",
+    "attention_probs",
+    "attention_score_elements",
+    "attention_weights",
+    "attention_with_lse",
+    "build_attention_mask",
+    "build_causal_mask",
+    "causal",
+    "check_attention_contract",
+    "document",
+    "explain",
+    "from_additive_mask",
+    "from_hf_attention_mask",
+    "from_key_padding_mask",
+    "key_padding",
+    "masked_softmax",
+    "merge_heads",
+    "or_masks",
+    "prefix_lm",
+    "scaled_dot_product_attention",
+    "sliding_window",
+    "split_heads",
+]

@@ -1,0 +1,48 @@
+"""Every torch-version and feature probe of attnkit, and nothing else.
+
+Core code asks these names; it never inspects `torch.__version__` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SDPA_HAS_GQA",
+    "TORCH_VERSION",
+    "cpu_flash_attention",
+    "flex_attention_module",
+]
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+TORCH_VERSION: tuple[int, int] = _version_tuple(torch.__version__)
+
+# `enable_gqa=` of F.scaled_dot_product_attention arrived in torch 2.5 (a builtin: no signature
+# to inspect); older versions need K/V heads repeated by hand.
+SDPA_HAS_GQA: bool = TORCH_VERSION >= (2, 5)
+
+
+def cpu_flash_attention() -> Any | None:
+    """The CPU flash-attention op that also returns the log-sum-exp, or None.
+
+    `aten::_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+    *, attn_mask, scale) -> (out, logsumexp)` is what `F.scaled_dot_product_attention`
+    dispatches to on CPU; it is private, so we probe for it rather than assume it.
+    """
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def flex_attention_module() -> Any | None:
+    """`torch.nn.attention.flex_attention` where this torch has it, else None."""
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention

@@ -1,0 +1,93 @@
+"""Backend `sdpa`: PyTorch's fused `F.scaled_dot_product_attention`.
+
+SDPA alone gets three things wrong for us, which this file fixes around it: masked keys
+holding NaN leak through `0 * NaN`, it returns no log-sum-exp, and a row that sees
+nothing has no defined output. Top-left causal masks run as `is_causal=True`, with no
+mask tensor at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit._compat import cpu_flash_attention
+from attnkit.contracts import AttentionCall
+from attnkit.heads import repeat_kv
+from attnkit.reference import effective_visibility, hide_unseen
+
+__all__ = ["SdpaBackend"]
+
+
+def _attn_mask(
+    visible: Tensor | None, bias: Tensor | None, dtype: torch.dtype, as_float: bool
+) -> Tensor | None:
+    """SDPA's `attn_mask`: bool (True = attend) or an additive float of q's dtype."""
+    if bias is None and (visible is None or not as_float):
+        return visible
+    if bias is not None:
+        additive = bias.to(dtype)
+    else:
+        assert visible is not None
+        additive = torch.zeros((), dtype=dtype, device=visible.device)
+    return additive if visible is None else torch.where(visible, additive, -torch.inf)
+
+
+class SdpaBackend:
+    """Fused kernels from PyTorch; no softcap; log-sum-exp on CPU through the flash op."""
+
+    name = "sdpa"
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        if call.softcap is not None:
+            return "F.scaled_dot_product_attention has no softcap"
+        if need_lse:
+            if call.q.device.type != "cpu" or cpu_flash_attention() is None:
+                return f"SDPA returns no log-sum-exp on {call.q.device.type} in this torch"
+            if call.dropout_p > 0:
+                return "the CPU flash kernel that returns the log-sum-exp has no dropout"
+        return None
+
+    def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
+        d = call.dims
+        if call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S):
+            return 0
+        batch = d.B if call.mask is not None and call.mask.batch_size else 1
+        if call.bias is not None or need_lse:  # an additive mask in q's dtype
+            return batch * d.H * d.L * d.S * call.q.element_size()
+        return batch * d.L * d.S  # a bool mask, broadcast over heads
+
+    def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+        d = call.dims
+        q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
+        is_causal = (
+            call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S)
+        )
+        if (call.mask is not None and not is_causal) or call.bias is not None:
+            visible = (
+                None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device)
+            )  # (B|1, H|1, L, S)
+            q, k, v, rows = hide_unseen(q, k, v, effective_visibility(visible, call.bias))
+            attn_mask = _attn_mask(visible, call.bias, q.dtype, as_float=need_lse)
+        lse = None
+        if need_lse:
+            flash = cpu_flash_attention()
+            assert flash is not None  # can_use refused the call otherwise
+            k, v = repeat_kv(k, d.groups), repeat_kv(v, d.groups)  # the op has no GQA
+            out, lse = flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=call.scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=call.dropout_p,
+                is_causal=is_causal,
+                scale=call.scale,
+                enable_gqa=d.groups > 1,
+            )  # (B, H, L, Dv)
+        if rows is not None:
+            out = torch.where(rows.unsqueeze(-1), out, 0.0)
+            lse = None if lse is None else torch.where(rows, lse, -torch.inf)
+        return out, lse

@@ -1,0 +1,150 @@
+"""The production call: `attention`, `attention_with_lse`, `attention_probs`, `explain`.
+
+Data flows one way: arguments -> contracts (validate, normalize) -> mask -> plan
+(choose a backend) -> backend -> result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from attnkit.contracts import normalize_call
+from attnkit.errors import ShapeContractError
+from attnkit.masks import Mask
+from attnkit.planner import Plan, choose_backend, plan_call
+from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
+
+__all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
+
+MaskLike = Mask | Tensor | None
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Exact attention, on the fastest backend that can serve the call.
+
+    Args:
+        q: (B, H, L, D); k: (B, Hkv, S, D); v: (B, Hkv, S, Dv), with H % Hkv == 0.
+        mask: a `Mask`, a bool tensor broadcastable to (B, H, L, S) (`True` = may
+            attend), or a float tensor added to the scores (0 keeps, `-inf` removes).
+        scale: multiplies q·kᵀ; default 1/√D.
+        softcap: if set, scores become `c·tanh(s/c)` before masks and bias.
+        dropout_p: dropout on the weights (applied whenever > 0).
+        backend: "auto", "reference" or "sdpa".
+    Returns:
+        (B, H, L, Dv) in q's dtype; a query that sees no key gets 0.
+    """
+    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    chosen, _ = choose_backend(call, backend, need_lse=False)
+    out, _ = chosen.run(call, need_lse=False)
+    return out
+
+
+def attention_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """`attention` plus the log-sum-exp of each row's scores.
+
+    Returns:
+        out (B, H, L, Dv) and lse (B, H, L), natural log, float32 for half inputs,
+        `-inf` on rows that see nothing. Two results over disjoint key sets merge
+        exactly with `attnkit.softmax.merge_partials`.
+    """
+    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    chosen, _ = choose_backend(call, backend, need_lse=True)
+    out, lse = chosen.run(call, need_lse=True)
+    assert lse is not None
+    return out, lse
+
+
+def _row_index(
+    rows: int | Sequence[int] | slice | Tensor | None, L: int, device: torch.device
+) -> Tensor:
+    if rows is None:
+        return torch.arange(L, device=device)
+    if isinstance(rows, slice):
+        return torch.arange(L, device=device)[rows]
+    index = torch.as_tensor(rows, device=device).reshape(-1)
+    if index.is_floating_point() or index.dtype == torch.bool:
+        raise TypeError(f"rows must be integer query positions, got dtype {index.dtype}.")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= L):
+        raise ShapeContractError(
+            f"rows {index.tolist()[:8]} fall outside the L={L} query positions [0, {L - 1}]."
+        )
+    return index
+
+
+def attention_probs(
+    q: Tensor,
+    k: Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    rows: int | Sequence[int] | slice | Tensor | None = None,
+) -> Tensor:
+    """The exact attention weights, for all query rows or just `rows`.
+
+    Each row's softmax needs only that row's scores, so `rows` keeps the cost at
+    (B, H, len(rows), S) however long L is.
+
+    Returns:
+        (B, H, R, S) in q's dtype, R = L or the number of rows asked for; masked entries
+        exactly 0, rows that see nothing all 0.
+    """
+    call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
+    d = call.dims
+    index = _row_index(rows, d.L, q.device)
+    visible = (
+        None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=index)
+    )  # (B|1, H|1, R, S)
+    bias = call.bias
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = bias if bias.shape[2] == 1 else bias[:, :, index]  # (B|1, H|1, R|1, S|1)
+    q_rows = call.q[:, :, index]  # (B, H, R, D)
+    q_rows, k_seen, _, _ = hide_unseen(q_rows, call.k, call.k, effective_visibility(visible, bias))
+    weights, _ = weights_and_lse(
+        q_rows, k_seen, visible, bias, scale=call.scale, softcap=call.softcap
+    )
+    return weights.to(q.dtype)
+
+
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskLike = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    need_lse: bool = False,
+) -> Plan:
+    """What `attention(...)` with these arguments would run, and why; runs nothing.
+
+    `print(plan)` shows the choice, the reasons and the cost.
+    """
+    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    return plan_call(call, backend, need_lse=need_lse)

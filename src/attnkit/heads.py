@@ -1,0 +1,43 @@
+"""Heads: split an embedding into heads and back, and the GQA grouping of K/V heads."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit.errors import ShapeContractError
+
+__all__ = ["merge_heads", "repeat_kv", "split_heads"]
+
+
+def split_heads(x: Tensor, num_heads: int) -> Tensor:
+    """(B, L, E) -> (B, H, L, E/H): each head gets a contiguous slice of the embedding."""
+    if x.dim() != 3:
+        raise ShapeContractError(
+            f"split_heads takes x of shape (B, L, E), got {x.dim()} dims {tuple(x.shape)}."
+        )
+    B, L, E = x.shape
+    if num_heads < 1 or E % num_heads != 0:
+        raise ShapeContractError(
+            f"split_heads: E={E} is not divisible by num_heads={num_heads}; choose H that "
+            f"divides E (e.g. {[h for h in range(1, min(E, 16) + 1) if E % h == 0]})."
+        )
+    return x.view(B, L, num_heads, E // num_heads).transpose(1, 2)  # (B, H, L, E/H)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, L, Dh) -> (B, L, H*Dh): the inverse of `split_heads`."""
+    if x.dim() != 4:
+        raise ShapeContractError(
+            f"merge_heads takes x of shape (B, H, L, Dh), got {x.dim()} dims {tuple(x.shape)}."
+        )
+    B, H, L, Dh = x.shape
+    return x.transpose(1, 2).reshape(B, L, H * Dh)  # (B, L, E)
+
+
+def repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv*G, S, D): query head h reads K/V head h // G.
+
+    Contiguous groups, as `repeat_interleave` and `F.scaled_dot_product_attention(
+    enable_gqa=True)` define them.
+    """
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)

@@ -1,0 +1,132 @@
+"""The planner: which backend serves a call, and why each other one does not.
+
+`plan_call` never runs attention: it asks every backend whether it can serve the call
+(`can_use`), picks the first that can in `AUTO_ORDER` (or the one asked for), and counts
+the work: `flops = 2·B·H·(allowed query-key pairs)·(D + Dv)` (flash-attention's
+convention for the forward pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
+from attnkit.contracts import AttentionCall
+from attnkit.masks import Mask
+
+__all__ = ["Plan", "choose_backend", "count_allowed_pairs", "plan_call"]
+
+_CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once while counting
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `attention(...)` would do for a call, computed without running it."""
+
+    backend: str
+    reasons: dict[str, str | None]  # backend name -> why not chosen, None for the chosen one
+    flops: int
+    peak_bytes: int
+    shapes: dict[str, tuple[int, ...]]
+    mask: str = "none"
+    density: float = 1.0
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        s = self.shapes
+        lines = [
+            f"attnkit plan: backend '{self.backend}'",
+            f"  q {s['q']}  k {s['k']}  v {s['v']}  ->  out {s['out']}",
+            f"  mask     {self.mask}  (density {self.density:.1%} of L×S)",
+            f"  work     {self.flops / 1e9:.3f} GFLOP (2·B·H·allowed pairs·(D+Dv))",
+            f"  memory   ≈ {_human_bytes(self.peak_bytes)} extra",
+            "  backends",
+        ]
+        for name, reason in self.reasons.items():
+            mark, why = ("✓", "chosen") if reason is None else ("✗", reason)
+            lines.append(f"    {mark} {name:<10} {why}")
+        lines += [f"  note     {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{size:.1f} GiB"  # pragma: no cover
+
+
+def count_allowed_pairs(
+    mask: Mask | None, B: int, H: int, L: int, S: int, device: torch.device | None = None
+) -> int:
+    """Query-key pairs (over B and H) the mask lets attend, counted in row chunks."""
+    if mask is None:
+        return B * H * L * S
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, B * H * S))
+    total = 0
+    for start in range(0, L, chunk):
+        rows = torch.arange(start, min(L, start + chunk), device=device)
+        part = mask.dense(B, H, L, S, device, rows=rows)  # (B|1, H|1, rows, S|1)
+        total += (
+            int(part.sum()) * (B // part.shape[0]) * (H // part.shape[1]) * (S // part.shape[3])
+        )
+    return total
+
+
+def choose_backend(
+    call: AttentionCall, name: str, *, need_lse: bool
+) -> tuple[Backend, dict[str, str | None]]:
+    """The backend to run and, for every backend, why it was not chosen (None if chosen)."""
+    reasons: dict[str, str | None] = {
+        n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()
+    }
+    if name == "auto":
+        chosen = next(n for n in AUTO_ORDER if reasons[n] is None)
+    else:
+        backend = get_backend(name)
+        if reasons[name] is not None:
+            raise ValueError(
+                f"backend {name!r} cannot serve this call: {reasons[name]}. Use "
+                "backend='auto' (it picks one that can) or backend='reference'."
+            )
+        chosen = backend.name
+    for n in BACKENDS:
+        if n != chosen and reasons[n] is None:
+            reasons[n] = (
+                f"could serve, but '{chosen}' comes first"
+                if name == "auto"
+                else f"not asked for (backend={name!r})"
+            )
+    reasons[chosen] = None
+    return BACKENDS[chosen], reasons
+
+
+def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False) -> Plan:
+    """The `Plan` for a validated call."""
+    backend, reasons = choose_backend(call, name, need_lse=need_lse)
+    d = call.dims
+    pairs = count_allowed_pairs(call.mask, d.B, d.H, d.L, d.S, call.q.device)
+    shapes = {
+        "q": tuple(call.q.shape),
+        "k": tuple(call.k.shape),
+        "v": tuple(call.v.shape),
+        "out": (d.B, d.H, d.L, d.Dv),
+        "lse": (d.B, d.H, d.L),
+    }
+    if backend.name == "reference":
+        shapes["scores"] = (d.B, d.H, d.L, d.S)
+    notes = [] if call.bias is None else ["an additive float bias is applied to the scores"]
+    return Plan(
+        backend=backend.name,
+        reasons=reasons,
+        flops=2 * pairs * (d.D + d.Dv),
+        peak_bytes=backend.peak_bytes(call, need_lse=need_lse),
+        shapes=shapes,
+        mask="none" if call.mask is None else str(call.mask),
+        density=pairs / (d.B * d.H * d.L * d.S),
+        notes=notes,
+    )

@@ -1,0 +1,224 @@
+"""The readable implementation: attention as the seed chapters write it, bugs fixed.
+
+One closed loop: scores `QKᵀ·scale` (B, H, L, S) -> hide what the mask hides -> stable
+softmax over keys -> weighted sum of V (B, H, L, Dv). Every fast backend is tested
+against this file run in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit.errors import MaskError, ShapeContractError
+from attnkit.heads import repeat_kv
+from attnkit.masks import Mask, causal_offset, integer_mask_error
+from attnkit.softmax import compute_dtype, softmax_with_lse
+
+__all__ = [
+    "attend",
+    "attention_weights",
+    "build_attention_mask",
+    "build_causal_mask",
+    "effective_visibility",
+    "hide_unseen",
+    "scaled_dot_product_attention",
+    "weights_and_lse",
+]
+
+
+def build_causal_mask(seq_len: int, *, device: torch.device | str | None = None) -> Tensor:
+    """(L, L) bool, `True` on and below the diagonal: query i sees keys 0..i."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+
+
+def build_attention_mask(key_padding_mask: Tensor, query_length: int, causal: bool) -> Tensor:
+    """(B, 1, L, S) bool from a (B, S) padding mask (`True` = real token), causal or not.
+
+    Causal needs L == S here: for L != S use `causal(align='top_left' | 'bottom_right')`.
+    """
+    if key_padding_mask.dtype != torch.bool:
+        if key_padding_mask.is_floating_point():
+            raise MaskError(
+                f"key_padding_mask must be bool (True = real token), got {key_padding_mask.dtype}."
+            )
+        raise integer_mask_error("key_padding_mask", key_padding_mask.dtype)
+    if key_padding_mask.dim() != 2:
+        raise ShapeContractError(
+            f"key_padding_mask must be (B, S), got shape {tuple(key_padding_mask.shape)}."
+        )
+    B, S = key_padding_mask.shape
+    L = query_length
+    mask = key_padding_mask.view(B, 1, 1, S).expand(B, 1, L, S)  # (B, 1, L, S)
+    if causal:
+        causal_offset(None, L, S)  # raises for L != S, naming both alignments
+        mask = mask & build_causal_mask(L, device=key_padding_mask.device)
+    return mask
+
+
+def hide_unseen(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Zero the queries that see nothing and the keys/values that nobody sees.
+
+    A hidden entry gets weight 0, but `0 * NaN = NaN`: padded keys holding garbage would
+    still poison outputs and gradients through the matrix products. Returns the cleaned
+    `(q, k, v)` and the (B|1, H|1, L) bool "row sees something", or None if all rows do.
+
+    Args:
+        q: (B, H, L, D); k: (B, Hkv, S, D); v: (B, Hkv, S, Dv).
+        visible: bool broadcastable to (B, H, L, S), `True` = may attend, or None.
+    """
+    if visible is None:
+        return q, k, v, None
+    H, Hkv = q.shape[1], k.shape[1]
+    rows = visible.any(-1)  # (B|1, H|1, L)
+    cols = visible.any(-2)  # (B|1, H|1, S)
+    if cols.shape[1] == H and H != Hkv:  # a K/V head is seen if any head of its group sees it
+        cols = cols.view(cols.shape[0], Hkv, H // Hkv, -1).any(2)  # (B|1, Hkv, S)
+    if not bool(rows.all()):
+        q = torch.where(rows.unsqueeze(-1), q, 0.0)
+    if not bool(cols.all()):
+        k = torch.where(cols.unsqueeze(-1), k, 0.0)
+        v = torch.where(cols.unsqueeze(-1), v, 0.0)
+    return q, k, v, (None if bool(rows.all()) else rows)
+
+
+def effective_visibility(visible: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    """What may be attended once a bias's `-inf` entries also count as hidden."""
+    if bias is None:
+        return visible
+    finite = bias > -torch.inf  # (bias's broadcast shape)
+    return finite if visible is None else visible & finite
+
+
+def weights_and_lse(
+    q: Tensor,
+    k: Tensor,
+    visible: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention weights (B, H, L, S) and log-sum-exp (B, H, L), in the compute dtype."""
+    work = compute_dtype(q.dtype)
+    G = q.shape[1] // k.shape[1]
+    k = repeat_kv(k, G).to(work)  # (B, H, S, D)
+    scores = (q.to(work) @ k.transpose(-2, -1)) * scale  # (B, H, L, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)  # Gemma 2's logit softcapping
+    if bias is not None:
+        scores = scores + bias.to(work)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -torch.inf)
+    return softmax_with_lse(scores)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole loop on validated inputs: returns `(out, weights, lse)`.
+
+    Args:
+        q: (B, H, L, D); k: (B, Hkv, S, D); v: (B, Hkv, S, Dv), H % Hkv == 0.
+        visible: bool broadcastable to (B, H, L, S), `True` = may attend.
+        bias: float broadcastable to (B, H, L, S), added to the scores.
+    Returns:
+        out (B, H, L, Dv) and weights (B, H, L, S) in q's dtype; lse (B, H, L) in the
+        compute dtype (float32 for half inputs), `-inf` on empty rows.
+    """
+    q, k, v, _ = hide_unseen(q, k, v, effective_visibility(visible, bias))
+    weights, lse = weights_and_lse(q, k, visible, bias, scale=scale, softcap=softcap)
+    dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    v = repeat_kv(v, q.shape[1] // v.shape[1]).to(weights.dtype)  # (B, H, S, Dv)
+    out = dropped @ v  # (B, H, L, Dv)
+    return out.to(q.dtype), weights.to(q.dtype), lse
+
+
+def _dense_mask(mask: Mask | Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """A tensor mask for the seed functions, which take q of shape (..., L, D)."""
+    if mask is None or isinstance(mask, Tensor):
+        if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
+            raise integer_mask_error("mask", mask.dtype)
+        return mask
+    B = q.shape[0] if q.dim() >= 3 else 1
+    dense = mask.dense(B, 1, q.shape[-2], k.shape[-2], q.device)  # (B|1, 1, L, S)
+    return dense[:, 0] if q.dim() == 3 else dense if q.dim() == 4 else dense[0, 0]
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+
+
+def _seed_inputs(
+    mask: Mask | Tensor | None, q: Tensor, k: Tensor, scale: float | None
+) -> tuple[Tensor | None, Tensor | None, float]:
+    """(visible, bias, scale) for the seed functions, masks lifted to 4 dims."""
+    dense = _dense_mask(mask, q, k)
+    is_bias = dense is not None and dense.is_floating_point()
+    visible = None if dense is None or is_bias else _as_4d(dense)
+    bias = _as_4d(dense) if dense is not None and is_bias else None
+    return visible, bias, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _check_seed_shapes(q: Tensor, k: Tensor, v: Tensor | None = None) -> None:
+    if q.dim() < 2 or q.dim() > 4 or k.dim() != q.dim():
+        raise ShapeContractError(
+            f"q and k must both be (L, D), (B, L, D) or (B, H, L, D); got q {tuple(q.shape)} "
+            f"and k {tuple(k.shape)}."
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ShapeContractError(
+            f"head dim mismatch: q has D={q.shape[-1]} but k has D={k.shape[-1]}; scores "
+            "are q·kᵀ, so both need the same head dim."
+        )
+    if v is not None and (v.dim() != k.dim() or v.shape[-2] != k.shape[-2]):
+        raise ShapeContractError(
+            f"K/V length mismatch: k is {tuple(k.shape)} but v is {tuple(v.shape)}; v needs "
+            "one value per key (same S)."
+        )
+
+
+def attention_weights(
+    q: Tensor, k: Tensor, mask: Mask | Tensor | None = None, *, scale: float | None = None
+) -> Tensor:
+    """softmax(q·kᵀ·scale) over keys with the mask applied first; (..., L, S).
+
+    `q` (..., L, D), `k` (..., S, D); scale defaults to 1/√D. Hidden keys get exactly 0,
+    a query that sees nothing gets all 0.
+    """
+    _check_seed_shapes(q, k)
+    visible, bias, scale = _seed_inputs(mask, q, k, scale)
+    weights, _ = weights_and_lse(_as_4d(q), _as_4d(k), visible, bias, scale=scale)
+    return weights.to(q.dtype).reshape(*q.shape[:-1], k.shape[-2])
+
+
+def scaled_dot_product_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The seed's attention: returns `(output (..., L, Dv), weights (..., L, S))`.
+
+    q (..., L, D), k (..., S, D), v (..., S, Dv), leading dims alike; `mask` as in
+    `attention_weights`. For production use `attnkit.attention`.
+    """
+    _check_seed_shapes(q, k, v)
+    visible, bias, scale = _seed_inputs(mask, q, k, scale)
+    out, weights, _ = attend(_as_4d(q), _as_4d(k), _as_4d(v), visible, bias, scale=scale)
+    return out.reshape(*q.shape[:-1], v.shape[-1]), weights.reshape(*q.shape[:-1], k.shape[-2])

@@ -1,0 +1,79 @@
+"""Masked (safe) softmax and the log-sum-exp that lets partial results merge exactly.
+
+The textbook softmax `exp(s) / sum(exp(s))` overflows for large scores and gives
+0/0 = NaN on a row whose scores are all `-inf` (a query that may see no key). Here:
+subtract the row maximum (treating an all `-inf` row's maximum as 0), and divide by
+the sum only where it is positive, so an empty row gives weights 0 and a finite, zero
+gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.masks import integer_mask_error
+
+__all__ = ["compute_dtype", "masked_softmax", "merge_partials", "softmax_with_lse"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float16 and bfloat16 are computed in float32 (DESIGN.md §2); others as they are."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def softmax_with_lse(scores: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """Stable softmax along `dim` and its log-sum-exp; masked entries are `-inf`.
+
+    Returns `(weights, lse)`: weights have the shape of `scores`, with an all `-inf` row
+    giving 0 everywhere; `lse` drops `dim`, natural log, `-inf` on such a row.
+    """
+    row_max = scores.amax(dim, keepdim=True).detach()  # softmax is shift-invariant
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp = torch.exp(scores - row_max)  # -inf -> exactly 0
+    total = exp.sum(dim, keepdim=True)
+    nonempty = total > 0
+    safe_total = torch.where(nonempty, total, torch.ones_like(total))
+    weights = exp / safe_total
+    lse = torch.where(nonempty, row_max + torch.log(safe_total), torch.full_like(total, -torch.inf))
+    return weights, lse.squeeze(dim)
+
+
+def masked_softmax(scores: Tensor, mask: Tensor | None = None, dim: int = -1) -> Tensor:
+    """Softmax over `dim` that only spreads weight over visible entries.
+
+    Args:
+        scores: (..., L, S) raw scores.
+        mask: broadcastable to `scores`; bool with `True` = visible, or float added as a
+            bias (0 keeps, `-inf` removes). Integer masks are refused.
+    Returns:
+        Weights of the shape and dtype of `scores`; hidden entries exactly 0, a row with
+        nothing visible all 0 (never NaN). Half precision is computed in float32.
+    """
+    work = scores.to(compute_dtype(scores.dtype))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            work = work.masked_fill(~mask, -torch.inf)
+        elif mask.is_floating_point():
+            work = work + mask
+        else:
+            raise integer_mask_error("mask", mask.dtype)
+    weights, _ = softmax_with_lse(work, dim)
+    return weights.to(scores.dtype)
+
+
+def merge_partials(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Merge attention over disjoint key sets into attention over their union, exactly.
+
+    Part `p` attended its keys with output `outs[p]` (B, H, L, Dv) and log-sum-exp
+    `lses[p]` (B, H, L). The union's softmax reweights each part by `exp(lse_p - lse)`,
+    `lse = logsumexp_p(lse_p)` (the flash-attention / ring-attention rescaling).
+    Rows empty in every part stay 0 with lse `-inf`.
+    """
+    stacked = torch.stack(lses)  # (P, B, H, L)
+    lse = torch.logsumexp(stacked, dim=0)  # (B, H, L)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    scale = torch.exp(stacked - safe)  # (P, B, H, L); empty parts give exp(-inf) = 0
+    out = sum(s.unsqueeze(-1) * o.to(s.dtype) for s, o in zip(scale, outs, strict=True))
+    assert isinstance(out, Tensor)
+    return out.to(outs[0].dtype), lse
