@@ -16,6 +16,7 @@ from attnkit._compat import cpu_flash_attention
 from attnkit.contracts import AttentionCall
 from attnkit.heads import repeat_kv
 from attnkit.reference import effective_visibility, hide_unseen
+from attnkit.softmax import compute_dtype
 
 __all__ = ["SdpaBackend"]
 
@@ -61,6 +62,11 @@ class SdpaBackend:
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
         q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
+        if q.device.type == "cpu":
+            # PyTorch's CPU kernels sum GQA key/value gradients in half precision; computing
+            # in float32 keeps DESIGN.md's numerics at O(B·H·L·D) cost for the casts.
+            work = compute_dtype(q.dtype)
+            q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = (
             call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S)
         )
@@ -90,4 +96,4 @@ class SdpaBackend:
         if rows is not None:
             out = torch.where(rows.unsqueeze(-1), out, 0.0)
             lse = None if lse is None else torch.where(rows, lse, -torch.inf)
-        return out, lse
+        return out.to(call.q.dtype), lse

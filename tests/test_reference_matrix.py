@@ -1,0 +1,126 @@
+"""Every backend against a float64 run of the reference, outputs and gradients.
+
+The flash-attention rule: a backend's error against float64 is at most 2x the error of
+the reference computed in the same dtype (plus a small floor). Inputs are drawn in the
+test dtype; the float64 truth is computed from those same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import pytest
+import torch
+
+import attnkit as ak
+from helpers import assert_rule
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
+SIZES = [(1, 1), (97, 97), (1025, 1025), (1, 97), (97, 1025), (1025, 97)]  # (L, S)
+B = 2
+
+
+def _align(L: int, S: int) -> str | None:
+    return None if L == S else "bottom_right"
+
+
+def _ids(n: int, pieces: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(0, n, (pieces - 1,), generator=g)
+    return (torch.arange(n)[:, None] >= cuts[None, :]).sum(-1)  # (n,) sorted ids
+
+
+def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | None:
+    """One mask of each kind; several give empty rows (query sees nothing)."""
+    g = torch.Generator().manual_seed(L * 131 + S)
+    align = _align(L, S)
+    lengths = torch.tensor([S - S // 3, 0])  # batch row 1 sees no key at all
+    left_pad = torch.arange(S)[None, :] >= torch.tensor([[0], [S // 2]])  # (B, S)
+    kv_ids = _ids(S, 4, L + S)
+    q_ids = kv_ids[S - L :] if L <= S else torch.cat([kv_ids.new_zeros(L - S), kv_ids])
+    masks = {
+        "none": lambda: None,
+        "causal": lambda: ak.causal(align=align),
+        "causal_top_left": lambda: ak.causal(align="top_left"),
+        "padding": lambda: ak.key_padding(lengths),
+        "causal_left_padding": lambda: ak.causal(align=align) & ak.key_padding(left_pad),
+        "sliding": lambda: ak.sliding_window(16, align=align),
+        "sliding_two_sided": lambda: ak.sliding_window(8, 4, align=align),
+        "documents_causal": lambda: ak.document(q_ids, kv_ids) & ak.causal(align=align),
+        "prefix_lm": lambda: ak.prefix_lm(max(1, S // 4), align=align),
+        "window_or_prefix_padded": lambda: (
+            (ak.sliding_window(4, align=align) | ak.prefix_lm(3, align=align))
+            & ak.key_padding(lengths)
+        ),
+        "bool_tensor": lambda: torch.rand(B, 1, L, S, generator=g) > 0.3,
+        "float_bias": lambda: torch.randn(1, H, L, S, generator=g).masked_fill(
+            torch.rand(1, H, L, S, generator=g) < 0.2, -torch.inf
+        ),
+    }
+    return masks[kind]()
+
+
+MASKS = [
+    "none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
+    "sliding_two_sided", "documents_causal", "prefix_lm", "window_or_prefix_padded",
+    "bool_tensor", "float_bias",
+]  # fmt: skip
+FAST_LARGE = {"causal", "causal_left_padding", "documents_causal", "float_bias"}
+
+
+@functools.lru_cache(maxsize=8)
+def truth_and_reference(dtype, heads, mask_kind, size, D):
+    """Inputs, the float64 truth and the same-dtype reference: outputs and gradients."""
+    H, Hkv = HEADS[heads]
+    L, S = size
+    g = torch.Generator().manual_seed(zlib.crc32(f"{heads}{mask_kind}{size}{D}".encode()))
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    dout = torch.randn(B, H, L, D, generator=g).to(dtype)
+    mask = make_mask(mask_kind, H, L, S)
+    truth = run(q.double(), k.double(), v.double(), _cast(mask, torch.float64),
+                dout.double(), "reference")
+    ref = run(q, k, v, mask, dout, "reference")
+    return (q, k, v, mask, dout), truth, ref
+
+
+def _cast(mask, dtype):
+    return mask.to(dtype) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
+
+
+def run(q, k, v, mask, dout, backend):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ak.attention(q, k, v, mask, backend=backend)
+    (out * dout).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cases():
+    for dtype in DTYPES:
+        for heads in HEADS:
+            for mask_kind in MASKS:
+                for size in SIZES:
+                    big = max(size) > 1000
+                    slow = big and mask_kind not in FAST_LARGE
+                    marks = [pytest.mark.slow] if slow else []
+                    yield pytest.param(dtype, heads, mask_kind, size, 64, marks=marks,
+                                       id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}-D64")
+    for dtype in DTYPES:
+        for D in (40, 72):
+            for mask_kind in ("causal", "padding", "documents_causal"):
+                for size in SIZES:
+                    yield pytest.param(dtype, "GQA", mask_kind, size, D,
+                                       id=f"{str(dtype)[6:]}-GQA-{mask_kind}-L{size[0]}-S{size[1]}-D{D}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize(("dtype", "heads", "mask_kind", "size", "D"), list(_cases()))
+def test_backend_matches_float64_reference(backend, dtype, heads, mask_kind, size, D):
+    (q, k, v, mask, dout), truth, ref = truth_and_reference(dtype, heads, mask_kind, size, D)
+    got = run(q, k, v, mask, dout, backend)
+    for name, g, r, t in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+        assert g.dtype == dtype and g.shape == t.shape
+        assert_rule(f"{backend} {name}", g, r, t)
