@@ -81,8 +81,9 @@ def truth_and_reference(dtype, heads, mask_kind, size, D):
     v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
     dout = torch.randn(B, H, L, D, generator=g).to(dtype)
     mask = make_mask(mask_kind, H, L, S)
-    truth = run(q.double(), k.double(), v.double(), _cast(mask, torch.float64),
-                dout.double(), "reference")
+    truth = run(
+        q.double(), k.double(), v.double(), _cast(mask, torch.float64), dout.double(), "reference"
+    )
     ref = run(q, k, v, mask, dout, "reference")
     return (q, k, v, mask, dout), truth, ref
 
@@ -106,14 +107,27 @@ def _cases():
                     big = max(size) > 1000
                     slow = big and mask_kind not in FAST_LARGE
                     marks = [pytest.mark.slow] if slow else []
-                    yield pytest.param(dtype, heads, mask_kind, size, 64, marks=marks,
-                                       id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}-D64")
+                    yield pytest.param(
+                        dtype,
+                        heads,
+                        mask_kind,
+                        size,
+                        64,
+                        marks=marks,
+                        id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}-D64",
+                    )
     for dtype in DTYPES:
         for D in (40, 72):
             for mask_kind in ("causal", "padding", "documents_causal"):
                 for size in SIZES:
-                    yield pytest.param(dtype, "GQA", mask_kind, size, D,
-                                       id=f"{str(dtype)[6:]}-GQA-{mask_kind}-L{size[0]}-S{size[1]}-D{D}")
+                    yield pytest.param(
+                        dtype,
+                        "GQA",
+                        mask_kind,
+                        size,
+                        D,
+                        id=f"{str(dtype)[6:]}-GQA-{mask_kind}-L{size[0]}-S{size[1]}-D{D}",
+                    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])

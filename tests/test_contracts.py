@@ -1,0 +1,138 @@
+"""Every contract error is raised at the boundary and names the dimension and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+
+
+def qkv(B=2, H=4, Hkv=4, L=5, S=5, D=8, Dv=8):
+    return torch.randn(B, H, L, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, Dv)
+
+
+def test_errors_are_value_errors():
+    assert issubclass(ak.ShapeContractError, ValueError)
+    assert issubclass(ak.MaskError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "pattern"),
+    [
+        (dict(D=8), None),
+        ({"q": (2, 4, 5, 8), "k": (2, 4, 5, 16)}, r"head dim mismatch: q has D=8 but k has D=16"),
+        ({"k": (2, 4, 5, 8), "v": (2, 4, 6, 8)}, r"K/V length mismatch: k has S=5 .* v has S=6"),
+        ({"q": (2, 6, 5, 8), "k": (2, 4, 5, 8)}, r"H=6 .* not divisible by Hkv=4"),
+        ({"q": (3, 4, 5, 8)}, r"batch mismatch: q has B=3, k has B=2"),
+        ({"q": (4, 5, 8)}, r"q must have 4 dims .* split_heads"),
+        ({"k": (2, 4, 5, 8), "v": (2, 2, 5, 8)}, r"k has Hkv=4 heads but v has 2"),
+    ],
+)
+def test_shape_errors_name_the_dimension(shapes, pattern):
+    q_shape = shapes.get("q", (2, 4, 5, 8))
+    k_shape = shapes.get("k", (2, 4, 5, 8))
+    v_shape = shapes.get("v", k_shape)
+    if pattern is None:
+        assert ak.attention_contract_ok(q_shape, k_shape, v_shape, "self")
+        return
+    assert not ak.attention_contract_ok(q_shape, k_shape, v_shape, "cross")
+    with pytest.raises(ak.ShapeContractError, match=pattern):
+        ak.check_attention_contract(q_shape, k_shape, v_shape, "cross")
+    tensors = [torch.randn(s) for s in (q_shape, k_shape, v_shape)]
+    with pytest.raises(ak.ShapeContractError, match=pattern):
+        ak.attention(*tensors)
+
+
+def test_self_mode_needs_equal_lengths_but_cross_does_not():
+    q, k, v = (2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8)
+    assert ak.attention_contract_ok(q, k, v, "cross")
+    with pytest.raises(ak.ShapeContractError, match=r"L=5 .* S=7 .* mode='cross'"):
+        ak.check_attention_contract(q, k, v, "self")
+
+
+def test_gqa_is_accepted_and_dv_may_differ():
+    dims = ak.check_attention_contract((2, 8, 5, 16), (2, 2, 5, 16), (2, 2, 5, 32), "self")
+    assert (dims.H, dims.Hkv, dims.groups, dims.Dv) == (8, 2, 4, 32)
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match="self"):
+        ak.check_attention_contract((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1), "both")
+
+
+def test_mask_not_broadcastable_names_the_dim():
+    q, k, v = qkv()
+    with pytest.raises(ak.ShapeContractError, match="its L dim is 3, expected 1 or 5"):
+        ak.attention(q, k, v, torch.ones(2, 1, 3, 5, dtype=torch.bool))
+    with pytest.raises(ak.ShapeContractError, match=r"bias|mask of shape"):
+        ak.attention(q, k, v, torch.zeros(7, 5))
+
+
+def test_bad_lengths_negative_and_beyond_s():
+    q, k, v = qkv()
+    with pytest.raises(ak.MaskError, match="lengths must be >= 0"):
+        ak.attention(q, k, v, ak.key_padding(torch.tensor([-1, 3])))
+    with pytest.raises(ak.MaskError, match="exceed S=5"):
+        ak.attention(q, k, v, ak.key_padding(torch.tensor([6, 3])))
+
+
+def test_negative_window():
+    with pytest.raises(ak.MaskError, match="left=-3"):
+        ak.sliding_window(-3)
+
+
+def test_causal_with_l_ne_s_and_no_alignment():
+    q, k, v = qkv(L=2, S=5)
+    with pytest.raises(
+        ak.ShapeContractError,
+        match=r"L=2 queries and S=5 keys.*align='top_left'.*align='bottom_right'",
+    ):
+        ak.attention(q, k, v, ak.causal())
+    with pytest.raises(ak.ShapeContractError, match="sliding_window"):
+        ak.attention(q, k, v, ak.sliding_window(2))
+
+
+def test_device_mismatch_names_the_argument():
+    q, k, v = qkv()
+    with pytest.raises(ak.ShapeContractError, match="device mismatch: k is on meta"):
+        ak.attention(q, k.to("meta"), v)
+    with pytest.raises(ak.ShapeContractError, match="device mismatch: mask"):
+        ak.attention(q, k, v, torch.ones(5, 5, dtype=torch.bool, device="meta"))
+
+
+def test_dtype_errors_are_type_errors():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"dtype mismatch: q is torch.float32, k is torch.float16"):
+        ak.attention(q, k.half(), v)
+    with pytest.raises(TypeError, match="floating point"):
+        ak.attention(q.long(), k, v)
+    with pytest.raises(TypeError, match=r"torch.Tensor"):
+        ak.attention(q.tolist(), k, v)
+
+
+def test_empty_sequences_are_refused():
+    q, k, v = qkv(S=0)
+    with pytest.raises(ak.ShapeContractError, match="S=0"):
+        ak.attention(q, k, v)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"softcap": 0.0}, "softcap must be > 0"),
+        ({"dropout_p": 1.0}, r"dropout_p must lie in \[0, 1\)"),
+        ({"scale": float("nan")}, "scale must be a finite"),
+        ({"backend": "flash3"}, r"unknown backend 'flash3'; choose one of \('auto'"),
+    ],
+)
+def test_bad_options(kwargs, pattern):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=pattern):
+        ak.attention(q, k, v, **kwargs)
+
+
+def test_a_backend_that_cannot_serve_says_why():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"'sdpa' cannot serve this call: .* no softcap"):
+        ak.attention(q, k, v, softcap=30.0, backend="sdpa")

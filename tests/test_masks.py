@@ -1,0 +1,193 @@
+"""Masks: literal small cases, the algebra, alignment, converters and their errors."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+import torch
+
+import attnkit as ak
+import attnkit.masks
+
+
+def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[list[int]]:
+    S = L if S is None else S
+    B = mask.batch_size or 1
+    return mask.materialize(B, 1, L, S)[batch, 0].int().tolist()
+
+
+def test_docstring_drawings_are_the_real_masks():
+    result = doctest.testmod(attnkit.masks, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 8 and result.failed == 0
+
+
+def test_causal_literal():
+    assert grid(ak.causal(), 3) == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+@pytest.mark.parametrize(
+    ("align", "expected"),
+    [
+        ("top_left", [[1, 0, 0, 0], [1, 1, 0, 0]]),
+        ("bottom_right", [[1, 1, 1, 0], [1, 1, 1, 1]]),
+    ],
+)
+def test_causal_alignment_when_l_lt_s(align, expected):
+    assert grid(ak.causal(align=align), 2, 4) == expected
+
+
+def test_causal_bottom_right_with_l_gt_s_leaves_first_rows_empty():
+    assert grid(ak.causal(align="bottom_right"), 3, 2) == [[0, 0], [1, 0], [1, 1]]
+
+
+def test_causal_decode_step_sees_every_cached_key():
+    assert grid(ak.causal(align="bottom_right"), 1, 5) == [[1, 1, 1, 1, 1]]
+
+
+def test_causal_never_guesses_alignment():
+    with pytest.raises(ak.ShapeContractError, match=r"top_left.*bottom_right"):
+        ak.causal().materialize(1, 1, 2, 3)
+
+
+def test_bad_alignment_name():
+    with pytest.raises(ak.MaskError, match="top_left"):
+        ak.causal(align="top-left")  # type: ignore[arg-type]
+
+
+def test_sliding_window_is_inclusive():
+    m = ak.sliding_window(2, 1)
+    rows = torch.tensor(grid(m, 8))
+    assert rows[4].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]  # left + 1 + right = 4 keys
+    assert rows.sum(-1).tolist() == [2, 3, 4, 4, 4, 4, 4, 3]
+
+
+def test_sliding_window_bottom_right():
+    assert grid(ak.sliding_window(1, align="bottom_right"), 2, 5) == [
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+
+
+def test_negative_window_is_refused():
+    with pytest.raises(ak.MaskError, match="left=-1"):
+        ak.sliding_window(-1)
+    with pytest.raises(ak.MaskError, match="right=-2"):
+        ak.sliding_window(1, -2)
+
+
+def test_key_padding_bool_and_lengths_agree():
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    lengths = torch.tensor([2, 1])
+    a = ak.key_padding(valid).materialize(2, 1, 2, 3)
+    b = ak.key_padding(lengths).materialize(2, 1, 2, 3)
+    assert torch.equal(a, b)
+    assert a[1, 0].int().tolist() == [[1, 0, 0], [1, 0, 0]]
+
+
+@pytest.mark.parametrize("lengths", [[-1, 2], [2, 4]])
+def test_bad_lengths_are_refused(lengths):
+    with pytest.raises(ak.MaskError, match="lengths"):
+        ak.key_padding(torch.tensor(lengths)).materialize(2, 1, 3, 3)
+
+
+def test_key_padding_batch_and_length_mismatch():
+    with pytest.raises(ak.ShapeContractError, match="B=3"):
+        ak.key_padding(torch.tensor([1, 2])).materialize(3, 1, 2, 2)
+    with pytest.raises(ak.ShapeContractError, match="S=4"):
+        ak.key_padding(torch.ones(1, 3, dtype=torch.bool)).materialize(1, 1, 4, 4)
+
+
+def test_document_literal_and_cross():
+    ids = torch.tensor([0, 0, 1, 1, 1])
+    assert grid(ak.document(ids), 5)[2] == [0, 0, 1, 1, 1]
+    cross = ak.document(torch.tensor([1, 0]), torch.tensor([0, 1, 1]))
+    assert grid(cross, 2, 3) == [[0, 1, 1], [1, 0, 0]]
+
+
+def test_document_with_l_ne_s_needs_both_ids():
+    with pytest.raises(ak.ShapeContractError, match="document\\(q_ids, kv_ids\\)"):
+        ak.document(torch.tensor([0, 0, 1])).materialize(1, 1, 2, 3)
+
+
+def test_document_refuses_float_ids():
+    with pytest.raises(ak.MaskError, match="integer"):
+        ak.document(torch.tensor([0.0, 1.0]))
+
+
+def test_prefix_lm_literal_and_batched():
+    assert grid(ak.prefix_lm(2), 4)[0] == [1, 1, 0, 0]
+    batched = ak.prefix_lm(torch.tensor([1, 3]))
+    assert grid(batched, 4, batch=1)[0] == [1, 1, 1, 0]
+    assert grid(batched, 4, batch=0)[0] == [1, 0, 0, 0]
+
+
+def test_algebra_matches_tensor_logic():
+    a, b = ak.causal(), ak.sliding_window(1, 1)
+    ta, tb = a.materialize(1, 1, 5, 5), b.materialize(1, 1, 5, 5)
+    assert torch.equal((a & b).materialize(1, 1, 5, 5), ta & tb)
+    assert torch.equal((a | b).materialize(1, 1, 5, 5), ta | tb)
+    assert torch.equal((~a).materialize(1, 1, 5, 5), ~ta)
+    assert torch.equal(ak.and_masks(a, b, ~a).materialize(1, 1, 5, 5), ta & tb & ~ta)
+    assert torch.equal(ak.or_masks(a, b).materialize(1, 1, 5, 5), ta | tb)
+
+
+def test_masks_combine_with_bool_tensors_on_either_side():
+    t = torch.rand(5, 5) > 0.5
+    causal = ak.causal().materialize(1, 1, 5, 5)[0, 0]
+    assert torch.equal((ak.causal() & t).materialize(1, 1, 5, 5)[0, 0], causal & t)
+    assert torch.equal((t | ak.causal()).materialize(1, 1, 5, 5)[0, 0], causal | t)
+
+
+def test_float_tensor_cannot_join_the_algebra():
+    with pytest.raises(ak.MaskError, match="additive bias"):
+        _ = ak.causal() & torch.zeros(3, 3)
+
+
+def test_dense_is_minimal_and_materialize_is_full():
+    m = ak.causal() & ak.key_padding(torch.tensor([3, 2]))
+    assert m.dense(2, 4, 3, 3).shape == (2, 1, 3, 3)
+    assert ak.causal().dense(2, 4, 3, 3).shape == (1, 1, 3, 3)
+    assert m.materialize(2, 4, 3, 3).shape == (2, 4, 3, 3)
+
+
+def test_tensor_mask_broadcast_error_names_the_dim():
+    with pytest.raises(ak.ShapeContractError, match="its S dim is 4"):
+        (ak.causal() & torch.ones(3, 4, dtype=torch.bool)).materialize(1, 1, 3, 3)
+
+
+def test_descriptions_read_well():
+    m = (ak.causal() & ak.sliding_window(3)) | ak.prefix_lm(2)
+    assert str(m) == "((causal() & sliding_window(left=3, right=0)) | prefix_lm(2))"
+    assert "key_padding" in str(ak.key_padding(torch.tensor([1])))
+
+
+def test_draw_marks_allowed_and_hidden():
+    assert ak.causal().draw(2) == "■ ·\n■ ■"
+
+
+def test_from_key_padding_mask_inverts_polarity():
+    ignore = torch.tensor([[False, False, True]])
+    assert grid(ak.from_key_padding_mask(ignore), 1, 3) == [[1, 1, 0]]
+    with pytest.raises(ak.MaskError, match="True = ignore"):
+        ak.from_key_padding_mask(ignore.long())
+
+
+def test_from_hf_attention_mask():
+    hf = torch.tensor([[1, 1, 0]])
+    assert grid(ak.from_hf_attention_mask(hf), 1, 3) == [[1, 1, 0]]
+    with pytest.raises(ak.MaskError, match="0 and 1"):
+        ak.from_hf_attention_mask(torch.tensor([[2, 1]]))
+
+
+def test_from_additive_mask():
+    add = torch.tensor([[0.0, -torch.inf], [torch.finfo(torch.float32).min, 0.0]])
+    assert grid(ak.from_additive_mask(add), 2) == [[1, 0], [0, 1]]
+    with pytest.raises(ak.MaskError, match="bias"):
+        ak.from_additive_mask(torch.tensor([[0.0, -1.0]]))
+
+
+def test_integer_masks_are_refused_with_the_converters_named():
+    with pytest.raises(ak.MaskError, match=r"from_hf_attention_mask.*from_key_padding_mask"):
+        q = torch.randn(1, 1, 2, 4)
+        ak.attention(q, q, q, torch.ones(2, 2, dtype=torch.int64))
