@@ -117,17 +117,20 @@ def _cases():
                         id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}-D64",
                     )
     for dtype in DTYPES:
-        for D in (40, 72):
-            for mask_kind in ("causal", "padding", "documents_causal"):
-                for size in SIZES:
-                    yield pytest.param(
-                        dtype,
-                        "GQA",
-                        mask_kind,
-                        size,
-                        D,
-                        id=f"{str(dtype)[6:]}-GQA-{mask_kind}-L{size[0]}-S{size[1]}-D{D}",
-                    )
+        for heads in HEADS:
+            for D in (40, 72):
+                for mask_kind in ("causal", "padding", "documents_causal"):
+                    for size in SIZES:
+                        slow = max(size) > 1000 and heads != "GQA"
+                        yield pytest.param(
+                            dtype,
+                            heads,
+                            mask_kind,
+                            size,
+                            D,
+                            marks=[pytest.mark.slow] if slow else [],
+                            id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}-D{D}",
+                        )
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
