@@ -13,6 +13,7 @@ __all__ = [
     "SDPA_HAS_GQA",
     "TORCH_VERSION",
     "cpu_flash_attention",
+    "cpu_flash_attention_backward",
     "flex_attention_module",
 ]
 
@@ -37,6 +38,16 @@ def cpu_flash_attention() -> Any | None:
     dispatches to on CPU; it is private, so we probe for it rather than assume it.
     """
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def cpu_flash_attention_backward() -> Any | None:
+    """The backward of `cpu_flash_attention`, taking the output and log-sum-exp, or None.
+
+    `(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)
+    -> (grad_q, grad_k, grad_v)`: it recomputes the weights from the log-sum-exp given,
+    which lets a blocked forward pass reuse it block by block.
+    """
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def flex_attention_module() -> Any | None:

@@ -62,6 +62,11 @@ class AttentionCall:
     dropout_p: float
     dims: Dims
 
+    @property
+    def requires_grad(self) -> bool:
+        """Autograd will need a backward pass through this call."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
 
 def check_attention_contract(
     q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], mode: str

@@ -68,6 +68,23 @@ class Mask:
         """
         return False
 
+    @property
+    def head_dependent(self) -> bool:
+        """True if different heads see different keys (only a tensor mask can)."""
+        return False
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Key span `[lo, hi)` holding every key visible to query rows `first..last`.
+
+        `first`, `last`: (T,) row ranges (of query tiles). Returns `lo`, `hi` of shape
+        (B|1, T), computed from the structure alone, never from an L×S tensor. The span
+        may be loose (a superset); the tiled backend masks inside it exactly.
+        """
+        zeros = torch.zeros(1, first.shape[0], dtype=torch.long, device=first.device)
+        return zeros, zeros + S
+
     def dense(
         self,
         B: int,
@@ -76,17 +93,19 @@ class Mask:
         S: int,
         device: torch.device | str | None = None,
         rows: Tensor | None = None,
+        cols: Tensor | None = None,
     ) -> Tensor:
         """Evaluate to the smallest bool tensor broadcastable to (B, H, L, S).
 
-        `rows` restricts the query positions (then the third dim has `len(rows)`).
+        `rows` / `cols` restrict the query / key positions (the last two dims then have
+        their lengths).
         """
         self.check(B, H, L, S)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         b = torch.arange(B, device=dev).view(B, 1, 1, 1)
         h = torch.arange(H, device=dev).view(1, H, 1, 1)
         i = (torch.arange(L, device=dev) if rows is None else rows.to(dev)).view(1, 1, -1, 1)
-        j = torch.arange(S, device=dev).view(1, 1, 1, S)
+        j = (torch.arange(S, device=dev) if cols is None else cols.to(dev)).view(1, 1, 1, -1)
         allowed = self.predicate(B, H, L, S, dev)(b, h, i, j)
         return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
 
@@ -202,6 +221,12 @@ class _Causal(Mask):
     def is_sdpa_causal(self, L: int, S: int) -> bool:
         return L >= S and (L == S or self.align == "top_left")
 
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset = causal_offset(self.align, L, S)
+        return torch.zeros_like(first)[None], (last + offset + 1).clamp(0, S)[None]
+
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         offset = causal_offset(self.align, L, S)
         return lambda b, h, i, j: j <= i + offset
@@ -245,6 +270,13 @@ class _SlidingWindow(Mask):
         offset = causal_offset(self.align, L, S, who="sliding_window")
         left, right = self.left, self.right
         return lambda b, h, i, j: (j >= i + offset - left) & (j <= i + offset + right)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset = causal_offset(self.align, L, S, who="sliding_window")
+        lo = (first + offset - self.left).clamp(0, S)
+        return lo[None], (last + offset + self.right + 1).clamp(0, S)[None]
 
     def describe(self) -> str:
         align = "" if self.align is None else f", align={self.align!r}"
@@ -316,10 +348,22 @@ class _KeyPadding(Mask):
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         valid = self.valid.to(device)
         if self.is_lengths:
-            lengths = valid.expand(B).view(B, 1, 1, 1)  # (B, 1, 1, 1)
-            return lambda b, h, i, j: j < lengths
+            lengths = valid.expand(B)  # (B,)
+            return lambda b, h, i, j: j < lengths[b]
         rows = valid.expand(B, S)  # (B, S)
         return lambda b, h, i, j: rows[b, j]
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        valid = self.valid.to(first.device)
+        if self.is_lengths:
+            hi = valid.view(-1, 1)  # (B, 1)
+            return torch.zeros_like(hi), hi
+        position = torch.arange(S, device=first.device)
+        lo = torch.where(valid, position, S).amin(-1, keepdim=True)  # (B, 1)
+        hi = torch.where(valid, position + 1, 0).amax(-1, keepdim=True)
+        return lo.clamp(max=hi), hi
 
     def describe(self) -> str:
         kind = "lengths" if self.is_lengths else "valid"
@@ -376,6 +420,22 @@ class _Document(Mask):
         kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(device).expand(B, S)  # (B, S)
         return lambda b, h, i, j: q_ids[b, i] == kv_ids[b, j]
 
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        q_ids = self.q_ids.to(first.device)  # (B|1, L)
+        kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(first.device)  # (B|1, S)
+        sorted_ids = bool((q_ids[:, 1:] >= q_ids[:, :-1]).all()) and bool(
+            (kv_ids[:, 1:] >= kv_ids[:, :-1]).all()
+        )
+        if not sorted_ids:  # documents are not contiguous runs: no tight span
+            return super().key_bounds(B, L, S, first, last)
+        batch = max(q_ids.shape[0], kv_ids.shape[0])
+        q_ids, kv_ids = q_ids.expand(batch, L), kv_ids.expand(batch, S).contiguous()
+        lo = torch.searchsorted(kv_ids, q_ids[:, first].contiguous(), side="left")
+        hi = torch.searchsorted(kv_ids, q_ids[:, last].contiguous(), side="right")
+        return lo, hi  # (B|1, T): from the first row's document start to the last's end
+
     def describe(self) -> str:
         return f"document(B={self.batch_size})"
 
@@ -428,8 +488,19 @@ class _PrefixLM(Mask):
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         offset = causal_offset(self.align, L, S, who="prefix_lm")
         n = self.prefix_len
-        prefix = n.to(device).expand(B).view(B, 1, 1, 1) if isinstance(n, Tensor) else n
-        return lambda b, h, i, j: (j < prefix) | (j <= i + offset)
+        if isinstance(n, Tensor):
+            prefix = n.to(device).expand(B)  # (B,)
+            return lambda b, h, i, j: (j < prefix[b]) | (j <= i + offset)
+        return lambda b, h, i, j: (j < n) | (j <= i + offset)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset = causal_offset(self.align, L, S, who="prefix_lm")
+        n = self.prefix_len
+        prefix = n.to(first.device).view(-1, 1) if isinstance(n, Tensor) else torch.tensor([[n]])
+        hi = torch.maximum(prefix.to(first.device), (last + offset + 1)[None]).clamp(0, S)
+        return torch.zeros_like(hi), hi
 
     def describe(self) -> str:
         n = self.prefix_len
@@ -474,6 +545,10 @@ class _TensorMask(Mask):
             pick(b, t.shape[0]), pick(h, t.shape[1]), pick(i, t.shape[2]), pick(j, t.shape[3])
         ]
 
+    @property
+    def head_dependent(self) -> bool:
+        return self.tensor.shape[1] > 1
+
     def describe(self) -> str:
         return f"tensor{tuple(self.tensor.shape)}"
 
@@ -490,6 +565,22 @@ class _Combine(Mask):
     def check(self, B: int, H: int, L: int, S: int) -> None:
         for part in self.parts:
             part.check(B, H, L, S)
+
+    @property
+    def head_dependent(self) -> bool:
+        return any(p.head_dependent for p in self.parts)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        bounds = [p.key_bounds(B, L, S, first, last) for p in self.parts]
+        lo, hi = bounds[0]
+        for part_lo, part_hi in bounds[1:]:  # & intersects the spans, | takes their hull
+            if self.op == "&":
+                lo, hi = torch.maximum(lo, part_lo), torch.minimum(hi, part_hi)
+            else:
+                lo, hi = torch.minimum(lo, part_lo), torch.maximum(hi, part_hi)
+        return lo, hi.clamp(min=lo) if self.op == "&" else hi
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         preds = [p.predicate(B, H, L, S, device) for p in self.parts]
@@ -517,6 +608,10 @@ class _Not(Mask):
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
         self.inner.check(B, H, L, S)
+
+    @property
+    def head_dependent(self) -> bool:
+        return self.inner.head_dependent
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         inner = self.inner.predicate(B, H, L, S, device)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
+from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall
 
 __all__ = ["AUTO_ORDER", "BACKENDS", "Backend", "backend_names", "get_backend"]
@@ -28,8 +29,10 @@ class Backend(Protocol):
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]: ...
 
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (ReferenceBackend(), SdpaBackend())}
-AUTO_ORDER: tuple[str, ...] = ("sdpa", "reference")  # fastest first
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (ReferenceBackend(), SdpaBackend(), TiledBackend())
+}
+AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "reference")  # fastest first
 
 
 def backend_names() -> tuple[str, ...]:

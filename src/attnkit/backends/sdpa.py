@@ -48,6 +48,10 @@ class SdpaBackend:
                 return f"SDPA returns no log-sum-exp on {call.q.device.type} in this torch"
             if call.dropout_p > 0:
                 return "the CPU flash kernel that returns the log-sum-exp has no dropout"
+            if call.dims.D != call.dims.Dv:
+                return "the CPU flash kernel that returns the log-sum-exp needs D == Dv"
+            if call.requires_grad:
+                return "the log-sum-exp of the CPU flash kernel carries no gradient"
         return None
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
