@@ -25,7 +25,7 @@ from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.softmax import compute_dtype
 
-__all__ = ["TILE", "TiledBackend", "TilePlan", "plan_tiles"]
+__all__ = ["TILE", "TilePlan", "TiledBackend", "plan_tiles"]
 
 TILE = 64  # query rows per tile
 GRANULE = 64  # key spans start and end on multiples of this
@@ -34,13 +34,22 @@ MAX_GROUPS = 12  # more distinct block shapes than this get bucketed
 
 @dataclass(frozen=True)
 class Group:
-    """`n` blocks of `rows` query rows × `keys` keys, run as one kernel call."""
+    """`n` blocks of one batch row, each `rows` queries × `keys` keys: one kernel call."""
 
-    batch: Tensor  # (n,) batch row of each block
-    row0: Tensor  # (n,) first query row
-    key0: Tensor  # (n,) first key
+    batch: int
+    row0: Tensor  # (n,) first query row of each block
+    key0: Tensor  # (n,) first key of each block
     rows: int
     keys: int
+
+    @property
+    def key_step(self) -> int | None:
+        """Block i's keys start at key0[0] + i·step: a strided view, no copy. Else None."""
+        steps = self.key0.diff()
+        if steps.numel() == 0:
+            return 0
+        step = int(steps[0])
+        return step if step >= 0 and bool((steps == step).all()) else None
 
 
 @dataclass(frozen=True)
@@ -56,10 +65,10 @@ class TilePlan:
 def _bucket(length: Tensor) -> Tensor:
     """Round lengths up to {1, 1.5} × 2^k granules so few distinct shapes remain."""
     granules = (length.double() / GRANULE).clamp(min=1)
-    power = torch.floor(torch.log2(granules))
-    base = torch.exp2(power)
-    up = torch.where(granules <= base, base, torch.where(granules <= 1.5 * base, 1.5 * base,
-                                                         2 * base))
+    base = torch.exp2(torch.floor(torch.log2(granules)))
+    up = torch.where(
+        granules <= base, base, torch.where(granules <= 1.5 * base, 1.5 * base, 2 * base)
+    )
     return (up * GRANULE).long()
 
 
@@ -83,9 +92,9 @@ def plan_tiles(mask: Mask | None, B: int, L: int, S: int, tile: int = TILE) -> T
 
 
 def _group(lo: Tensor, hi: Tensor, tile: int, L: int) -> TilePlan:
-    """Merge runs of tiles with equal spans into blocks, then blocks by shape."""
+    """Merge runs of tiles with equal spans into blocks, then blocks by batch row and shape."""
     B, n_tiles = lo.shape
-    blocks: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    blocks: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     area = 0
     for b in range(B):
         spans = list(zip(lo[b].tolist(), hi[b].tolist(), strict=True))
@@ -97,107 +106,153 @@ def _group(lo: Tensor, hi: Tensor, tile: int, L: int) -> TilePlan:
             start_key, stop_key = spans[t]
             if stop_key > start_key:
                 rows = (end - t) * tile
-                blocks.setdefault((rows, stop_key - start_key), []).append((b, t * tile, start_key))
+                blocks.setdefault((b, rows, stop_key - start_key), []).append((t * tile, start_key))
                 area += min(rows, L - t * tile) * (stop_key - start_key)
             t = end
     groups = tuple(
-        Group(*(torch.tensor(col) for col in zip(*members, strict=True)), rows=rows, keys=keys)
-        for (rows, keys), members in sorted(blocks.items())
+        Group(
+            b,
+            torch.tensor([m[0] for m in members]),
+            torch.tensor([m[1] for m in members]),
+            rows=rows,
+            keys=keys,
+        )
+        for (b, rows, keys), members in sorted(blocks.items())
     )
     return TilePlan(groups=groups, area=area)
 
 
 @dataclass
 class _Block:
-    """A group's gathered inputs: (n, Hkv, G·R, D) queries against (n, Hkv, K, D) keys."""
+    """A group with its tile-local mask evaluated (n blocks of R rows × K keys)."""
 
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    attn_mask: Tensor | None  # additive (n|1, 1, G·R, K), None where all is visible
-    rows: Tensor  # (n, R) query row of each block row
-    keys: Tensor  # (n, K) key index of each block key
-    seen: Tensor  # (n, R) the row sees some key
-    valid: Tensor  # (n, R) the row exists (< L)
+    group: Group
+    rows: Tensor  # (n·R,) query row of each block row, clamped to L - 1
+    valid: Tensor  # (n·R,) the row exists (< L)
+    keys: Tensor  # (n·K,) key of each block key
+    seen: Tensor  # (n, R) the row sees some key of its block
+    seen_keys: Tensor  # (n, K) some row of the block sees the key
+    attn_mask: Tensor | None  # additive (n|1, 1, G·R, K); None where all is visible
 
 
-def _gather(q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, group: Group) -> _Block:
-    B, H, L, _ = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G, R, K = H // Hkv, group.rows, group.keys
-    dev = q.device
+def _prepare(
+    mask: Mask | None,
+    group: Group,
+    dims: tuple[int, ...],
+    G: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+) -> _Block:
+    B, H, L, S = dims
+    R, K = group.rows, group.keys
     rows = group.row0.to(dev)[:, None] + torch.arange(R, device=dev)  # (n, R)
     keys = group.key0.to(dev)[:, None] + torch.arange(K, device=dev)  # (n, K)
     valid = rows < L
     rows = rows.clamp(max=L - 1)
-    b = group.batch.to(dev)
     visible = valid[:, :, None].expand(-1, -1, K)  # (n, R, K)
     if mask is not None:
-        predicate = mask.predicate(B, H, L, S, dev)
+        b = torch.tensor(group.batch, device=dev)
         h = torch.zeros((), dtype=torch.long, device=dev)
-        visible = visible & predicate(b[:, None, None], h, rows[:, :, None], keys[:, None, :])
-    seen, seen_keys = visible.any(-1), visible.any(-2)  # (n, R), (n, K)
-    n = b.shape[0]
-    qb = q[b[:, None], :, rows]  # (n, R, H, D)
-    qb = torch.where(seen[:, :, None, None], qb, 0.0)  # rows that see nothing may hold NaN
-    qb = qb.view(n, R, Hkv, G, -1).permute(0, 2, 3, 1, 4).reshape(n, Hkv, G * R, -1)
-    kb, vb = (
-        torch.where(seen_keys[:, :, None, None], t[b[:, None], :, keys], 0.0).transpose(1, 2)
-        for t in (k, v)
-    )  # (n, Hkv, K, D): keys nobody here sees may hold NaN
+        predicate = mask.predicate(B, H, L, S, dev)
+        visible = visible & predicate(b, h, rows[:, :, None], keys[:, None, :])
+    seen, seen_keys = visible.any(-1), visible.any(-2)
     attn_mask = None
     if not bool(visible.all()):
         if bool((visible == visible[:1]).all()):
             visible = visible[:1]  # one pattern shared by every block (a sliding band)
-        additive = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill(
-            ~visible, -torch.inf
-        )  # (n|1, R, K)
+        additive = torch.zeros(visible.shape, dtype=dtype, device=dev)
+        additive = additive.masked_fill(~visible, -torch.inf)  # (n|1, R, K)
         attn_mask = additive[:, None].expand(-1, G, -1, -1).reshape(-1, 1, G * R, K)
-    return _Block(qb, kb.contiguous(), vb.contiguous(), attn_mask, rows, keys, seen, valid)
+    return _Block(
+        group, rows.reshape(-1), valid.reshape(-1), keys.reshape(-1), seen, seen_keys, attn_mask
+    )
 
 
-def _rows_of(x: Tensor, blk: _Block, Hkv: int, G: int) -> Tensor:
-    """(n, Hkv, G·R, ...) block rows -> (n·R valid rows, H, ...) in (B, L, H) order."""
-    n, R = blk.rows.shape
-    x = x.reshape(n, Hkv, G, R, *x.shape[3:]).movedim(3, 1)  # (n, R, Hkv, G, ...)
-    x = x.reshape(n, R, Hkv * G, *x.shape[4:])
-    return x[blk.valid]
+def _hide_unseen(
+    q: Tensor, k: Tensor, v: Tensor, blocks: list[_Block]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero query rows that see nothing and keys nobody sees (they may hold NaN or Inf)."""
+    B, _, L, _ = q.shape
+    seen_rows = torch.zeros(B, L, dtype=torch.bool, device=q.device)
+    seen_keys = torch.zeros(B, k.shape[2], dtype=torch.bool, device=q.device)
+    for blk in blocks:
+        seen_rows[blk.group.batch, blk.rows[blk.seen.reshape(-1) & blk.valid]] = True
+        seen_keys[blk.group.batch, blk.keys[blk.seen_keys.reshape(-1)]] = True
+    if not bool(seen_rows.all()):
+        q = torch.where(seen_rows[:, None, :, None], q, 0.0)
+    if not bool(seen_keys.all()):
+        k = torch.where(seen_keys[:, None, :, None], k, 0.0)
+        v = torch.where(seen_keys[:, None, :, None], v, 0.0)
+    return q, k, v
 
 
-def _to_block_rows(x: Tensor, blk: _Block, b: Tensor, Hkv: int, G: int) -> Tensor:
-    """(B, H, L, ...) -> (n, Hkv, G·R, ...): the inverse gather of `_rows_of`."""
-    n, R = blk.rows.shape
-    rows = x[b[:, None], :, blk.rows]  # (n, R, H, ...)
-    rows = rows.reshape(n, R, Hkv, G, *rows.shape[3:]).movedim(1, 3)  # (n, Hkv, G, R, ...)
-    return rows.reshape(n, Hkv, G * R, *rows.shape[4:])
+def _block_rows(x: Tensor, blk: _Block, Hkv: int) -> Tensor:
+    """Batch row `x` (H, L, ...) -> (n, Hkv, G·R, ...): the G heads of a K/V head stacked."""
+    n, R = blk.seen.shape
+    x = x.reshape(Hkv, x.shape[0] // Hkv, *x.shape[1:])[:, :, blk.rows]  # (Hkv, G, n·R, ...)
+    x = x.reshape(Hkv, x.shape[1], n, R, *x.shape[3:]).movedim(2, 0)  # (n, Hkv, G, R, ...)
+    return x.reshape(n, Hkv, -1, *x.shape[4:])
+
+
+def _scatter_rows(dst: Tensor, src: Tensor, blk: _Block, Hkv: int) -> None:
+    """Write block rows `src` (n, Hkv, G·R, ...) into batch row `dst` (H, L, ...)."""
+    n, R = blk.seen.shape
+    G = dst.shape[0] // Hkv
+    src = src.reshape(n, Hkv, G, R, *src.shape[3:]).movedim(0, 2)  # (Hkv, G, n, R, ...)
+    src = src.reshape(Hkv, G, n * R, *src.shape[4:])[:, :, blk.valid]
+    dst.view(Hkv, G, *dst.shape[1:])[:, :, blk.rows[blk.valid]] = src
+
+
+def _key_blocks(x: Tensor, blk: _Block) -> Tensor:
+    """Batch row `x` (Hkv, S, D) -> (n, Hkv, K, D) key windows, as a view when strided."""
+    group = blk.group
+    n, K = blk.seen_keys.shape
+    step = group.key_step
+    if step is not None:
+        s_h, s_s, s_d = x.stride()
+        return x.as_strided(
+            (n, x.shape[0], K, x.shape[2]),
+            (step * s_s, s_h, s_s, s_d),
+            x.storage_offset() + int(group.key0[0]) * s_s,
+        )
+    return x[:, blk.keys].view(x.shape[0], n, K, -1).transpose(0, 1)
 
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, plan: TilePlan,
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | None,
+        plan: TilePlan,
         scale: float,
     ) -> tuple[Tensor, Tensor]:
         B, H, L, _ = q.shape
-        Hkv = k.shape[1]
-        G = H // Hkv
+        Hkv, S = k.shape[1], k.shape[2]
         flash = cpu_flash_attention()
         assert flash is not None
-        out = q.new_zeros(B, L, H, v.shape[-1])  # (B, L, H, Dv): rows scatter in
-        lse = q.new_full((B, L, H), -torch.inf)
-        for group in plan.groups:
-            blk = _gather(q, k, v, mask, group)
-            ob, lb = flash(blk.q, blk.k, blk.v, 0.0, False, attn_mask=blk.attn_mask, scale=scale)
-            seen = blk.seen[:, None, None, :].expand(-1, Hkv, G, -1).reshape(lb.shape)
-            lb = torch.where(seen, lb, -torch.inf)  # the op reports 0 for empty rows
-            b = group.batch.to(q.device)[:, None].expand_as(blk.rows)[blk.valid]
-            r = blk.rows[blk.valid]
-            out[b, r] = _rows_of(ob, blk, Hkv, G)
-            lse[b, r] = _rows_of(lb, blk, Hkv, G)
-        out = out.transpose(1, 2).contiguous()  # (B, H, L, Dv)
-        lse = lse.transpose(1, 2).contiguous()  # (B, H, L)
+        blocks = [_prepare(mask, g, (B, H, L, S), H // Hkv, q.dtype, q.device) for g in plan.groups]
+        q, k, v = _hide_unseen(q, k, v, blocks)
+        out = q.new_zeros(B, H, L, v.shape[-1])
+        lse = q.new_full((B, H, L), -torch.inf)
+        for blk in blocks:
+            b = blk.group.batch
+            ob, lb = flash(
+                _block_rows(q[b], blk, Hkv),
+                _key_blocks(k[b], blk),
+                _key_blocks(v[b], blk),
+                0.0,
+                False,
+                attn_mask=blk.attn_mask,
+                scale=scale,
+            )  # (n, Hkv, G·R, Dv), (n, Hkv, G·R)
+            seen = blk.seen[:, None, None, :].expand(-1, Hkv, H // Hkv, -1).reshape(lb.shape)
+            _scatter_rows(out[b], ob, blk, Hkv)
+            _scatter_rows(lse[b], torch.where(seen, lb, -torch.inf), blk, Hkv)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mask, ctx.plan, ctx.scale = mask, plan, scale
+        ctx.blocks, ctx.scale = blocks, scale
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -210,31 +265,25 @@ class _TiledAttention(torch.autograd.Function):
         if dout is None and dlse is None:
             return dq, dk, dv, None, None, None
         dout = torch.zeros_like(out) if dout is None else dout
-        Hkv, G = k.shape[1], q.shape[1] // k.shape[1]
+        Hkv = k.shape[1]
         backward_op = cpu_flash_attention_backward()
         assert backward_op is not None
-        dq_rows = dq.transpose(1, 2)  # (B, L, H, D) view
-        dk_rows, dv_rows = dk.transpose(1, 2), dv.transpose(1, 2)  # (B, S, Hkv, D) views
         safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)  # masked scores stay -inf
-        for group in ctx.plan.groups:
-            blk = _gather(q, k, v, ctx.mask, group)
-            b = group.batch.to(q.device)
-            go, ob, lb = (_to_block_rows(t, blk, b, Hkv, G) for t in (dout, out, safe_lse))
-            qb, kb, vb = blk.q, blk.k, blk.v
+        for blk in ctx.blocks:
+            b = blk.group.batch
+            qb, kb, vb = _block_rows(q[b], blk, Hkv), _key_blocks(k[b], blk), _key_blocks(v[b], blk)
+            go, ob, lb = (_block_rows(t[b], blk, Hkv) for t in (dout, out, safe_lse))
             if dlse is not None:
                 qb, kb, vb, ob, go = _with_lse_gradient(
-                    qb, kb, vb, ob, go, _to_block_rows(dlse, blk, b, Hkv, G)
+                    qb, kb, vb, ob, go, _block_rows(dlse[b], blk, Hkv)
                 )
             gq, gk, gv = backward_op(
                 go, qb, kb, vb, ob, lb, 0.0, False, attn_mask=blk.attn_mask, scale=ctx.scale
             )
-            gq, gk, gv = gq[..., : q.shape[-1]], gk[..., : k.shape[-1]], gv[..., : v.shape[-1]]
-            rb = b[:, None].expand_as(blk.rows)[blk.valid]
-            dq_rows[rb, blk.rows[blk.valid]] = _rows_of(gq, blk, Hkv, G)
-            kb_idx = b[:, None].expand_as(blk.keys).reshape(-1)
-            keys = blk.keys.reshape(-1)
-            dk_rows.index_put_((kb_idx, keys), gk.transpose(1, 2).flatten(0, 1), accumulate=True)
-            dv_rows.index_put_((kb_idx, keys), gv.transpose(1, 2).flatten(0, 1), accumulate=True)
+            _scatter_rows(dq[b], gq[..., : q.shape[-1]], blk, Hkv)
+            for grad, g in ((dk, gk[..., : k.shape[-1]]), (dv, gv[..., : v.shape[-1]])):
+                flat = g.transpose(0, 1).reshape(Hkv, -1, g.shape[-1])  # (Hkv, n·K, D)
+                grad[b].index_add_(1, blk.keys, flat)
         return dq, dk, dv, None, None, None
 
 
@@ -252,8 +301,13 @@ def _with_lse_gradient(
     def pad(t: Tensor, extra: Tensor) -> Tensor:
         return torch.cat([t, extra.expand(*t.shape[:-1], 1)], dim=-1)
 
-    return (pad(q, zeros[:1, :1, :1]), pad(k, zeros), pad(v, ones), pad(out, zeros[:1, :1, :1]),
-            pad(dout, dlse[..., None]))
+    return (
+        pad(q, zeros[:1, :1, :1]),
+        pad(k, zeros),
+        pad(v, ones),
+        pad(out, zeros[:1, :1, :1]),
+        pad(dout, dlse[..., None]),
+    )
 
 
 class TiledBackend:
@@ -279,10 +333,18 @@ class TiledBackend:
         return plan_tiles(call.mask, d.B, d.L, d.S)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
-        plan, d = self.plan(call), call.dims
-        largest = max((g.batch.shape[0] * g.keys for g in plan.groups), default=0)
-        mask_bytes = max((g.rows * g.keys for g in plan.groups), default=0) * 4 * d.groups
-        return (2 * largest * d.Hkv * d.D + d.B * d.H * d.L * (d.D + 1)) * 4 + mask_bytes
+        """Output and log-sum-exp, plus the largest group's copies and mask (float32)."""
+        d = call.dims
+        largest = 0
+        for g in self.plan(call).groups:
+            n = g.row0.shape[0]
+            strided = g.key_step is not None
+            copies = n * g.rows * d.H * (d.D + d.Dv) + (
+                0 if strided else 2 * n * g.keys * d.Hkv * d.D
+            )
+            mask = (1 if strided else n) * d.groups * g.rows * g.keys
+            largest = max(largest, copies + mask)
+        return 4 * (d.B * d.H * d.L * (d.Dv + 1) + largest)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = compute_dtype(call.q.dtype)
