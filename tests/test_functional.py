@@ -163,9 +163,7 @@ def test_lse_gradient_is_exact(backend):
     scores = naive_scores(q, k).masked_fill(~mask.materialize(2, 4, 70, 70), -torch.inf)
     expected_lse = torch.logsumexp(scores, -1)
     expected_out = torch.softmax(scores, -1) @ v.repeat_interleave(2, 1)
-    expected = torch.autograd.grad(
-        (expected_out.sum() + (expected_lse * weight).sum()), (q, k, v)
-    )
+    expected = torch.autograd.grad((expected_out.sum() + (expected_lse * weight).sum()), (q, k, v))
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got, want)
 

@@ -356,14 +356,14 @@ class _KeyPadding(Mask):
     def key_bounds(
         self, B: int, L: int, S: int, first: Tensor, last: Tensor
     ) -> tuple[Tensor, Tensor]:
-        valid = self.valid.to(first.device)
+        valid, T = self.valid.to(first.device), first.shape[0]
         if self.is_lengths:
-            hi = valid.view(-1, 1)  # (B, 1)
+            hi = valid.view(-1, 1).expand(-1, T)  # (B, T)
             return torch.zeros_like(hi), hi
         position = torch.arange(S, device=first.device)
         lo = torch.where(valid, position, S).amin(-1, keepdim=True)  # (B, 1)
         hi = torch.where(valid, position + 1, 0).amax(-1, keepdim=True)
-        return lo.clamp(max=hi), hi
+        return lo.clamp(max=hi).expand(-1, T), hi.expand(-1, T)
 
     def describe(self) -> str:
         kind = "lengths" if self.is_lengths else "valid"

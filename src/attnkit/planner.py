@@ -84,8 +84,9 @@ def choose_backend(
     reasons: dict[str, str | None] = {
         n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()
     }
+    costs = {n: BACKENDS[n].cost(call, need_lse=need_lse) for n in AUTO_ORDER if reasons[n] is None}
     if name == "auto":
-        chosen = next(n for n in AUTO_ORDER if reasons[n] is None)
+        chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
     else:
         backend = get_backend(name)
         if reasons[name] is not None:
@@ -97,7 +98,7 @@ def choose_backend(
     for n in BACKENDS:
         if n != chosen and reasons[n] is None:
             reasons[n] = (
-                f"could serve, but '{chosen}' comes first"
+                f"slower here: estimated cost {costs[n]:.3g} vs {costs[chosen]:.3g} for '{chosen}'"
                 if name == "auto"
                 else f"not asked for (backend={name!r})"
             )

@@ -1,8 +1,10 @@
 """The registry of backends: one name each, identical signatures, and a reason to refuse.
 
 Each backend has `name`, `can_use(call, need_lse=...) -> str | None` (None = can serve,
-else why not), `peak_bytes(call, need_lse=...)` (estimated extra memory) and
-`run(call, need_lse=...) -> (out, lse | None)`. `AUTO_ORDER` is the order `auto` tries.
+else why not), `cost(call, need_lse=...)` (estimated time, in units of one query-key pair
+of one head in SDPA's dense kernel: see `attnkit.cost`), `peak_bytes(call, need_lse=...)`
+(estimated extra memory) and `run(call, need_lse=...) -> (out, lse | None)`. `auto`
+runs the cheapest backend that can serve; `AUTO_ORDER` breaks ties.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class Backend(Protocol):
     name: str
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None: ...
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float: ...
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int: ...
 

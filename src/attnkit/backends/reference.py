@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from attnkit import cost
 from attnkit.contracts import AttentionCall
 from attnkit.reference import attend
 
@@ -17,6 +18,10 @@ class ReferenceBackend:
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         return None
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        d = call.dims
+        return cost.REFERENCE * d.B * d.H * d.L * d.S
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

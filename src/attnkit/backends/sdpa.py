@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit import cost
 from attnkit._compat import cpu_flash_attention
 from attnkit.contracts import AttentionCall
 from attnkit.heads import repeat_kv
@@ -54,9 +55,22 @@ class SdpaBackend:
                 return "the log-sum-exp of the CPU flash kernel carries no gradient"
         return None
 
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        d = call.dims
+        pairs = d.B * d.H * d.L * d.S
+        if self._is_causal(call):
+            return cost.SDPA_CAUSAL * pairs / 2
+        masked = call.mask is not None or call.bias is not None
+        return (cost.SDPA_MASKED if masked else cost.SDPA_DENSE) * pairs
+
+    @staticmethod
+    def _is_causal(call: AttentionCall) -> bool:
+        d = call.dims
+        return call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S)
+
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims
-        if call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S):
+        if self._is_causal(call):
             return 0
         batch = d.B if call.mask is not None and call.mask.batch_size else 1
         if call.bias is not None or need_lse:  # an additive mask in q's dtype
@@ -71,9 +85,7 @@ class SdpaBackend:
             # in float32 keeps DESIGN.md's numerics at O(B·H·L·D) cost for the casts.
             work = compute_dtype(q.dtype)
             q, k, v = q.to(work), k.to(work), v.to(work)
-        is_causal = (
-            call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S)
-        )
+        is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.bias is not None:
             visible = (
                 None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device)

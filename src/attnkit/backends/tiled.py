@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit import cost
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
@@ -220,7 +221,7 @@ def _key_blocks(x: Tensor, blk: _Block) -> Tensor:
 
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: Tensor,
         k: Tensor,
@@ -257,9 +258,7 @@ class _TiledAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, dout: Tensor | None, dlse: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if dout is None and dlse is None:
@@ -332,6 +331,10 @@ class TiledBackend:
         d = call.dims
         return plan_tiles(call.mask, d.B, d.L, d.S)
 
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        plan = self.plan(call)
+        return cost.TILED_PAIR * plan.area * call.dims.H + cost.TILED_CALL * plan.calls
+
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus the largest group's copies and mask (float32)."""
         d = call.dims
@@ -349,5 +352,7 @@ class TiledBackend:
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = compute_dtype(call.q.dtype)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
-        out, lse = _TiledAttention.apply(q, k, v, call.mask, self.plan(call), call.scale)
+        out, lse = _TiledAttention.apply(  # type: ignore[no-untyped-call]
+            q, k, v, call.mask, self.plan(call), call.scale
+        )
         return out.to(call.q.dtype), lse if need_lse else None

@@ -1,0 +1,132 @@
+"""The tiled backend: spans from structure, no L×S tensor, exact results, honest refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit as ak
+from attnkit.backends.tiled import GRANULE, TILE, plan_tiles
+
+
+def qkv(B=2, H=4, Hkv=2, L=300, S=300, D=16, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return tuple(
+        torch.randn(B, h, n, D, generator=g, dtype=dtype) for h, n in ((H, L), (Hkv, S), (Hkv, S))
+    )
+
+
+@st.composite
+def structured_masks(draw, B, L, S):
+    align = None if L == S else "bottom_right"
+    leaves = [
+        ak.causal(align=align),
+        ak.sliding_window(draw(st.integers(0, 40)), draw(st.integers(0, 8)), align=align),
+        ak.key_padding(torch.tensor([draw(st.integers(0, S)) for _ in range(B)])),
+        ak.prefix_lm(draw(st.integers(0, S)), align=align),
+    ]
+    if L == S:
+        ids = torch.sort(torch.randint(0, 4, (B, S))).values
+        leaves.append(ak.document(ids))
+    picked = draw(st.lists(st.sampled_from(leaves), min_size=1, max_size=3))
+    mask = picked[0]
+    for other in picked[1:]:
+        mask = mask & other if draw(st.booleans()) else mask | other
+    return mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data(), st.sampled_from([(1, 1), (70, 70), (150, 150), (1, 90), (64, 200), (130, 70)]))
+def test_key_bounds_hold_every_visible_key(data, size):
+    L, S = size
+    B = 2
+    mask = data.draw(structured_masks(B, L, S))
+    first = torch.arange(0, L, TILE)
+    last = (first + TILE).clamp(max=L) - 1
+    lo, hi = mask.key_bounds(B, L, S, first, last)
+    dense = mask.materialize(B, 1, L, S)[:, 0]  # (B, L, S)
+    keys = torch.arange(S)
+    for t in range(first.shape[0]):
+        rows = dense[:, first[t] : last[t] + 1].any(1)  # (B, S) keys seen by the tile
+        inside = (keys >= lo[:, t, None]) & (keys < hi[:, t, None])
+        assert not (rows & ~inside).any(), f"{mask}: tile {t} sees keys outside its span"
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        ak.sliding_window(37),
+        ak.causal() & ak.key_padding(torch.tensor([300, 123])),
+        ak.document(torch.arange(300) // 45) & ak.causal(),
+        ak.prefix_lm(torch.tensor([20, 90])),
+        ak.sliding_window(10, 5) | ak.prefix_lm(7),
+        ak.document(torch.randint(0, 3, (300,))),  # unsorted ids: a loose span, still exact
+    ],
+    ids=str,
+)
+def test_tiled_is_exact_and_never_builds_an_l_by_s_mask(monkeypatch, mask):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    expected = ak.attention(q, k, v, mask, backend="reference")
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tiled evaluated the whole mask")
+
+    monkeypatch.setattr(ak.Mask, "dense", refuse)
+    monkeypatch.setattr(ak.Mask, "materialize", refuse)
+    got = ak.attention(q, k, v, mask, backend="tiled")
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_sliding_window_plan_computes_only_the_band_with_strided_windows():
+    L = S = 4096
+    plan = plan_tiles(ak.sliding_window(255), 1, L, S)
+    assert plan.area <= L * (256 + TILE + 2 * GRANULE)  # the band, not L×S
+    assert plan.calls <= 6
+    assert all(g.key_step is not None for g in plan.groups)  # key windows are views
+
+
+def test_documents_plan_skips_pairs_across_documents():
+    S = 4096
+    plan = plan_tiles(ak.document(torch.arange(S) * 8 // S) & ak.causal(), 1, S, S)
+    assert plan.area < 0.1 * S * S
+
+
+def test_auto_picks_tiled_for_sparse_masks_and_sdpa_for_dense_or_causal():
+    q = torch.empty(1, 8, 2048, 64)
+    assert ak.explain(q, q, q, ak.sliding_window(127)).backend == "tiled"
+    assert ak.explain(q, q, q, ak.document(torch.arange(2048) // 256)).backend == "tiled"
+    assert ak.explain(q, q, q, ak.causal()).backend == "sdpa"
+    assert ak.explain(q, q, q).backend == "sdpa"
+    plan = ak.explain(q, q, q, ak.sliding_window(127))
+    assert "slower here" in plan.reasons["sdpa"] and plan.density < 0.07
+    assert "backend 'tiled'" in str(plan)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"mask": torch.zeros(300, 300)}, "additive float bias"),
+        ({"softcap": 5.0}, "no softcap or dropout"),
+        ({"dropout_p": 0.1}, "no softcap or dropout"),
+        ({"mask": torch.ones(1, 4, 300, 300, dtype=torch.bool)}, "differs between heads"),
+    ],
+)
+def test_tiled_refuses_what_it_cannot_compute_and_says_why(kwargs, reason):
+    q, k, v = qkv(dtype=torch.float32)
+    mask = kwargs.pop("mask", None)
+    plan = ak.explain(q, k, v, mask, **kwargs)
+    assert reason in plan.reasons["tiled"]
+    with pytest.raises(ValueError, match=reason):
+        ak.attention(q, k, v, mask, backend="tiled", **kwargs)
+
+
+def test_tiled_refuses_different_value_head_dim():
+    q, k, _ = qkv(dtype=torch.float32)
+    v = torch.randn(2, 2, 300, 8)
+    assert "D == Dv" in ak.explain(q, k, v).reasons["tiled"]
