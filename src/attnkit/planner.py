@@ -8,6 +8,7 @@ convention for the forward pass).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -96,9 +97,15 @@ def choose_backend(
             )
         chosen = backend.name
     for n in BACKENDS:
-        if n != chosen and reasons[n] is None:
+        if n != chosen and reasons[n] is None and math.isinf(costs[n]):
             reasons[n] = (
-                f"slower here: estimated cost {costs[n]:.3g} vs {costs[chosen]:.3g} for '{chosen}'"
+                "its first call would compile a kernel (seconds); warm it once with "
+                f"backend={n!r}, then auto considers it"
+            )
+        elif n != chosen and reasons[n] is None:
+            reasons[n] = (
+                f"slower here: estimated {costs[n] / max(costs[chosen], 1.0):.1f}× the cost "
+                f"of '{chosen}'"
                 if name == "auto"
                 else f"not asked for (backend={name!r})"
             )

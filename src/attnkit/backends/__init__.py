@@ -13,6 +13,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from attnkit.backends.flex import FlexBackend
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.backends.tiled import TiledBackend
@@ -34,9 +35,9 @@ class Backend(Protocol):
 
 
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (ReferenceBackend(), SdpaBackend(), TiledBackend())
+    b.name: b for b in (ReferenceBackend(), SdpaBackend(), TiledBackend(), FlexBackend())
 }
-AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "reference")  # fastest first
+AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "flex", "reference")  # ties: earlier wins
 
 
 def backend_names() -> tuple[str, ...]:

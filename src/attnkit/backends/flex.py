@@ -1,0 +1,135 @@
+"""Backend `flex`: FlexAttention compiled by `torch.compile`, with a `Mask` as `mask_mod`.
+
+A `Mask`'s predicate is already a function of `(b, h, q_idx, kv_idx)`, so it is the
+`mask_mod` as it stands. The `BlockMask` is built once per mask and size and cached on
+the mask; the compiled kernel is cached by `torch.compile` per shape. Compiling costs
+seconds (about 20 s on the 2-core CPU machines), so `auto` only picks `flex` for a call
+whose kernel is already compiled ("warm"); `backend="flex"` compiles on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit import cost
+from attnkit._compat import flex_attention_module
+from attnkit.contracts import AttentionCall
+from attnkit.masks import Mask
+from attnkit.softmax import compute_dtype
+
+__all__ = ["FlexBackend"]
+
+
+def _signature(call: AttentionCall) -> tuple[Any, ...]:
+    """What a compiled kernel is specialised on (besides tensors captured by the mask)."""
+    return (
+        str(call.mask),
+        tuple(call.q.shape),
+        tuple(call.k.shape),
+        tuple(call.v.shape),
+        compute_dtype(call.q.dtype),
+        call.q.device.type,
+        call.softcap is not None,
+    )
+
+
+class FlexBackend:
+    """FlexAttention: block-sparse compiled kernels; forward only on CPU (PyTorch 2.13)."""
+
+    name = "flex"
+
+    def __init__(self) -> None:
+        self._compiled: Any = None
+        self._warm: set[tuple[Any, ...]] = set()
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        if flex_attention_module() is None:
+            return "this torch has no FlexAttention"
+        cpu = call.q.device.type == "cpu"
+        if cpu and call.requires_grad:
+            return "FlexAttention has no backward on CPU in this torch"
+        if cpu and need_lse:
+            return "compiled FlexAttention returns no log-sum-exp on CPU in this torch"
+        if call.bias is not None or call.dropout_p > 0:
+            return "an additive bias or dropout is not wired to FlexAttention here"
+        if call.mask is None:
+            return "no mask: nothing for block sparsity to skip"
+        return None
+
+    def is_warm(self, call: AttentionCall) -> bool:
+        return call.mask is not None and _signature(call) in self._warm
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        if not self.is_warm(call):
+            return math.inf  # a first call compiles for ~20 s: never worth it for one call
+        block_mask = self._block_mask(call)
+        tile = block_mask.BLOCK_SIZE[0] * block_mask.BLOCK_SIZE[1]
+        blocks = int(block_mask.kv_num_blocks.sum()) * (
+            call.dims.B // block_mask.kv_num_blocks.shape[0]
+        )
+        if block_mask.full_kv_num_blocks is not None:
+            blocks += int(block_mask.full_kv_num_blocks.sum()) * (
+                call.dims.B // block_mask.full_kv_num_blocks.shape[0]
+            )
+        return float(cost.FLEX_PAIR * blocks * tile * call.dims.H)
+
+    def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
+        d = call.dims
+        return d.B * d.H * d.L * (d.Dv + 1) * 4
+
+    def _block_mask(self, call: AttentionCall) -> Any:
+        mask = call.mask
+        assert mask is not None
+        d = call.dims
+        key = (d.B, d.L, d.S, call.q.device)
+        cache: dict[Any, Any] = mask.__dict__.setdefault("_flex_block_masks", {})
+        if key not in cache:
+            flex = flex_attention_module()
+            assert flex is not None
+            cache[key] = flex.create_block_mask(
+                _mask_mod(mask, d.B, d.H, d.L, d.S, call.q.device),
+                d.B if mask.batch_size else None,
+                None,
+                d.L,
+                d.S,
+                device=call.q.device,
+            )
+        return cache[key]
+
+    def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+        flex = flex_attention_module()
+        assert flex is not None and call.mask is not None
+        if self._compiled is None:
+            self._compiled = torch.compile(flex.flex_attention, dynamic=False)
+        work = compute_dtype(call.q.dtype)
+        score_mod = None
+        if call.softcap is not None:
+            cap = call.softcap
+
+            def score_mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+                return cap * torch.tanh(score / cap)
+
+        out = self._compiled(
+            call.q.to(work),
+            call.k.to(work),
+            call.v.to(work),
+            score_mod=score_mod,
+            block_mask=self._block_mask(call),
+            scale=call.scale,
+            enable_gqa=call.dims.groups > 1,
+        )
+        self._warm.add(_signature(call))
+        return out.to(call.q.dtype), None
+
+
+def _mask_mod(mask: Mask, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
+    predicate = mask.predicate(B, H, L, S, device)
+
+    def mask_mod(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return predicate(b, h, i, j)
+
+    return mask_mod
