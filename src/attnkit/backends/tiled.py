@@ -28,7 +28,7 @@ from attnkit.softmax import compute_dtype
 
 __all__ = ["TILE", "TilePlan", "TiledBackend", "plan_tiles"]
 
-TILE = 64  # query rows per tile
+TILE = 128  # query rows per tile
 GRANULE = 64  # key spans start and end on multiples of this
 MAX_GROUPS = 12  # more distinct block shapes than this get bucketed
 

@@ -1,0 +1,312 @@
+"""Side-by-side attention benchmark: attnkit `auto` against its peers, in one run.
+
+Peers: the seed's naive path (`attnkit.scaled_dot_product_attention`, which builds the
+(B, H, L, S) scores), `F.scaled_dot_product_attention` (`is_causal` where it applies,
+else a dense bool mask), FlexAttention compiled (compile time reported apart; forward
+only on CPU) and `attnkit.attention(backend="auto")`.
+
+For each pattern, S and pass it reports the median time of repeated runs, useful
+GFLOP/s (only allowed query-key pairs count: 4·B·H·pairs·D forward, 2.5× that more
+for the backward, flash-attention's convention), the share of the fp32 matrix-multiply
+roofline measured in the same run, and the peak extra memory of one call measured in
+a fresh subprocess. Results go to JSON, a markdown table and a PNG plot.
+
+    python benchmarks/bench.py                      # S in 1024 4096 16384 (tens of minutes)
+    python benchmarks/bench.py --sizes 1024 --repeats 3 --no-memory   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnkit as ak
+
+H, D = 8, 64
+PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix")
+PEERS = ("naive", "sdpa", "flex", "auto")
+PASSES = ("fwd", "fwd+bwd")
+NAIVE_BUDGET = 6 * 2**30  # bytes of (B, H, L, S) float32 scores the naive path may build
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Case:
+    pattern: str
+    S: int
+    B: int
+    mask: ak.Mask | None
+    pairs: int  # allowed query-key pairs per head, summed over the batch
+    doc_ids: torch.Tensor
+    lengths: torch.Tensor
+
+
+def make_case(pattern: str, S: int) -> Case:
+    """The mask of each pattern, as attnkit sees it."""
+    B = 4 if pattern == "padding" else 1
+    g = torch.Generator().manual_seed(S)
+    cuts = torch.sort(torch.randperm(S - 1, generator=g)[:7] + 1).values
+    doc_ids = (torch.arange(S)[:, None] >= cuts[None, :]).sum(-1)  # 8 documents, uneven
+    lengths = torch.tensor([S, S // 2, S // 4, S // 8])
+    masks = {
+        "none": None,
+        "causal": ak.causal(),
+        "sliding": ak.sliding_window(255),
+        "documents": ak.document(doc_ids) & ak.causal(),
+        "padding": ak.causal() & ak.key_padding(lengths),
+        "prefix": ak.prefix_lm(S // 4),
+    }
+    mask = masks[pattern]
+    pairs = ak.explain(*(torch.empty(B, H, S, D),) * 3, mask).flops // (2 * 2 * D * H)
+    return Case(pattern, S, B, mask, pairs, doc_ids, lengths)
+
+
+def flex_mask_mod(case: Case) -> Callable[..., torch.Tensor] | None:
+    """The same patterns written as a FlexAttention user would write them."""
+    S = case.S
+    if case.pattern == "none":
+        return None
+    if case.pattern == "causal":
+        return lambda b, h, i, j: j <= i
+    if case.pattern == "sliding":
+        return lambda b, h, i, j: (j <= i) & (j >= i - 255)
+    if case.pattern == "documents":
+        ids = case.doc_ids
+        return lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i)
+    if case.pattern == "padding":
+        lengths = case.lengths
+        return lambda b, h, i, j: (j <= i) & (j < lengths[b])
+    return lambda b, h, i, j: (j < S // 4) | (j <= i)
+
+
+def inputs(case: Case, grad: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(
+        torch.randn(case.B, H, case.S, D, generator=g).requires_grad_(grad) for _ in range(3)
+    )
+
+
+class Peers:
+    """One callable per peer for a case, or a reason it does not run."""
+
+    def __init__(self, case: Case) -> None:
+        self.case = case
+        self.compile_s: float | None = None
+        self._flex: Callable[..., torch.Tensor] | None = None
+
+    def dense_mask(self) -> torch.Tensor | None:
+        c = self.case
+        return None if c.mask is None else c.mask.dense(c.B, 1, c.S, c.S)
+
+    def call(self, peer: str, grad: bool) -> Callable[..., torch.Tensor] | str:
+        c = self.case
+        if peer == "naive":
+            need = 3 * c.B * H * c.S * c.S * 4
+            if need > NAIVE_BUDGET:
+                return f"skipped: would build {need / 2**30:.0f} GiB of scores"
+            dense = self.dense_mask()
+            return lambda q, k, v: ak.scaled_dot_product_attention(q, k, v, dense)[0]
+        if peer == "sdpa":
+            if c.pattern == "causal":
+                return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            dense = self.dense_mask()
+            return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        if peer == "flex":
+            return self._flex_call(grad)
+        if not grad and c.mask is not None:  # like the Flex peer, compile apart: warm attnkit's
+            start = time.perf_counter()
+            ak.attention(*inputs(c, grad=False), c.mask, backend="flex")
+            self.compile_s = time.perf_counter() - start
+        return lambda q, k, v: ak.attention(q, k, v, c.mask)
+
+    def _flex_call(self, grad: bool) -> Callable[..., torch.Tensor] | str:
+        if grad:
+            return "no backward on CPU (PyTorch 2.13)"
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        c = self.case
+        mask_mod = flex_mask_mod(c)
+        block = None
+        if mask_mod is not None:
+            block = create_block_mask(
+                mask_mod, c.B if c.pattern == "padding" else None, None, c.S, c.S, device="cpu"
+            )
+        if self._flex is None:
+            compiled = torch.compile(flex_attention, dynamic=False)
+            q, k, v = inputs(c, grad=False)
+            start = time.perf_counter()
+            compiled(q, k, v, block_mask=block)
+            self.compile_s = time.perf_counter() - start
+            self._flex = compiled
+        compiled = self._flex
+        return lambda q, k, v: compiled(q, k, v, block_mask=block)
+
+
+def run_once(
+    fn: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor, ...], grad: bool
+) -> None:
+    out = fn(*tensors)
+    if grad:
+        out.backward(torch.ones_like(out))
+        for t in tensors:
+            t.grad = None
+
+
+def time_call(fn: Callable[..., torch.Tensor], case: Case, grad: bool, repeats: int) -> float:
+    tensors = inputs(case, grad)
+    run_once(fn, tensors, grad)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run_once(fn, tensors, grad)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def roofline_gflops(repeats: int) -> float:
+    """Measured fp32 matrix-multiply throughput: the best of repeated 4096³ products."""
+    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
+    a @ b
+    times = []
+    for _ in range(2 * repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * 4096**3 / min(times) / 1e9
+
+
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def memory_probe(pattern: str, S: int, peer: str, grad: bool) -> None:
+    """Child process: peak extra resident memory of one call, printed as JSON."""
+    case = make_case(pattern, S)
+    peers = Peers(case)
+    fn = peers.call(peer, grad)
+    if isinstance(fn, str):
+        print(json.dumps({"skipped": fn}))
+        return
+    small = make_case(pattern, 256)
+    warm = Peers(small).call(peer, grad)
+    if not isinstance(warm, str):  # thread pools and allocator warm-up, outside the probe
+        run_once(warm, inputs(small, grad), grad)
+    tensors = inputs(case, grad)
+    gc.collect()
+    before = _vm("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
+    run_once(fn, tensors, grad)
+    print(json.dumps({"peak_extra_bytes": max(0, _vm("VmHWM") - before)}))
+
+
+def measure_memory(pattern: str, S: int, peer: str, grad: bool) -> int | None:
+    cmd = [sys.executable, __file__, "--memory-probe", pattern, str(S), peer, str(int(grad))]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return None
+    return result.get("peak_extra_bytes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--memory-probe", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_probe:
+        pattern, S, peer, grad = args.memory_probe
+        memory_probe(pattern, int(S), peer, bool(int(grad)))
+        return
+    torch.manual_seed(0)
+    roof = roofline_gflops(args.repeats)
+    print(
+        f"fp32 matmul roofline: {roof:.0f} GFLOP/s ({torch.get_num_threads()} threads)",
+        file=sys.stderr,
+    )
+    cells = [(S, p, ps) for S in args.sizes for p in args.patterns for ps in PASSES]
+    records = []
+    for n, (S, pattern, pass_) in enumerate(cells, 1):
+        case = make_case(pattern, S)
+        peers = Peers(case)
+        grad = pass_ == "fwd+bwd"
+        flops = 4 * H * case.pairs * D * (3.5 if grad else 1.0)
+        repeats = max(3, args.repeats // 2) if S >= 16384 else args.repeats
+        for peer in PEERS:
+            print(
+                f"[{n}/{len(cells)}] S={S} {pattern} {pass_} {peer} …",
+                end=" ",
+                file=sys.stderr,
+                flush=True,
+            )
+            peers.compile_s = None
+            fn = peers.call(peer, grad)
+            record = {
+                "S": S,
+                "B": case.B,
+                "H": H,
+                "D": D,
+                "pattern": pattern,
+                "pass": pass_,
+                "peer": peer,
+                "useful_gflop": flops / 1e9,
+            }
+            if isinstance(fn, str):
+                record["skipped"] = fn
+                print(fn, file=sys.stderr)
+            else:
+                seconds = time_call(fn, case, grad, repeats)
+                record.update(
+                    ms=seconds * 1e3,
+                    gflops=flops / seconds / 1e9,
+                    roofline_pct=100 * flops / seconds / 1e9 / roof,
+                )
+                if peer in ("flex", "auto"):
+                    record["compile_s"] = peers.compile_s
+                if peer == "auto":
+                    plan = ak.explain(*inputs(case, grad), case.mask)
+                    record["backend"] = plan.backend
+                if not args.no_memory:
+                    record["peak_extra_bytes"] = measure_memory(pattern, S, peer, grad)
+                print(f"{seconds * 1e3:.1f} ms", file=sys.stderr)
+            records.append(record)
+    meta = {
+        "roofline_gflops": roof,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    from report import write_markdown, write_plot  # the table and plot live beside this file
+
+    table = write_markdown(meta, records, args.out / "bench.md")
+    write_plot(meta, records, args.out / "bench.png")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

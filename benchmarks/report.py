@@ -1,0 +1,112 @@
+"""Turn benchmark records into the markdown table and the PNG plot of the README."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PEER_NAMES = {"naive": "naive", "sdpa": "SDPA", "flex": "Flex (compiled)", "auto": "attnkit auto"}
+
+
+def _cell(record: dict[str, Any] | None) -> str:
+    if record is None or "ms" not in record:
+        return "–"
+    return f"{record['ms']:.1f}"
+
+
+def _compile(record: dict[str, Any] | None) -> str:
+    if record is None or not record.get("compile_s"):
+        return ""
+    return f" (+{record['compile_s']:.0f} s compile)"
+
+
+def _mib(record: dict[str, Any] | None) -> str:
+    if record is None or record.get("peak_extra_bytes") is None:
+        return "–"
+    return f"{record['peak_extra_bytes'] / 2**20:.0f}"
+
+
+def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> str:
+    """One row per (S, pattern, pass): median ms of each peer, auto's share of the roofline."""
+    index = {(r["S"], r["pattern"], r["pass"], r["peer"]): r for r in records}
+    keys = sorted(
+        {(r["S"], r["pattern"], r["pass"]) for r in records},
+        key=lambda k: (k[0], [*PATTERN_ORDER].index(k[1]), k[2]),
+    )
+    lines = [
+        f"fp32 matmul roofline {meta['roofline_gflops']:.0f} GFLOP/s, torch {meta['torch']}, "
+        f"{meta['threads']} threads, median of {meta['repeats']} runs, H=8, D=64, float32; "
+        "times in ms; useful GFLOP/s count allowed pairs only; memory = peak extra MiB of one "
+        "call in a fresh process.",
+        "",
+        "| S | pattern | pass | naive | SDPA | Flex | auto (backend) | auto GFLOP/s | "
+        "% roofline | auto vs best peer | MiB SDPA | MiB auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for S, pattern, pass_ in keys:
+        row = {p: index.get((S, pattern, pass_, p)) for p in PEER_NAMES}
+        auto = row["auto"]
+        peers = [row[p]["ms"] for p in ("naive", "sdpa", "flex") if row[p] and "ms" in row[p]]
+        speedup = f"{min(peers) / auto['ms']:.2f}×" if auto and "ms" in auto and peers else "–"
+        flex = _cell(row["flex"]) + _compile(row["flex"])
+        lines.append(
+            f"| {S} | {pattern} | {pass_} | {_cell(row['naive'])} | {_cell(row['sdpa'])} | "
+            f"{flex} | {_cell(auto)} ({auto.get('backend', '?') if auto else '?'})"
+            f"{_compile(auto)} | "
+            f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | {speedup} | "
+            f"{_mib(row['sdpa'])} | {_mib(auto)} |"
+            if auto and "ms" in auto
+            else f"| {S} | {pattern} | {pass_} | – | – | – | – | – | – | – | – | – |"
+        )
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+PATTERN_ORDER = ("none", "causal", "sliding", "documents", "padding", "prefix")
+
+
+def write_plot(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> None:
+    """Share of the roofline per pattern and peer: one panel per (pass, S)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    sizes = sorted({r["S"] for r in records})
+    passes = ("fwd", "fwd+bwd")
+    fig, axes = plt.subplots(
+        len(passes), len(sizes), figsize=(5 * len(sizes), 7), squeeze=False, sharey=True
+    )
+    width = 0.2
+    for row, pass_ in enumerate(passes):
+        for col, S in enumerate(sizes):
+            ax = axes[row][col]
+            for n, peer in enumerate(PEER_NAMES):
+                values = []
+                for pattern in PATTERN_ORDER:
+                    match = [
+                        r
+                        for r in records
+                        if (r["S"], r["pattern"], r["pass"], r["peer"]) == (S, pattern, pass_, peer)
+                        and "ms" in r
+                    ]
+                    values.append(match[0]["roofline_pct"] if match else 0.0)
+                ax.bar(
+                    [i + (n - 1.5) * width for i in range(len(PATTERN_ORDER))],
+                    values,
+                    width,
+                    label=PEER_NAMES[peer],
+                )
+            ax.set_title(f"{pass_}, S={S}")
+            ax.set_xticks(range(len(PATTERN_ORDER)), PATTERN_ORDER, rotation=30)
+            if col == 0:
+                ax.set_ylabel("% of fp32 matmul roofline (useful FLOPs)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(
+        f"attention on CPU: roofline {meta['roofline_gflops']:.0f} GFLOP/s, torch {meta['torch']}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
