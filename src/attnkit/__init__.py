@@ -5,6 +5,7 @@ See DESIGN.md for the conventions: `True` = may attend, causal alignment never g
 empty rows give zeros.
 """
 
+from attnkit.cache import KVCache
 from attnkit.contracts import (
     attention_contract_ok,
     attention_score_elements,
@@ -26,8 +27,9 @@ from attnkit.masks import (
     prefix_lm,
     sliding_window,
 )
-from attnkit.modules import SingleHeadAttention
+from attnkit.modules import MultiHeadAttention, SingleHeadAttention
 from attnkit.planner import Plan
+from attnkit.positional import RotaryEmbedding, alibi_bias, alibi_slopes
 from attnkit.reference import (
     attention_weights,
     build_attention_mask,
@@ -39,11 +41,16 @@ from attnkit.softmax import masked_softmax
 __version__ = "0.1.0"
 
 __all__ = [
+    "KVCache",
     "Mask",
     "MaskError",
+    "MultiHeadAttention",
     "Plan",
+    "RotaryEmbedding",
     "ShapeContractError",
     "SingleHeadAttention",
+    "alibi_bias",
+    "alibi_slopes",
     "and_masks",
     "attention",
     "attention_contract_ok",

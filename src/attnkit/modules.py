@@ -1,13 +1,20 @@
-"""Attention modules: the seed's `SingleHeadAttention`, on attnkit's machinery."""
+"""Attention modules: the seed's `SingleHeadAttention` and `MultiHeadAttention`."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
+from attnkit.backends import backend_names
+from attnkit.cache import KVCache
 from attnkit.errors import MaskError, ShapeContractError
+from attnkit.functional import attention
+from attnkit.heads import merge_heads, split_heads
+from attnkit.masks import Mask
+from attnkit.positional import RotaryEmbedding
 from attnkit.reference import build_attention_mask, build_causal_mask, scaled_dot_product_attention
 
-__all__ = ["SingleHeadAttention"]
+__all__ = ["MultiHeadAttention", "SingleHeadAttention"]
 
 
 def _real_tokens(attention_mask: Tensor, B: int, L: int) -> Tensor:
@@ -61,3 +68,176 @@ class SingleHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}"
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head self- or cross-attention on (B, L, E), with GQA/MQA, RoPE and a KV cache.
+
+    `num_kv_heads` < `num_heads` shares each K/V head among H / Hkv query heads (GQA;
+    1 is MQA). `rope=True` (or a `RotaryEmbedding`) rotates q and k by position, offset
+    by the cache length. Every call goes through `attnkit.attention(..., backend=)`.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rope: bool | RotaryEmbedding | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        _check_heads(embed_dim, num_heads, num_kv_heads)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}.")
+        if backend not in backend_names():
+            raise ValueError(f"unknown backend {backend!r}; choose one of {backend_names()}.")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
+        self.dropout, self.backend = dropout, backend
+        kv_dim = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, kv_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.rope = RotaryEmbedding(self.head_dim) if rope is True else (rope or None)
+
+    def project(
+        self, query: Tensor, key: Tensor, value: Tensor, offset: int = 0
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, L, hd), k and v (B, Hkv, S, hd): projected, split and rotated."""
+        q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, hd)
+        k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, S, hd)
+        v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, S, hd)
+        if self.rope is not None:
+            q, k = self.rope(q, k, offset)
+        return q, k, v
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        mask: Mask | Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """query (B, L, E); key (B, S, kdim) and value (B, S, vdim) default to query.
+
+        With a `cache`, the new keys/values are appended and attended with the cached
+        ones: pass `causal(align="bottom_right")` so query i sees keys up to its position.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        if key.shape[:2] != value.shape[:2]:
+            raise ShapeContractError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} need the same (B, S)."
+            )
+        offset = 0 if cache is None else cache.length
+        q, k, v = self.project(query, key, value, offset)
+        if cache is not None:
+            k, v = cache.append(k, v)  # (B, Hkv, offset + S, hd)
+        out = attention(
+            q, k, v, mask, dropout_p=self.dropout if self.training else 0.0, backend=self.backend
+        )  # (B, H, L, hd)
+        projected: Tensor = self.out_proj(merge_heads(out))  # (B, L, E)
+        return projected
+
+    @classmethod
+    def from_torch(
+        cls, module: nn.MultiheadAttention, *, backend: str = "auto"
+    ) -> MultiHeadAttention:
+        """The same attention as `module`, its weights copied (attnkit is batch-first)."""
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError(
+                "from_torch: add_bias_kv and add_zero_attn append extra keys; attnkit has no "
+                "equivalent, build the module without them."
+            )
+        E = module.embed_dim
+        ours = cls(
+            E,
+            module.num_heads,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            bias=module.in_proj_bias is not None,
+            dropout=module.dropout,
+            backend=backend,
+        )
+        ours.to(device=module.out_proj.weight.device, dtype=module.out_proj.weight.dtype)
+        with torch.no_grad():
+            if module.in_proj_weight is not None:
+                weights = module.in_proj_weight.chunk(3)
+            else:
+                weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+            for proj, weight in zip((ours.q_proj, ours.k_proj, ours.v_proj), weights, strict=True):
+                proj.weight.copy_(weight)
+            if module.in_proj_bias is not None:
+                for proj, b in zip(
+                    (ours.q_proj, ours.k_proj, ours.v_proj),
+                    module.in_proj_bias.chunk(3),
+                    strict=True,
+                ):
+                    assert proj.bias is not None
+                    proj.bias.copy_(b)
+            ours.out_proj.load_state_dict(module.out_proj.state_dict())
+        return ours
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An `nn.MultiheadAttention` (batch_first=True) with these weights, where possible."""
+        if self.num_kv_heads != self.num_heads or self.rope is not None:
+            raise ValueError(
+                "to_torch: nn.MultiheadAttention has no GQA/MQA (num_kv_heads != num_heads) "
+                "and no RoPE; only plain multi-head attention converts."
+            )
+        has_bias = self.q_proj.bias is not None
+        weight = self.out_proj.weight
+        module = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=has_bias,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=True,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        with torch.no_grad():
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            if module.in_proj_weight is not None:
+                module.in_proj_weight.copy_(torch.cat([p.weight for p in projections]))
+            else:
+                module.q_proj_weight.copy_(self.q_proj.weight)
+                module.k_proj_weight.copy_(self.k_proj.weight)
+                module.v_proj_weight.copy_(self.v_proj.weight)
+            if has_bias:
+                biases: list[Tensor] = [p.bias for p in projections if p.bias is not None]
+                module.in_proj_bias.copy_(torch.cat(biases))
+            module.out_proj.load_state_dict(self.out_proj.state_dict())
+        return module
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, backend={self.backend!r}"
+        )
+
+
+def _check_heads(embed_dim: int, num_heads: int, num_kv_heads: int) -> None:
+    if num_heads < 1 or embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}: each head "
+            "gets embed_dim / num_heads features; choose num_heads that divides embed_dim."
+        )
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}: GQA "
+            "shares each K/V head among num_heads / num_kv_heads query heads."
+        )

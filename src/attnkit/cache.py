@@ -1,0 +1,71 @@
+"""KV cache for incremental decoding: keys and values of past positions, kept once.
+
+Storage grows geometrically (doubling), so appending one token at a time costs O(1)
+amortized copies instead of re-concatenating the whole history at every step.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from attnkit.errors import ShapeContractError
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Empty until the first forward that is given it; `length` cached positions after.
+
+    A module that gets a cache appends its new keys/values and attends over all of them:
+    decode steps (L=1 query, S=length keys) therefore pass `causal(align="bottom_right")`.
+    """
+
+    def __init__(self) -> None:
+        self._k: Tensor | None = None  # (B, Hkv, capacity, D)
+        self._v: Tensor | None = None  # (B, Hkv, capacity, Dv)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k (B, Hkv, n, D) and v (B, Hkv, n, Dv); return all cached keys and values."""
+        if self._k is not None and self._v is not None:
+            want = (self._k.shape[:2], self._k.shape[3], self._v.shape[3])
+            if (k.shape[:2], k.shape[3], v.shape[3]) != want:
+                raise ShapeContractError(
+                    f"KVCache holds (B, Hkv)={tuple(self._k.shape[:2])}, D={self._k.shape[3]}, "
+                    f"Dv={self._v.shape[3]}; got k {tuple(k.shape)}, v {tuple(v.shape)}. Use "
+                    "one cache per layer and reset() it between sequences."
+                )
+        n = k.shape[2]
+        if self.length + n > self.capacity:
+            self._grow(k, v, max(self.length + n, 2 * self.capacity, 16))
+        assert self._k is not None and self._v is not None
+        self._k[:, :, self.length : self.length + n] = k
+        self._v[:, :, self.length : self.length + n] = v
+        self.length += n
+        return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def _grow(self, k: Tensor, v: Tensor, capacity: int) -> None:
+        B, Hkv = k.shape[:2]
+        new_k = k.new_empty(B, Hkv, capacity, k.shape[3])
+        new_v = v.new_empty(B, Hkv, capacity, v.shape[3])
+        if self._k is not None and self._v is not None:
+            new_k[:, :, : self.length] = self._k[:, :, : self.length]
+            new_v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = new_k, new_v
+
+    def crop(self, length: int) -> None:
+        """Keep only the first `length` positions (e.g. to roll back rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"crop length must lie in [0, {self.length}], got {length}.")
+        self.length = length
+
+    def reset(self) -> None:
+        """Forget every position (storage is kept for the next sequence)."""
+        self.length = 0
+
+    def __repr__(self) -> str:
+        return f"KVCache(length={self.length}, capacity={self.capacity})"

@@ -1,0 +1,104 @@
+"""Positions: attention alone is blind to token order, so models add them.
+
+- RoPE (Su et al., "RoFormer", 2021) rotates q and k by angles proportional to their
+  positions, so q·k depends only on the relative position.
+- ALiBi (Press et al., "Train Short, Test Long", 2022) adds a per-head linear penalty
+  `-slope_h · |i - j|` to the scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from attnkit.errors import ShapeContractError
+from attnkit.masks import causal_offset
+
+__all__ = ["RotaryEmbedding", "alibi_bias", "alibi_slopes"]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding of q and k (the "rotate half" layout of GPT-NeoX/LLaMA).
+
+    `rope(q, k, offset=0)` rotates both (B, H, L, head_dim) tensors by positions
+    `offset ... offset + L - 1` (a module passes its KV-cache length as `offset`).
+    """
+
+    inv_freq: Tensor
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim < 2 or head_dim % 2:
+            raise ShapeContractError(
+                f"RotaryEmbedding rotates pairs of features: head_dim={head_dim} must be even."
+            )
+        self.head_dim, self.base = head_dim, base
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,)
+
+    def angles(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin of shape (len(positions), head_dim) for float32 positions."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (L, head_dim/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (L, head_dim)
+        return emb.cos(), emb.sin()
+
+    def rotate(self, x: Tensor, offset: int = 0) -> Tensor:
+        """Rotate (..., L, head_dim) by positions offset .. offset + L - 1."""
+        if x.shape[-1] != self.head_dim:
+            raise ShapeContractError(
+                f"RotaryEmbedding was built for head_dim={self.head_dim}, got x with last dim "
+                f"{x.shape[-1]}."
+            )
+        positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
+        cos, sin = self.angles(positions)  # (L, head_dim)
+        half = self.head_dim // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+    def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        return self.rotate(q, offset), self.rotate(k, offset)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """(H,) ALiBi slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... for n = H.
+
+    For H not a power of two, the paper takes the slopes of the closest smaller power of
+    two n and fills the rest with every other slope of 2n.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}.")
+
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(closest) + powers(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes)
+
+
+def alibi_bias(
+    num_heads: int,
+    L: int,
+    S: int | None = None,
+    *,
+    align: str | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """(1, H, L, S) additive bias `-slope_h · |i' - j|`, `i'` the aligned query position.
+
+    Pass it as `mask=` (a float mask is added to the scores); combine with causality by
+    adding `-inf` where needed, e.g. `bias.masked_fill(~causal().materialize(...), -inf)`.
+    """
+    S = L if S is None else S
+    offset = causal_offset(align, L, S, who="alibi_bias")
+    i = torch.arange(L, device=device)[:, None] + offset
+    j = torch.arange(S, device=device)[None, :]
+    distance = (i - j).abs().float()  # (L, S)
+    slopes = alibi_slopes(num_heads).to(device)
+    return -(slopes[:, None, None] * distance)[None]  # (1, H, L, S)
