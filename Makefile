@@ -27,13 +27,13 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks examples
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -91,7 +91,7 @@ def test_kv_cache_grows_geometrically_crops_and_resets():
     cache = ak.KVCache()
     capacities = set()
     for _ in range(100):
-        k, v = cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+        k, _ = cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
         capacities.add(cache.capacity)
     assert k.shape == (1, 2, 100, 4) and cache.length == 100
     assert len(capacities) <= 4  # 16, 32, 64, 128: a handful of copies, not one per token
