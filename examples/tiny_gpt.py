@@ -24,23 +24,43 @@ from torch import Tensor, nn
 
 import attnkit as ak
 
-MODULES = (
-    "argparse", "collections", "json", "pathlib", "re", "string", "textwrap",
-    "unittest", "logging", "datetime", "decimal", "fractions", "functools", "itertools",
-    "heapq", "random", "statistics", "difflib", "csv", "shutil", "subprocess", "threading",
-    "inspect", "dataclasses", "enum", "contextlib", "pickle", "zipfile", "tarfile",
-)  # fmt: skip
+MODULES = """
+argparse collections json pathlib re string textwrap unittest logging datetime decimal
+fractions functools itertools heapq random statistics difflib csv shutil subprocess
+threading inspect dataclasses enum contextlib pickle zipfile tarfile email.message
+email.utils http.client http.server urllib.parse urllib.request asyncio.events
+asyncio.tasks asyncio.streams xml.etree.ElementTree sqlite3 multiprocessing.pool
+concurrent.futures configparser optparse pydoc calendar locale gettext socket selectors
+tokenize ast dis pdb doctest trace timeit profile pstats tempfile glob fnmatch codecs io
+sched queue weakref copy pprint reprlib numbers operator hashlib hmac secrets base64
+struct bisect types abc
+""".split()  # noqa: SIM905 (a paragraph of names reads better than a list literal)
+
+
+def _docs_of(module: object) -> list[str]:
+    """Docstrings of a module, its functions and classes, and their methods."""
+    objects = [module]
+    for obj in vars(module).values():
+        if inspect.getmodule(obj) is module:
+            objects.append(obj)
+            if inspect.isclass(obj):
+                objects.extend(vars(obj).values())
+    docs = []
+    for obj in objects:
+        doc = obj.__doc__ if isinstance(getattr(obj, "__doc__", None), str) else None
+        if doc and len(doc) > 80:
+            docs.append(inspect.cleandoc(doc))
+    return docs
 
 
 def python_docs() -> str:
-    """The docstrings of some standard-library modules and their members: English prose."""
-    parts = []
+    """The docstrings of standard-library modules and their members: English prose."""
+    parts: list[str] = []
     for name in MODULES:
-        module = importlib.import_module(name)
-        for obj in (module, *vars(module).values()):
-            doc = inspect.getdoc(obj) if inspect.getmodule(obj) is module else None
-            if doc and len(doc) > 80:
-                parts.append(doc)
+        try:
+            parts.extend(_docs_of(importlib.import_module(name)))
+        except ImportError:  # a Python built without a module (sqlite3, say)
+            continue
     return "\n\n".join(dict.fromkeys(parts))  # unique, in order
 
 
@@ -49,7 +69,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = ak.MultiHeadAttention(dim, heads, num_kv_heads=kv_heads, rope=True)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(0.1)
+        )
 
     def forward(self, x: Tensor, mask: ak.Mask, cache: ak.KVCache | None = None) -> Tensor:
         x = x + self.attn(self.norm1(x), mask=mask, cache=cache)
@@ -142,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([stoi[c] for c in text])
-    split = int(0.9 * len(data))
-    train, val = data[:split], data[split:]
+    chunks = data[: len(data) // 1000 * 1000].view(-1, 1000)  # every 10th chunk validates
+    held_out = torch.arange(len(chunks)) % 10 == 0
+    train, val = chunks[~held_out].flatten(), chunks[held_out].flatten()
     baseline = unigram_entropy(train, len(chars))
     print(
         f"text: {len(text):,} characters of Python's own docs, {len(chars)} distinct; "
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
 
     model = TinyGPT(len(chars))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     print(
         f"model: {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{len(model.blocks)} layers of attnkit MultiHeadAttention (GQA 4:2, RoPE)"
@@ -175,7 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start = time.perf_counter()
     step = 0
     for step in range(1, args.steps + 1):
-        lr = 3e-3 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        done = max(step / args.steps, (time.perf_counter() - start) / (60 * args.minutes))
+        lr = 3e-3 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))  # cosine, by steps or time
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = batch(train)

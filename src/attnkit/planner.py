@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
+from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 
@@ -128,6 +129,12 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
     if backend.name == "reference":
         shapes["scores"] = (d.B, d.H, d.L, d.S)
     notes = [] if call.bias is None else ["an additive float bias is applied to the scores"]
+    if isinstance(backend, TiledBackend):
+        tiles = backend.plan(call)
+        notes.append(
+            f"tiled: {tiles.calls} kernel calls over {tiles.area / (d.B * d.L * d.S):.1%}"
+            " of the L×S pairs"
+        )
     return Plan(
         backend=backend.name,
         reasons=reasons,
