@@ -53,6 +53,18 @@ class Case:
     lengths: torch.Tensor
 
 
+def peer_recompile_limit() -> None:
+    """Let the Flex peer compile once per pattern and size, as attnkit's flex backend does.
+
+    torch.compile stops recompiling a function after 8 variants and silently runs an
+    unfused FlexAttention that builds the full score matrix; one run of this benchmark
+    compiles more variants than that.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = 256
+
+
 def make_case(pattern: str, S: int) -> Case:
     """The mask of each pattern, as attnkit sees it."""
     B = 4 if pattern == "padding" else 1
@@ -240,6 +252,7 @@ def main() -> None:
         memory_probe(pattern, int(S), peer, bool(int(grad)))
         return
     torch.manual_seed(0)
+    peer_recompile_limit()
     roof = roofline_gflops(args.repeats)
     print(
         f"fp32 matmul roofline: {roof:.0f} GFLOP/s ({torch.get_num_threads()} threads)",

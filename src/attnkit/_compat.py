@@ -14,6 +14,7 @@ __all__ = [
     "TORCH_VERSION",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
+    "dynamo_recompile_limit",
     "flex_attention_module",
 ]
 
@@ -48,6 +49,23 @@ def cpu_flash_attention_backward() -> Any | None:
     which lets a blocked forward pass reuse it block by block.
     """
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def dynamo_recompile_limit(limit: int) -> Any:
+    """A context raising torch.compile's per-function recompile limit (8 by default).
+
+    FlexAttention compiles once per shape and mask; past the limit dynamo silently falls
+    back to an unfused kernel that builds the full score matrix. The option is
+    `recompile_limit` in recent torch and `cache_size_limit` before.
+    """
+    import contextlib
+
+    import torch._dynamo.config as dynamo_config
+
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    if not hasattr(dynamo_config, name):
+        return contextlib.nullcontext()
+    return dynamo_config.patch(**{name: max(limit, getattr(dynamo_config, name))})
 
 
 def flex_attention_module() -> Any | None:

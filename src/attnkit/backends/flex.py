@@ -16,12 +16,14 @@ import torch
 from torch import Tensor
 
 from attnkit import cost
-from attnkit._compat import flex_attention_module
+from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.softmax import compute_dtype
 
 __all__ = ["FlexBackend"]
+
+RECOMPILE_LIMIT = 256  # one compiled kernel per shape and mask structure kept warm
 
 
 def _signature(call: AttentionCall) -> tuple[Any, ...]:
@@ -113,15 +115,16 @@ class FlexBackend:
             def score_mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
                 return cap * torch.tanh(score / cap)
 
-        out = self._compiled(
-            call.q.to(work),
-            call.k.to(work),
-            call.v.to(work),
-            score_mod=score_mod,
-            block_mask=self._block_mask(call),
-            scale=call.scale,
-            enable_gqa=call.dims.groups > 1,
-        )
+        with dynamo_recompile_limit(RECOMPILE_LIMIT):
+            out = self._compiled(
+                call.q.to(work),
+                call.k.to(work),
+                call.v.to(work),
+                score_mod=score_mod,
+                block_mask=self._block_mask(call),
+                scale=call.scale,
+                enable_gqa=call.dims.groups > 1,
+            )
         self._warm.add(_signature(call))
         return out.to(call.q.dtype), None
 
