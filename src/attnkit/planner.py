@@ -86,30 +86,28 @@ def choose_backend(
     reasons: dict[str, str | None] = {
         n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()
     }
-    costs = {n: BACKENDS[n].cost(call, need_lse=need_lse) for n in AUTO_ORDER if reasons[n] is None}
-    if name == "auto":
-        chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
-    else:
+    if name != "auto":
         backend = get_backend(name)
         if reasons[name] is not None:
             raise ValueError(
                 f"backend {name!r} cannot serve this call: {reasons[name]}. Use "
                 "backend='auto' (it picks one that can) or backend='reference'."
             )
-        chosen = backend.name
-    for n in BACKENDS:
-        if n != chosen and reasons[n] is None and math.isinf(costs[n]):
-            reasons[n] = (
-                "its first call would compile a kernel (seconds); warm it once with "
-                f"backend={n!r}, then auto considers it"
-            )
-        elif n != chosen and reasons[n] is None:
-            reasons[n] = (
-                f"slower here: estimated {costs[n] / max(costs[chosen], 1.0):.1f}× the cost "
-                f"of '{chosen}'"
-                if name == "auto"
-                else f"not asked for (backend={name!r})"
-            )
+        for n in BACKENDS:
+            reasons[n] = None if n == name else reasons[n] or f"not asked for (backend={name!r})"
+        return backend, reasons
+    costs = {n: BACKENDS[n].cost(call, need_lse=need_lse) for n in AUTO_ORDER if reasons[n] is None}
+    chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
+    for n, estimate in costs.items():
+        if n == chosen:
+            continue
+        reasons[n] = (
+            "its first call would compile a kernel (seconds); warm it once with "
+            f"backend={n!r}, then auto considers it"
+            if math.isinf(estimate)
+            else f"slower here: estimated {estimate / max(costs[chosen], 1.0):.1f}× the cost "
+            f"of '{chosen}'"
+        )
     reasons[chosen] = None
     return BACKENDS[chosen], reasons
 
