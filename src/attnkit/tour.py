@@ -216,6 +216,6 @@ def run_tour(echo: Printer = print) -> int:
     echo(f"\n{t.passed} checks passed, {t.failed} failed.")
     echo(
         "Next: README.md › 'Masks' for the mask algebra, 'API' for attention() and "
-        "explain(), DESIGN.md for the conventions."
+        "explain(), docs/DESIGN.md for the conventions."
     )
     return t.failed
