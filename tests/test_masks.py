@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnkit as ak
-import attnkit.masks
+import attnkit.masks.kinds
 
 
 def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[list[int]]:
@@ -18,7 +18,7 @@ def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[li
 
 
 def test_docstring_drawings_are_the_real_masks():
-    result = doctest.testmod(attnkit.masks, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(attnkit.masks.kinds, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 8 and result.failed == 0
 
 

@@ -1,0 +1,336 @@
+"""The `Mask` type: a visibility rule over `(b, h, i, j)`, and its algebra (`&`, `|`, `~`).
+
+`True` = query `i` may attend to key `j`, everywhere. A `Mask` is evaluated by
+broadcasting `arange`s, so nothing builds the full (B, H, L, S) tensor unless asked to
+(`materialize`). The kinds of mask live in `kinds.py`, the converters in `convert.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from attnkit.errors import MaskError, ShapeContractError
+
+__all__ = [
+    "Align",
+    "Mask",
+    "Predicate",
+    "and_masks",
+    "as_mask",
+    "causal_offset",
+    "check_broadcastable",
+    "integer_mask_error",
+    "or_masks",
+]
+
+Align = Literal["top_left", "bottom_right"]
+# (b, h, i, j) index tensors, broadcastable to (B, H, L, S) -> bool tensor
+Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+_ALIGNS = ("top_left", "bottom_right")
+ALLOWED, HIDDEN = "■", "·"
+
+
+class Mask:
+    """A visibility rule over `(b, h, i, j)`; compose with `&`, `|`, `~`."""
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        """The rule for a (B, H, L, S) problem, as a function of broadcast index tensors."""
+        raise NotImplementedError
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        """Raise `ShapeContractError` or `MaskError` if this mask cannot serve (B, H, L, S)."""
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch size this mask carries data for, or None if it holds for any batch."""
+        return None
+
+    def is_sdpa_causal(self, L: int, S: int) -> bool:
+        """True if this mask is exactly SDPA's `is_causal=True` with every key seen.
+
+        That is top-left causal with L >= S: no empty row, no key hidden from all queries.
+        """
+        return False
+
+    @property
+    def head_dependent(self) -> bool:
+        """True if different heads see different keys (only a tensor mask can)."""
+        return False
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Key span `[lo, hi)` holding every key visible to query rows `first..last`.
+
+        `first`, `last`: (T,) row ranges (of query tiles). Returns `lo`, `hi` of shape
+        (B|1, T), computed from the structure alone, never from an L×S tensor. The span
+        may be loose (a superset); the tiled backend masks inside it exactly.
+        """
+        zeros = torch.zeros(1, first.shape[0], dtype=torch.long, device=first.device)
+        return zeros, zeros + S
+
+    def dense(
+        self,
+        B: int,
+        H: int,
+        L: int,
+        S: int,
+        device: torch.device | str | None = None,
+        rows: Tensor | None = None,
+        cols: Tensor | None = None,
+    ) -> Tensor:
+        """Evaluate to the smallest bool tensor broadcastable to (B, H, L, S).
+
+        `rows` / `cols` restrict the query / key positions (the last two dims then have
+        their lengths).
+        """
+        self.check(B, H, L, S)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+        h = torch.arange(H, device=dev).view(1, H, 1, 1)
+        i = (torch.arange(L, device=dev) if rows is None else rows.to(dev)).view(1, 1, -1, 1)
+        j = (torch.arange(S, device=dev) if cols is None else cols.to(dev)).view(1, 1, 1, -1)
+        allowed = self.predicate(B, H, L, S, dev)(b, h, i, j)
+        return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+
+    def materialize(
+        self, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
+    ) -> Tensor:
+        """The full bool tensor (B, H, L, S), `True` = may attend (a broadcast view)."""
+        return self.dense(B, H, L, S, device).expand(B, H, L, S)
+
+    def draw(self, L: int, S: int | None = None, *, batch: int = 0, head: int = 0) -> str:
+        """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden."""
+        S = L if S is None else S
+        B = self.batch_size or 1
+        grid = self.materialize(B, head + 1, L, S)[batch, head]  # (L, S)
+        return "\n".join(" ".join(ALLOWED if x else HIDDEN for x in row) for row in grid.tolist())
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def __repr__(self) -> str:
+        return f"Mask[{self.describe()}]"
+
+    def __and__(self, other: Mask | Tensor) -> Mask:
+        return _Combine("&", (self, as_mask(other)))
+
+    def __rand__(self, other: Tensor) -> Mask:
+        return _Combine("&", (as_mask(other), self))
+
+    def __or__(self, other: Mask | Tensor) -> Mask:
+        return _Combine("|", (self, as_mask(other)))
+
+    def __ror__(self, other: Tensor) -> Mask:
+        return _Combine("|", (as_mask(other), self))
+
+    def __invert__(self) -> Mask:
+        return _Not(self)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _check_align(align: str | None) -> None:
+    if align is not None and align not in _ALIGNS:
+        raise MaskError(f"align={align!r} is not a causal alignment; use one of {_ALIGNS}.")
+
+
+def causal_offset(align: str | None, L: int, S: int, who: str = "causal") -> int:
+    """How far the diagonal of query `i` shifts right: key `i + offset` is the last visible."""
+    if align is None and L != S:
+        raise ShapeContractError(
+            f"{who} mask with L={L} queries and S={S} keys: the alignment is ambiguous. "
+            f"Choose {who}(align='top_left') (key j visible to query i iff j <= i, as SDPA's "
+            f"is_causal) or {who}(align='bottom_right') (iff j <= i + S - L, as flash-attention "
+            "and KV-cache decoding)."
+        )
+    return S - L if align == "bottom_right" else 0
+
+
+def _check_int(name: str, value: object, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+    if value < minimum:
+        raise MaskError(
+            f"{name}={value} is negative; a window size counts keys, so use {name} >= 0."
+        )
+    return value
+
+
+def _check_batch(name: str, got: int, B: int) -> None:
+    if got not in (1, B):
+        raise ShapeContractError(
+            f"{name} holds {got} batch rows but q has B={B}; give one row per batch element "
+            "(or a single row to share)."
+        )
+
+
+def check_broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
+    """Raise unless a tensor of `shape` broadcasts to `target` = (B, H, L, S)."""
+    if len(shape) > 4:
+        raise ShapeContractError(
+            f"{name} has {len(shape)} dims, shape {shape}; it must broadcast to (B, H, L, S), "
+            "so it has at most 4 dims."
+        )
+    padded = (1,) * (4 - len(shape)) + shape
+    for got, want, letter in zip(padded, target, "BHLS", strict=True):
+        if got not in (1, want):
+            raise ShapeContractError(
+                f"{name} of shape {shape} does not broadcast to (B, H, L, S) = {target}: its "
+                f"{letter} dim is {got}, expected 1 or {want}. Reshape it (a (B, S) padding "
+                "mask becomes (B, 1, 1, S)), or use key_padding(valid) for padding."
+            )
+
+
+def _batch_of(*sizes: int | None) -> int | None:
+    known = [s for s in sizes if s is not None and s != 1]
+    return max(known) if known else (1 if any(s == 1 for s in sizes) else None)
+
+
+class _TensorMask(Mask):
+    def __init__(self, tensor: Tensor) -> None:
+        if tensor.dim() > 4:
+            check_broadcastable("mask", tuple(tensor.shape), (0, 0, 0, 0))
+        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.tensor.shape[0]
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        check_broadcastable("mask", tuple(self.tensor.shape), (B, H, L, S))
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        t = self.tensor.to(device)  # (B|1, H|1, L|1, S|1)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+
+        def pick(idx: Tensor, size: int) -> Tensor:
+            return idx if size > 1 else zero
+
+        return lambda b, h, i, j: t[
+            pick(b, t.shape[0]), pick(h, t.shape[1]), pick(i, t.shape[2]), pick(j, t.shape[3])
+        ]
+
+    @property
+    def head_dependent(self) -> bool:
+        return self.tensor.shape[1] > 1
+
+    def describe(self) -> str:
+        return f"tensor{tuple(self.tensor.shape)}"
+
+
+class _Combine(Mask):
+    def __init__(self, op: str, parts: tuple[Mask, ...]) -> None:
+        self.op = op
+        self.parts = parts
+
+    @property
+    def batch_size(self) -> int | None:
+        return _batch_of(*(p.batch_size for p in self.parts))
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        for part in self.parts:
+            part.check(B, H, L, S)
+
+    @property
+    def head_dependent(self) -> bool:
+        return any(p.head_dependent for p in self.parts)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        bounds = [p.key_bounds(B, L, S, first, last) for p in self.parts]
+        lo, hi = bounds[0]
+        for part_lo, part_hi in bounds[1:]:  # & intersects the spans, | takes their hull
+            if self.op == "&":
+                lo, hi = torch.maximum(lo, part_lo), torch.minimum(hi, part_hi)
+            else:
+                lo, hi = torch.minimum(lo, part_lo), torch.maximum(hi, part_hi)
+        return lo, hi.clamp(min=lo) if self.op == "&" else hi
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        preds = [p.predicate(B, H, L, S, device) for p in self.parts]
+        combine = torch.logical_and if self.op == "&" else torch.logical_or
+
+        def pred(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            out = preds[0](b, h, i, j)
+            for p in preds[1:]:
+                out = combine(out, p(b, h, i, j))
+            return out
+
+        return pred
+
+    def describe(self) -> str:
+        return "(" + f" {self.op} ".join(p.describe() for p in self.parts) + ")"
+
+
+class _Not(Mask):
+    def __init__(self, inner: Mask) -> None:
+        self.inner = inner
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.inner.batch_size
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        self.inner.check(B, H, L, S)
+
+    @property
+    def head_dependent(self) -> bool:
+        return self.inner.head_dependent
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        inner = self.inner.predicate(B, H, L, S, device)
+        return lambda b, h, i, j: ~inner(b, h, i, j)
+
+    def describe(self) -> str:
+        return f"~{self.inner.describe()}"
+
+
+def and_masks(*masks: Mask | Tensor) -> Mask:
+    """Keys visible under every mask (FlexAttention's `and_masks`)."""
+    if not masks:
+        raise MaskError("and_masks needs at least one mask.")
+    return _Combine("&", tuple(as_mask(m) for m in masks))
+
+
+def or_masks(*masks: Mask | Tensor) -> Mask:
+    """Keys visible under any mask (FlexAttention's `or_masks`)."""
+    if not masks:
+        raise MaskError("or_masks needs at least one mask.")
+    return _Combine("|", tuple(as_mask(m) for m in masks))
+
+
+def integer_mask_error(name: str, dtype: torch.dtype) -> MaskError:
+    return MaskError(
+        f"{name} has dtype {dtype}: integer masks are ambiguous (1 means 'real token' in "
+        "Hugging Face but 'ignore' in other code), so attnkit refuses them. Convert "
+        "explicitly: from_hf_attention_mask(m) if 1 = real token, "
+        "from_key_padding_mask(m.bool()) if 1 = padding, or m.bool() if 1 = may attend."
+    )
+
+
+def as_mask(mask: Mask | Tensor) -> Mask:
+    """A `Mask` from a `Mask` or a bool tensor (broadcastable to (B, H, L, S))."""
+    if isinstance(mask, Mask):
+        return mask
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a Mask or a bool tensor, got {type(mask).__name__}.")
+    if mask.dtype == torch.bool:
+        return _TensorMask(mask)
+    if mask.is_floating_point():
+        raise MaskError(
+            f"mask has dtype {mask.dtype}: a float tensor is an additive bias (0 keeps, -inf "
+            "removes) and cannot be combined with &, |, ~. Pass it alone as mask=, or turn "
+            "it into a visibility mask with from_additive_mask(m)."
+        )
+    raise integer_mask_error("mask", mask.dtype)

@@ -1,0 +1,55 @@
+"""Converters from other mask conventions into attnkit's (`True` = may attend)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.errors import MaskError
+from attnkit.masks.base import Mask, _TensorMask
+from attnkit.masks.kinds import _KeyPadding
+
+__all__ = ["from_additive_mask", "from_hf_attention_mask", "from_key_padding_mask"]
+
+
+def from_key_padding_mask(key_padding_mask: Tensor) -> Mask:
+    """From `nn.MultiheadAttention`'s `key_padding_mask`: (B, S) bool, `True` = ignore."""
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
+        raise MaskError(
+            "from_key_padding_mask takes nn.MultiheadAttention's (B, S) bool mask "
+            f"(True = ignore), got dtype {key_padding_mask.dtype} and shape "
+            f"{tuple(key_padding_mask.shape)}."
+        )
+    return _KeyPadding(~key_padding_mask)
+
+
+def from_hf_attention_mask(attention_mask: Tensor) -> Mask:
+    """From a Hugging Face `attention_mask`: (B, S) of 1 = real token, 0 = padding."""
+    if attention_mask.dim() != 2 or attention_mask.is_floating_point():
+        raise MaskError(
+            "from_hf_attention_mask takes a (B, S) integer or bool tensor of 1 = real token, "
+            f"got dtype {attention_mask.dtype} and shape {tuple(attention_mask.shape)}."
+        )
+    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise MaskError("from_hf_attention_mask expects only 0 and 1 values.")
+    return _KeyPadding(attention_mask != 0)
+
+
+def from_additive_mask(additive_mask: Tensor) -> Mask:
+    """From an additive float mask whose entries are 0 (keep) or -inf (remove).
+
+    Very negative entries (at or below the dtype's minimum, as transformers writes them)
+    also count as removed. Any other value is a bias, not a mask: pass that tensor
+    directly as `mask=` instead.
+    """
+    if not additive_mask.is_floating_point():
+        raise MaskError(
+            f"from_additive_mask takes a float tensor, got dtype {additive_mask.dtype}."
+        )
+    removed = additive_mask <= torch.finfo(additive_mask.dtype).min
+    if not ((additive_mask == 0) | removed).all():
+        raise MaskError(
+            "from_additive_mask: the mask holds values other than 0 and -inf, so it is a "
+            "bias, not a visibility mask; pass the float tensor itself as mask= to add it."
+        )
+    return _TensorMask(~removed)

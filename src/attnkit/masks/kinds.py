@@ -1,0 +1,337 @@
+"""The kinds of mask: causal, sliding window, key padding, documents, prefix-LM.
+
+Each constructor draws its matrix (■ may attend, · hidden) and states its alignment.
+Conventions (DESIGN.md §2): causal alignment `top_left` is `j <= i`, `bottom_right` is
+`j <= i + (S - L)`; they agree when L == S and must be chosen when L != S, attnkit never
+guesses. `sliding_window(left, right)` is inclusive: a query sees `left + 1 + right` keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.errors import MaskError, ShapeContractError
+from attnkit.masks.base import (
+    Align,
+    Mask,
+    Predicate,
+    _batch_of,
+    _check_align,
+    _check_batch,
+    _check_int,
+    causal_offset,
+)
+
+__all__ = ["causal", "document", "key_padding", "prefix_lm", "sliding_window"]
+
+
+class _Causal(Mask):
+    def __init__(self, align: str | None) -> None:
+        _check_align(align)
+        self.align = align
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        causal_offset(self.align, L, S)
+
+    def is_sdpa_causal(self, L: int, S: int) -> bool:
+        return L >= S and (L == S or self.align == "top_left")
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset = causal_offset(self.align, L, S)
+        return torch.zeros_like(first)[None], (last + offset + 1).clamp(0, S)[None]
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        offset = causal_offset(self.align, L, S)
+        return lambda b, h, i, j: j <= i + offset
+
+    def describe(self) -> str:
+        return "causal()" if self.align is None else f"causal(align={self.align!r})"
+
+
+def causal(align: Align | None = None) -> Mask:
+    """Query `i` may attend to keys up to its own (aligned) position.
+
+    `top_left`: `j <= i`; `bottom_right`: `j <= i + (S - L)`. With L == S both agree and
+    `align` may be left out; with L != S it must be given (see DESIGN.md §2).
+
+    >>> print(causal().draw(4))
+    ■ · · ·
+    ■ ■ · ·
+    ■ ■ ■ ·
+    ■ ■ ■ ■
+    >>> print(causal(align="bottom_right").draw(2, 4))
+    ■ ■ ■ ·
+    ■ ■ ■ ■
+    >>> print(causal(align="top_left").draw(2, 4))
+    ■ · · ·
+    ■ ■ · ·
+    """
+    return _Causal(align)
+
+
+class _SlidingWindow(Mask):
+    def __init__(self, left: int, right: int, align: str | None) -> None:
+        self.left = _check_int("left", left)
+        self.right = _check_int("right", right)
+        _check_align(align)
+        self.align = align
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        causal_offset(self.align, L, S, who="sliding_window")
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        offset = causal_offset(self.align, L, S, who="sliding_window")
+        left, right = self.left, self.right
+        return lambda b, h, i, j: (j >= i + offset - left) & (j <= i + offset + right)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset = causal_offset(self.align, L, S, who="sliding_window")
+        lo = (first + offset - self.left).clamp(0, S)
+        return lo[None], (last + offset + self.right + 1).clamp(0, S)[None]
+
+    def describe(self) -> str:
+        align = "" if self.align is None else f", align={self.align!r}"
+        return f"sliding_window(left={self.left}, right={self.right}{align})"
+
+
+def sliding_window(left: int, right: int = 0, align: Align | None = None) -> Mask:
+    """Query `i` sees keys `[i' - left, i' + right]`, `i'` its aligned position (inclusive).
+
+    A window holds `left + 1 + right` keys (flash-attention's `window_size=(left, right)`;
+    transformers' `sliding_window=W` is `left = W - 1`). Alignment as in `causal`.
+
+    >>> print(sliding_window(1).draw(4))
+    ■ · · ·
+    ■ ■ · ·
+    · ■ ■ ·
+    · · ■ ■
+    >>> print(sliding_window(1, 1).draw(4))
+    ■ ■ · ·
+    ■ ■ ■ ·
+    · ■ ■ ■
+    · · ■ ■
+    """
+    return _SlidingWindow(left, right, align)
+
+
+class _KeyPadding(Mask):
+    def __init__(self, valid: Tensor) -> None:
+        if valid.dtype == torch.bool:
+            if valid.dim() != 2:
+                raise ShapeContractError(
+                    f"key_padding(valid) takes a (B, S) bool tensor, got shape {tuple(valid.shape)}"
+                    "; for lengths pass a (B,) integer tensor."
+                )
+        elif not valid.is_floating_point() and valid.dim() == 1:
+            if (valid < 0).any():
+                raise MaskError(f"key_padding lengths must be >= 0, got {valid.tolist()}.")
+        else:
+            raise MaskError(
+                f"key_padding takes a (B, S) bool tensor (True = real token) or (B,) integer "
+                f"lengths, got dtype {valid.dtype} and shape {tuple(valid.shape)}. For 0/1 "
+                "masks use from_hf_attention_mask (1 = real) or from_key_padding_mask "
+                "(True = ignore)."
+            )
+        self.valid = valid
+
+    @property
+    def is_lengths(self) -> bool:
+        return self.valid.dtype != torch.bool
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.valid.shape[0]
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        _check_batch("key_padding", self.valid.shape[0], B)
+        if self.is_lengths:
+            if (self.valid > S).any():
+                raise MaskError(
+                    f"key_padding lengths {self.valid.tolist()} exceed S={S} keys; each "
+                    "length must lie in [0, S]."
+                )
+        elif self.valid.shape[1] != S:
+            raise ShapeContractError(
+                f"key_padding covers {self.valid.shape[1]} keys but k has S={S}; give a "
+                "(B, S) mask with one entry per key."
+            )
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        valid = self.valid.to(device)
+        if self.is_lengths:
+            lengths = valid.expand(B)  # (B,)
+            return lambda b, h, i, j: j < lengths[b]
+        rows = valid.expand(B, S)  # (B, S)
+        return lambda b, h, i, j: rows[b, j]
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        valid, T = self.valid.to(first.device), first.shape[0]
+        if self.is_lengths:
+            hi = valid.view(-1, 1).expand(-1, T)  # (B, T)
+            return torch.zeros_like(hi), hi
+        position = torch.arange(S, device=first.device)
+        lo = torch.where(valid, position, S).amin(-1, keepdim=True)  # (B, 1)
+        hi = torch.where(valid, position + 1, 0).amax(-1, keepdim=True)
+        return lo.clamp(max=hi).expand(-1, T), hi.expand(-1, T)
+
+    def describe(self) -> str:
+        kind = "lengths" if self.is_lengths else "valid"
+        return f"key_padding({kind}, B={self.valid.shape[0]})"
+
+
+def key_padding(valid: Tensor) -> Mask:
+    """Hide padded keys. `valid` is (B, S) bool with `True` = real token, or (B,) lengths.
+
+    The same keys are hidden from every query of a batch row:
+
+    >>> print(key_padding(torch.tensor([3])).draw(2, 4))
+    ■ ■ ■ ·
+    ■ ■ ■ ·
+    """
+    return _KeyPadding(valid)
+
+
+class _Document(Mask):
+    def __init__(self, q_ids: Tensor, kv_ids: Tensor | None) -> None:
+        for name, ids in (("ids", q_ids), ("kv_ids", kv_ids)):
+            if ids is None:
+                continue
+            if ids.is_floating_point() or ids.dtype == torch.bool or ids.dim() not in (1, 2):
+                raise MaskError(
+                    f"document {name} must be an integer (S,) or (B, S) tensor of document "
+                    f"ids, got dtype {ids.dtype} and shape {tuple(ids.shape)}."
+                )
+        self.q_ids = q_ids if q_ids.dim() == 2 else q_ids.unsqueeze(0)
+        self.kv_ids = None if kv_ids is None else (kv_ids if kv_ids.dim() == 2 else kv_ids[None])
+
+    @property
+    def batch_size(self) -> int | None:
+        return _batch_of(self.q_ids.shape[0], None if self.kv_ids is None else self.kv_ids.shape[0])
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        kv_ids = self.q_ids if self.kv_ids is None else self.kv_ids
+        _check_batch("document ids", self.q_ids.shape[0], B)
+        _check_batch("document kv_ids", kv_ids.shape[0], B)
+        if self.kv_ids is None and L != S:
+            raise ShapeContractError(
+                f"document(ids) with L={L} queries and S={S} keys: one id sequence cannot "
+                "label both. Use document(q_ids, kv_ids) with (B, L) and (B, S) ids."
+            )
+        if self.q_ids.shape[1] != L or kv_ids.shape[1] != S:
+            raise ShapeContractError(
+                f"document ids have lengths {self.q_ids.shape[1]} (queries) and "
+                f"{kv_ids.shape[1]} (keys) but the call has L={L}, S={S}; give one id per "
+                "position."
+            )
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        q_ids = self.q_ids.to(device).expand(B, L)  # (B, L)
+        kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(device).expand(B, S)  # (B, S)
+        return lambda b, h, i, j: q_ids[b, i] == kv_ids[b, j]
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        q_ids = self.q_ids.to(first.device)  # (B|1, L)
+        kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(first.device)  # (B|1, S)
+        sorted_ids = bool((q_ids[:, 1:] >= q_ids[:, :-1]).all()) and bool(
+            (kv_ids[:, 1:] >= kv_ids[:, :-1]).all()
+        )
+        if not sorted_ids:  # documents are not contiguous runs: no tight span
+            return super().key_bounds(B, L, S, first, last)
+        batch = max(q_ids.shape[0], kv_ids.shape[0])
+        q_ids, kv_ids = q_ids.expand(batch, L), kv_ids.expand(batch, S).contiguous()
+        lo = torch.searchsorted(kv_ids, q_ids[:, first].contiguous(), side="left")
+        hi = torch.searchsorted(kv_ids, q_ids[:, last].contiguous(), side="right")
+        return lo, hi  # (B|1, T): from the first row's document start to the last's end
+
+    def describe(self) -> str:
+        return f"document(B={self.batch_size})"
+
+
+def document(ids: Tensor, kv_ids: Tensor | None = None) -> Mask:
+    """Packed sequences: a query sees only keys of its own document.
+
+    `ids` is (S,) or (B, S) integer document ids; for cross attention pass `(q_ids, kv_ids)`.
+    Combine with `causal()` for packed causal language modelling.
+
+    >>> print(document(torch.tensor([0, 0, 1, 1])).draw(4))
+    ■ ■ · ·
+    ■ ■ · ·
+    · · ■ ■
+    · · ■ ■
+    >>> print((document(torch.tensor([0, 0, 1, 1])) & causal()).draw(4))
+    ■ · · ·
+    ■ ■ · ·
+    · · ■ ·
+    · · ■ ■
+    """
+    return _Document(ids, kv_ids)
+
+
+class _PrefixLM(Mask):
+    def __init__(self, prefix_len: int | Tensor, align: str | None) -> None:
+        if isinstance(prefix_len, Tensor):
+            if prefix_len.is_floating_point() or prefix_len.dim() != 1:
+                raise MaskError(
+                    f"prefix_lm takes an int or (B,) integer lengths, got dtype "
+                    f"{prefix_len.dtype} and shape {tuple(prefix_len.shape)}."
+                )
+            if (prefix_len < 0).any():
+                raise MaskError(f"prefix_lm lengths must be >= 0, got {prefix_len.tolist()}.")
+        else:
+            _check_int("prefix_len", prefix_len)
+        _check_align(align)
+        self.prefix_len = prefix_len
+        self.align = align
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.prefix_len.shape[0] if isinstance(self.prefix_len, Tensor) else None
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        causal_offset(self.align, L, S, who="prefix_lm")
+        if isinstance(self.prefix_len, Tensor):
+            _check_batch("prefix_lm lengths", self.prefix_len.shape[0], B)
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        offset = causal_offset(self.align, L, S, who="prefix_lm")
+        n = self.prefix_len
+        if isinstance(n, Tensor):
+            prefix = n.to(device).expand(B)  # (B,)
+            return lambda b, h, i, j: (j < prefix[b]) | (j <= i + offset)
+        return lambda b, h, i, j: (j < n) | (j <= i + offset)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset = causal_offset(self.align, L, S, who="prefix_lm")
+        n = self.prefix_len
+        prefix = n.to(first.device).view(-1, 1) if isinstance(n, Tensor) else torch.tensor([[n]])
+        hi = torch.maximum(prefix.to(first.device), (last + offset + 1)[None]).clamp(0, S)
+        return torch.zeros_like(hi), hi
+
+    def describe(self) -> str:
+        n = self.prefix_len
+        return f"prefix_lm({n if isinstance(n, int) else f'lengths, B={n.shape[0]}'})"
+
+
+def prefix_lm(prefix_len: int | Tensor, align: Align | None = None) -> Mask:
+    """Prefix-LM: every query sees the first `prefix_len` keys, and the rest causally.
+
+    `prefix_len` is an int or (B,) lengths; alignment as in `causal`.
+
+    >>> print(prefix_lm(2).draw(4))
+    ■ ■ · ·
+    ■ ■ · ·
+    ■ ■ ■ ·
+    ■ ■ ■ ■
+    """
+    return _PrefixLM(prefix_len, align)
