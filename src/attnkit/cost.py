@@ -1,8 +1,9 @@
 """The CPU cost model of the planner, in one place.
 
 Unit: the time SDPA's dense fused kernel spends on one query-key pair of one head. The
-factors are medians measured with `make bench` on the 2-core CI machines (PyTorch 2.13,
-float32, D=64, S=4096); they only need to rank the backends, not predict seconds.
+factors were estimated from timing runs on the 2-core CI machines (PyTorch 2.13, float32,
+D=64, S=1024-4096) before the first full `make bench`; they only need to rank the
+backends, not predict seconds. Recalibrate them from `benchmarks/results/bench.json`.
 """
 
 from __future__ import annotations
