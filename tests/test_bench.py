@@ -1,0 +1,42 @@
+"""The benchmark script runs end to end on a tiny configuration (a smoke test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def test_bench_writes_json_table_and_plot(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH),
+            "--sizes",
+            "256",
+            "--patterns",
+            "sliding",
+            "padding",
+            "--repeats",
+            "1",
+            "--no-memory",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = json.loads((tmp_path / "bench.json").read_text())["records"]
+    assert {r["peer"] for r in records} == {"naive", "sdpa", "flex", "auto"}
+    timed = [r for r in records if "ms" in r]
+    assert all(r["ms"] > 0 and r["roofline_pct"] > 0 for r in timed)
+    assert any("no backward" in r.get("skipped", "") for r in records)  # flex, fwd+bwd
+    table = (tmp_path / "bench.md").read_text()
+    assert "| 256 | sliding | fwd |" in table and "| 256 | padding | fwd+bwd |" in table
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
