@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from attnkit.contracts import normalize_call
+from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
 from attnkit.planner import Plan, choose_backend, plan_call
@@ -42,14 +42,12 @@ def attention(
         scale: multiplies q·kᵀ; default 1/√D.
         softcap: if set, scores become `c·tanh(s/c)` before masks and bias.
         dropout_p: dropout on the weights (applied whenever > 0).
-        backend: "auto", "reference" or "sdpa".
+        backend: "auto", "reference", "sdpa", "tiled" or "flex".
     Returns:
         (B, H, L, Dv) in q's dtype; a query that sees no key gets 0.
     """
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    chosen, _ = choose_backend(call, backend, need_lse=False)
-    out, _ = chosen.run(call, need_lse=False)
-    return out
+    return _run(call, backend, need_lse=False)[0]
 
 
 def attention_with_lse(
@@ -71,10 +69,14 @@ def attention_with_lse(
         exactly with `attnkit.softmax.merge_partials`.
     """
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    chosen, _ = choose_backend(call, backend, need_lse=True)
-    out, lse = chosen.run(call, need_lse=True)
+    out, lse = _run(call, backend, need_lse=True)
     assert lse is not None
     return out, lse
+
+
+def _run(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    chosen, _ = choose_backend(call, backend, need_lse=need_lse)
+    return chosen.run(call, need_lse=need_lse)
 
 
 def _row_index(

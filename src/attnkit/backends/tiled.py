@@ -14,6 +14,7 @@ output and log-sum-exp, which makes the block gradients sum to the exact gradien
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,9 +328,17 @@ class TiledBackend:
             return "the mask differs between heads"
         return None
 
+    def __init__(self) -> None:
+        # the plan of the call `auto` just costed, which it then runs; a weak reference,
+        # so the call's tensors are not kept alive
+        self._last: tuple[weakref.ref[AttentionCall], TilePlan] | None = None
+
     def plan(self, call: AttentionCall) -> TilePlan:
-        d = call.dims
-        return plan_tiles(call.mask, d.B, d.L, d.S)
+        """The tile plan of a call (computed once for cost and run)."""
+        if self._last is None or self._last[0]() is not call:
+            d = call.dims
+            self._last = (weakref.ref(call), plan_tiles(call.mask, d.B, d.L, d.S))
+        return self._last[1]
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         plan = self.plan(call)
