@@ -8,7 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit as ak
-from attnkit.backends.tiled import GRANULE, TILE, plan_tiles
+from attnkit.backends.tileplan import GRANULE, TILES, plan_tiles
+from attnkit.planner import count_allowed_pairs
+
+TILE = TILES[1]
 
 
 def qkv(B=2, H=4, Hkv=2, L=300, S=300, D=16, dtype=torch.float64):
@@ -130,3 +133,59 @@ def test_tiled_refuses_different_value_head_dim():
     q, k, _ = qkv(dtype=torch.float32)
     v = torch.randn(2, 2, 300, 8)
     assert "D == Dv" in ak.explain(q, k, v).reasons["tiled"]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.data(), st.sampled_from([(1, 1), (70, 70), (150, 150), (1, 90), (64, 200), (130, 70)]))
+def test_exact_spans_describe_each_row_exactly_and_count_pairs(data, size):
+    """Where a mask claims one interval per row, the interval IS the row (and counts pairs)."""
+    L, S = size
+    B = 2
+    mask = data.draw(structured_masks(B, L, S))
+    dense = mask.materialize(B, 1, L, S)[:, 0]  # (B, L, S)
+    assert count_allowed_pairs(mask, B, 3, L, S) == 3 * int(dense.sum())
+    if not mask.exact_spans(B, L, S):
+        return
+    rows, keys = torch.arange(L), torch.arange(S)
+    lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
+    spans = (keys >= lo[..., None]) & (keys < hi[..., None])
+    assert torch.equal(spans.expand(B, L, S), dense), f"{mask}: spans differ from the mask"
+
+
+@pytest.mark.parametrize(
+    ("mask", "exact"),
+    [
+        (ak.causal() & ak.sliding_window(3) & ak.key_padding(torch.tensor([5, 9])), True),
+        (ak.key_padding(torch.tensor([[True, True, False], [False, True, True]])), True),
+        (ak.key_padding(torch.tensor([[True, False, True], [True, True, True]])), False),
+        (ak.document(torch.tensor([0, 0, 1])), True),
+        (ak.document(torch.tensor([0, 1, 0])), False),
+        (ak.causal() | ak.prefix_lm(1), False),
+        (~ak.causal(), False),
+        (ak.causal() & torch.ones(3, 3, dtype=torch.bool), False),
+    ],
+    ids=str,
+)
+def test_exact_spans_only_where_each_row_is_one_interval(mask, exact):
+    assert mask.exact_spans(2, 3, 3) is exact
+
+
+def test_tiled_runs_chunks_and_irregular_blocks_exactly(monkeypatch):
+    """Small chunks, gathered windows, GQA rows, cut key spans: still the reference."""
+    import attnkit.backends.tiled as tiled
+
+    monkeypatch.setattr(tiled, "CHUNK_BYTES", 1)  # one block per kernel call
+    monkeypatch.setattr(tiled, "BACKWARD_KEYS", 40)  # the backward cuts spans, uneven tail
+    ids = torch.tensor([0] * 70 + [1] * 13 + [2] * 150 + [3] * 67)
+    mask = ak.document(ids) & ak.causal() & ak.key_padding(torch.tensor([300, 250]))
+    q, k, v = (t.requires_grad_() for t in qkv())
+    expected = ak.attention(q, k, v, mask, backend="reference")
+    got, lse = ak.attention_with_lse(q, k, v, mask, backend="tiled")
+    _, expected_lse = ak.attention_with_lse(q, k, v, mask, backend="reference")
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(lse, expected_lse)
+    grads = torch.autograd.grad((got.sum() + lse.clamp(min=-1e4).sum()), (q, k, v))
+    ref = ak.attention_with_lse(q, k, v, mask, backend="reference")
+    expected_grads = torch.autograd.grad((ref[0].sum() + ref[1].clamp(min=-1e4).sum()), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)

@@ -1,17 +1,23 @@
 """The CPU cost model of the planner, in one place.
 
 Unit: the time SDPA's dense fused kernel spends on one query-key pair of one head. The
-factors were estimated from timing runs on the 2-core CI machines (PyTorch 2.13, float32,
-D=64, S=1024-4096) before the first full `make bench`; they only need to rank the
-backends, not predict seconds. Recalibrate them from `benchmarks/results/bench.json`.
+SDPA factors come from the first full `make bench` (benchmarks/results/bench.json of
+2026-11-30: per-pair time against dense SDPA at the same S, S = 4096 and 16384); the
+tiled factors from kernel timings of (n, 8, R, K) blocks on the same 2-core machine
+(PyTorch 2.13, float32, D=64). They only need to rank the backends, not predict seconds.
 """
 
 from __future__ import annotations
 
 SDPA_DENSE = 1.0  # F.scaled_dot_product_attention, no mask
-SDPA_CAUSAL = 1.1  # is_causal=True, per pair it computes (about half of L×S)
-SDPA_MASKED = 1.6  # with a mask tensor: the kernel reads it and skips no block
-TILED_PAIR = 1.9  # tiled, per pair inside its blocks (tile-local masks, gathers)
-TILED_CALL = 700_000.0  # tiled, per kernel call and per gather (about 1 ms)
+SDPA_CAUSAL = 1.0  # is_causal=True, per pair it computes (about half of L×S)
+SDPA_MASKED = 1.25  # with a mask tensor: the kernel reads it and skips no block
+TILED_PAIR = 1.2  # tiled, per pair inside blocks of 256+ rows (short blocks: tiled_pair)
+TILED_CALL = 200_000.0  # tiled, per group of blocks (planning, masks, copies)
 FLEX_PAIR = 2.4  # compiled FlexAttention, per pair inside its 128×128 blocks (warm)
 REFERENCE = 6.0  # the readable loop materializes (B, H, L, S) scores several times
+
+
+def tiled_pair(rows: int) -> float:
+    """Tiled's per-pair cost on blocks of `rows` query rows: short blocks use the op less well."""
+    return float(TILED_PAIR * (256 / min(max(rows, 1), 256)) ** 0.1)

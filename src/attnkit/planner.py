@@ -68,6 +68,10 @@ def count_allowed_pairs(
     """Query-key pairs (over B and H) the mask lets attend, counted in row chunks."""
     if mask is None:
         return B * H * L * S
+    if not mask.head_dependent and mask.exact_spans(B, L, S):  # one key interval per row
+        rows = torch.arange(L, device=device)
+        lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
+        return int((hi - lo).clamp(min=0).sum()) * (B // lo.shape[0]) * H
     chunk = max(1, _CHUNK_ELEMENTS // max(1, B * H * S))
     total = 0
     for start in range(0, L, chunk):

@@ -1,223 +1,190 @@
 """Backend `tiled`: block-sparse attention over the key spans each query tile may see.
 
-The mask's structure (`Mask.key_bounds`) gives, for every tile of `TILE` query rows and
-every batch row, one span of keys `[lo, hi)` that holds all keys the tile may see; no
-L×S tensor is built. Spans are rounded to `GRANULE` keys, consecutive tiles with the
-same span merge into one block, and blocks of one shape run as ONE fused kernel call
-(the CPU flash-attention op), with a tile-local mask where a block is not fully visible.
+`tileplan` cuts the problem into blocks (query rows × one key span) from the mask's
+structure alone. Each block runs through PyTorch's CPU flash-attention op with a
+tile-local mask where it is not fully visible: for masks that are one key interval per
+row (`Mask.exact_spans`) that mask comes from two (B, L) tensors, otherwise from the
+predicate on the block only. No L×S tensor is built. Blocks run in chunks of bounded
+memory; query and key windows are strided views where they are evenly spaced.
+
 Each query row lies in exactly one block, so the kernel's log-sum-exp is the row's
-log-sum-exp. The backward pass reruns the op's backward per block with the global
-output and log-sum-exp, which makes the block gradients sum to the exact gradient
-(as ring attention does).
+log-sum-exp. The backward pass reruns the op's backward per block with the global output
+and log-sum-exp, which makes the block gradients sum to the exact gradient (as ring
+attention does).
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit import cost
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
+from attnkit.backends.tileplan import Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.softmax import compute_dtype
 
-__all__ = ["TILE", "TilePlan", "TiledBackend", "plan_tiles"]
+__all__ = ["CHUNK_BYTES", "TiledBackend"]
 
-TILE = 128  # query rows per tile
-GRANULE = 64  # key spans start and end on multiples of this
-MAX_GROUPS = 12  # more distinct block shapes than this get bucketed
+CHUNK_BYTES = 2 << 20  # temporaries of one kernel call: block rows, outputs, masks, copies
+BACKWARD_KEYS = 1024  # the backward cuts key spans to this width (its key gradients)
 
-
-@dataclass(frozen=True)
-class Group:
-    """`n` blocks of one batch row, each `rows` queries × `keys` keys: one kernel call."""
-
-    batch: int
-    row0: Tensor  # (n,) first query row of each block
-    key0: Tensor  # (n,) first key of each block
-    rows: int
-    keys: int
-
-    @property
-    def key_step(self) -> int | None:
-        """Block i's keys start at key0[0] + i·step: a strided view, no copy. Else None."""
-        steps = self.key0.diff()
-        if steps.numel() == 0:
-            return 0
-        step = int(steps[0])
-        return step if step >= 0 and bool((steps == step).all()) else None
+Dims = tuple[int, int, int, int]  # B, H, L, S
 
 
-@dataclass(frozen=True)
-class TilePlan:
-    groups: tuple[Group, ...]
-    area: int  # query-key pairs computed per head, over the batch
+class _Visibility:
+    """Which keys the rows of each block see: from per-row spans, or from the predicate."""
 
-    @property
-    def calls(self) -> int:
-        return len(self.groups)
+    def __init__(self, mask: Mask | None, dims: Dims, device: torch.device) -> None:
+        B, H, L, S = dims
+        self.dims, self.device = dims, device
+        self.spans: tuple[Tensor, Tensor] | None = None
+        if mask is None:
+            zeros = torch.zeros(B, L, dtype=torch.long, device=device)
+            self.spans = zeros, zeros + S
+        elif mask.exact_spans(B, L, S):
+            rows = torch.arange(L, device=device)
+            lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
+            self.spans = lo.to(device).expand(B, L), hi.to(device).expand(B, L)
+        else:
+            self.predicate = mask.predicate(B, H, L, S, device)
 
-
-def _bucket(length: Tensor) -> Tensor:
-    """Round lengths up to {1, 1.5} × 2^k granules so few distinct shapes remain."""
-    granules = (length.double() / GRANULE).clamp(min=1)
-    base = torch.exp2(torch.floor(torch.log2(granules)))
-    up = torch.where(
-        granules <= base, base, torch.where(granules <= 1.5 * base, 1.5 * base, 2 * base)
-    )
-    return (up * GRANULE).long()
-
-
-def plan_tiles(mask: Mask | None, B: int, L: int, S: int, tile: int = TILE) -> TilePlan:
-    """Blocks of (batch row, query rows, key span) covering every visible pair."""
-    n_tiles = math.ceil(L / tile)
-    first = torch.arange(n_tiles) * tile
-    last = (first + tile).clamp(max=L) - 1
-    if mask is None:
-        lo, hi = torch.zeros(1, n_tiles, dtype=torch.long), torch.full((1, n_tiles), S)
-    else:
-        lo, hi = mask.key_bounds(B, L, S, first, last)
-    lo, hi = lo.expand(B, n_tiles), hi.expand(B, n_tiles)
-    lo = torch.div(lo, GRANULE, rounding_mode="floor") * GRANULE
-    hi = torch.where(hi > lo, ((hi + GRANULE - 1) // GRANULE * GRANULE).clamp(max=S), lo)
-    if torch.unique(hi - lo).numel() > MAX_GROUPS:
-        width = torch.minimum(_bucket(hi - lo), torch.tensor(S))
-        lo = torch.where(hi > lo, (hi - width).clamp(min=0), lo)
-        hi = torch.where(hi > lo, (lo + width).clamp(max=S), hi)
-    return _group(lo, hi, tile, L)
-
-
-def _group(lo: Tensor, hi: Tensor, tile: int, L: int) -> TilePlan:
-    """Merge runs of tiles with equal spans into blocks, then blocks by batch row and shape."""
-    B, n_tiles = lo.shape
-    blocks: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
-    area = 0
-    for b in range(B):
-        spans = list(zip(lo[b].tolist(), hi[b].tolist(), strict=True))
-        t = 0
-        while t < n_tiles:
-            end = t + 1
-            while end < n_tiles and spans[end] == spans[t]:
-                end += 1
-            start_key, stop_key = spans[t]
-            if stop_key > start_key:
-                rows = (end - t) * tile
-                blocks.setdefault((b, rows, stop_key - start_key), []).append((t * tile, start_key))
-                area += min(rows, L - t * tile) * (stop_key - start_key)
-            t = end
-    groups = tuple(
-        Group(
-            b,
-            torch.tensor([m[0] for m in members]),
-            torch.tensor([m[1] for m in members]),
-            rows=rows,
-            keys=keys,
-        )
-        for (b, rows, keys), members in sorted(blocks.items())
-    )
-    return TilePlan(groups=groups, area=area)
-
-
-@dataclass
-class _Block:
-    """A group with its tile-local mask evaluated (n blocks of R rows × K keys)."""
-
-    group: Group
-    rows: Tensor  # (n·R,) query row of each block row, clamped to L - 1
-    valid: Tensor  # (n·R,) the row exists (< L)
-    keys: Tensor  # (n·K,) key of each block key
-    seen: Tensor  # (n, R) the row sees some key of its block
-    seen_keys: Tensor  # (n, K) some row of the block sees the key
-    attn_mask: Tensor | None  # additive (n|1, 1, G·R, K); None where all is visible
-
-
-def _prepare(
-    mask: Mask | None,
-    group: Group,
-    dims: tuple[int, ...],
-    G: int,
-    dtype: torch.dtype,
-    dev: torch.device,
-) -> _Block:
-    B, H, L, S = dims
-    R, K = group.rows, group.keys
-    rows = group.row0.to(dev)[:, None] + torch.arange(R, device=dev)  # (n, R)
-    keys = group.key0.to(dev)[:, None] + torch.arange(K, device=dev)  # (n, K)
-    valid = rows < L
-    rows = rows.clamp(max=L - 1)
-    visible = valid[:, :, None].expand(-1, -1, K)  # (n, R, K)
-    if mask is not None:
-        b = torch.tensor(group.batch, device=dev)
+    def _predicate_block(self, g: Group) -> Tensor:
+        """(n, R, K) visibility by the predicate."""
+        L, dev = self.dims[2], self.device
+        rows, keys = g.index("rows").to(dev), g.index("keys").to(dev)
+        b = torch.tensor(g.batch, device=dev)
         h = torch.zeros((), dtype=torch.long, device=dev)
-        predicate = mask.predicate(B, H, L, S, dev)
-        visible = visible & predicate(b, h, rows[:, :, None], keys[:, None, :])
-    seen, seen_keys = visible.any(-1), visible.any(-2)
-    attn_mask = None
-    if not bool(visible.all()):
-        if bool((visible == visible[:1]).all()):
-            visible = visible[:1]  # one pattern shared by every block (a sliding band)
-        additive = torch.zeros(visible.shape, dtype=dtype, device=dev)
-        additive = additive.masked_fill(~visible, -torch.inf)  # (n|1, R, K)
-        attn_mask = additive[:, None].expand(-1, G, -1, -1).reshape(-1, 1, G * R, K)
-    return _Block(
-        group, rows.reshape(-1), valid.reshape(-1), keys.reshape(-1), seen, seen_keys, attn_mask
+        visible = self.predicate(b, h, rows.clamp(max=L - 1)[:, :, None], keys[:, None, :])
+        return (rows < L)[:, :, None] & visible
+
+    def masks(self, group: Group, G: int, dtype: torch.dtype) -> Callable[[Group], Tensor | None]:
+        """The op's additive mask for each chunk of `group`: (n|1, 1, G·R, K), or None.
+
+        With spans the group is examined once: fully visible (no mask), one pattern shared
+        by every block (a sliding band: built once), or per block from (n, R) local spans.
+        """
+        if self.spans is None:
+            return lambda g: _additive(_shared_or_all(self._predicate_block(g)), G, dtype)
+        L, dev = self.dims[2], self.device
+        rows = group.index("rows").to(dev)  # (n, R)
+        valid, rows = rows < L, rows.clamp(max=L - 1)
+        key0 = torch.tensor(group.key0, device=dev)[:, None]
+        lo = torch.where(valid, self.spans[0][group.batch, rows] - key0, group.keys)  # local
+        hi = torch.where(valid, self.spans[1][group.batch, rows] - key0, 0)
+        if bool((lo <= 0).all()) and bool((hi >= group.keys).all()):
+            return lambda g: None
+        keys = torch.arange(group.keys, device=dev)
+        if bool((lo == lo[:1]).all()) and bool((hi == hi[:1]).all()):
+            shared = _additive((keys >= lo[:1, :, None]) & (keys < hi[:1, :, None]), G, dtype)
+            return lambda g: shared
+        first = {r0: i for i, r0 in enumerate(group.row0)}
+
+        def chunk(g: Group) -> Tensor | None:
+            i = first[g.row0[0]]
+            part_lo, part_hi = lo[i : i + g.size, :, None], hi[i : i + g.size, :, None]
+            return _additive((keys >= part_lo) & (keys < part_hi), G, dtype)
+
+        return chunk
+
+    def seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
+        """(B, L) rows that see some key and (B, S) keys that some row sees."""
+        B, _, L, S = self.dims
+        if self.spans is not None:
+            lo, hi = self.spans
+            rows = hi > lo
+            count = torch.zeros(B, S + 1, dtype=torch.long, device=self.device)
+            ones = rows.long()
+            count.scatter_add_(1, torch.where(rows, lo, S), ones)
+            count.scatter_add_(1, torch.where(rows, hi, S), -ones)
+            return rows, count.cumsum(1)[:, :S] > 0
+        seen_rows = torch.zeros(B, L, dtype=torch.bool, device=self.device)
+        seen_keys = torch.zeros(B, S, dtype=torch.bool, device=self.device)
+        for group in plan.groups:
+            for g in group.chunks(chunk(group)):
+                visible = self._predicate_block(g)  # (n, R, K)
+                rows = g.index("rows").clamp(max=L - 1).to(self.device)
+                seen_rows[g.batch, rows[visible.any(-1)]] = True
+                seen_keys[g.batch, g.index("keys").to(self.device)[visible.any(-2)]] = True
+        return seen_rows, seen_keys
+
+
+def _shared_or_all(visible: Tensor) -> Tensor | None:
+    """None if every pair is visible; one (1, R, K) pattern if all blocks agree."""
+    if bool(visible.all()):
+        return None
+    return visible[:1] if bool((visible == visible[:1]).all()) else visible
+
+
+def _additive(visible: Tensor | None, G: int, dtype: torch.dtype) -> Tensor | None:
+    """(n|1, R, K) bool -> the op's additive mask (n|1, 1, G·R, K), rows repeated per head."""
+    if visible is None:
+        return None
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    additive.masked_fill_(~visible, -torch.inf)
+    n, K = visible.shape[0], visible.shape[-1]
+    return additive[:, None].expand(-1, G, -1, -1).reshape(n, 1, -1, K)
+
+
+def _windows(x: Tensor, starts: tuple[int, ...], step: int | None, size: int) -> Tensor | None:
+    """x (heads, T, ...) -> (n, heads, size, ...) windows x[:, s : s + size] as one view.
+
+    None where the starts are not evenly spaced or a window runs past the end.
+    """
+    if step is None or starts[-1] + size > x.shape[1]:
+        return None
+    stride = x.stride()
+    return x.as_strided(
+        (len(starts), x.shape[0], size, *x.shape[2:]),
+        (step * stride[1], stride[0], stride[1], *stride[2:]),
+        x.storage_offset() + starts[0] * stride[1],
     )
 
 
-def _hide_unseen(
-    q: Tensor, k: Tensor, v: Tensor, blocks: list[_Block]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Zero query rows that see nothing and keys nobody sees (they may hold NaN or Inf)."""
-    B, _, L, _ = q.shape
-    seen_rows = torch.zeros(B, L, dtype=torch.bool, device=q.device)
-    seen_keys = torch.zeros(B, k.shape[2], dtype=torch.bool, device=q.device)
-    for blk in blocks:
-        seen_rows[blk.group.batch, blk.rows[blk.seen.reshape(-1) & blk.valid]] = True
-        seen_keys[blk.group.batch, blk.keys[blk.seen_keys.reshape(-1)]] = True
-    if not bool(seen_rows.all()):
-        q = torch.where(seen_rows[:, None, :, None], q, 0.0)
-    if not bool(seen_keys.all()):
-        k = torch.where(seen_keys[:, None, :, None], k, 0.0)
-        v = torch.where(seen_keys[:, None, :, None], v, 0.0)
-    return q, k, v
-
-
-def _block_rows(x: Tensor, blk: _Block, Hkv: int) -> Tensor:
+def _block_rows(x: Tensor, g: Group, Hkv: int) -> Tensor:
     """Batch row `x` (H, L, ...) -> (n, Hkv, G·R, ...): the G heads of a K/V head stacked."""
-    n, R = blk.seen.shape
-    x = x.reshape(Hkv, x.shape[0] // Hkv, *x.shape[1:])[:, :, blk.rows]  # (Hkv, G, n·R, ...)
+    if x.shape[0] == Hkv and (view := _windows(x, g.row0, g.row_step, g.rows)) is not None:
+        return view
+    rows = g.index("rows").clamp(max=x.shape[1] - 1).reshape(-1).to(x.device)
+    n, R = g.size, g.rows
+    x = x.reshape(Hkv, x.shape[0] // Hkv, *x.shape[1:])[:, :, rows]  # (Hkv, G, n·R, ...)
     x = x.reshape(Hkv, x.shape[1], n, R, *x.shape[3:]).movedim(2, 0)  # (n, Hkv, G, R, ...)
     return x.reshape(n, Hkv, -1, *x.shape[4:])
 
 
-def _scatter_rows(dst: Tensor, src: Tensor, blk: _Block, Hkv: int) -> None:
-    """Write block rows `src` (n, Hkv, G·R, ...) into batch row `dst` (H, L, ...)."""
-    n, R = blk.seen.shape
-    G = dst.shape[0] // Hkv
+def _write_rows(dst: Tensor, src: Tensor, g: Group, Hkv: int, *, add: bool = False) -> None:
+    """Write (or `add`) block rows `src` (n, Hkv, G·R, ...) into batch row `dst` (H, L, ...)."""
+    if dst.shape[0] == Hkv and (view := _windows(dst, g.row0, g.row_step, g.rows)) is not None:
+        view.add_(src) if add else view.copy_(src)  # blocks never share a row: no overlap
+        return
+    rows = g.index("rows").reshape(-1).to(dst.device)
+    valid = rows < dst.shape[1]
+    n, R, G = g.size, g.rows, dst.shape[0] // Hkv
     src = src.reshape(n, Hkv, G, R, *src.shape[3:]).movedim(0, 2)  # (Hkv, G, n, R, ...)
-    src = src.reshape(Hkv, G, n * R, *src.shape[4:])[:, :, blk.valid]
-    dst.view(Hkv, G, *dst.shape[1:])[:, :, blk.rows[blk.valid]] = src
+    src = src.reshape(Hkv, G, n * R, *src.shape[4:])[:, :, valid]
+    target = dst.view(Hkv, G, *dst.shape[1:]).movedim(2, 0)  # (L, Hkv, G, ...), a view
+    target.index_put_((rows[valid],), src.movedim(2, 0), accumulate=add)
 
 
-def _key_blocks(x: Tensor, blk: _Block) -> Tensor:
+def _block_keys(x: Tensor, g: Group) -> Tensor:
     """Batch row `x` (Hkv, S, D) -> (n, Hkv, K, D) key windows, as a view when strided."""
-    group = blk.group
-    n, K = blk.seen_keys.shape
-    step = group.key_step
-    if step is not None:
-        s_h, s_s, s_d = x.stride()
-        return x.as_strided(
-            (n, x.shape[0], K, x.shape[2]),
-            (step * s_s, s_h, s_s, s_d),
-            x.storage_offset() + int(group.key0[0]) * s_s,
-        )
-    return x[:, blk.keys].view(x.shape[0], n, K, -1).transpose(0, 1)
+    view = _windows(x, g.key0, g.key_step, g.keys)
+    if view is not None:
+        return view
+    keys = g.index("keys").reshape(-1).to(x.device)
+    return x[:, keys].view(x.shape[0], g.size, g.keys, -1).transpose(0, 1)
+
+
+def _chunk_blocks(g: Group, H: int, Hkv: int, D: int) -> int:
+    """How many blocks of `g` one kernel call takes so its temporaries stay near CHUNK_BYTES."""
+    per_block = H * g.rows * (3 * D + 2) + (H // Hkv) * g.rows * g.keys
+    if g.key_step is None:
+        per_block += 2 * Hkv * g.keys * D
+    return max(1, CHUNK_BYTES // (4 * per_block))
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -231,30 +198,32 @@ class _TiledAttention(torch.autograd.Function):
         plan: TilePlan,
         scale: float,
     ) -> tuple[Tensor, Tensor]:
-        B, H, L, _ = q.shape
+        B, H, L, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         flash = cpu_flash_attention()
         assert flash is not None
-        blocks = [_prepare(mask, g, (B, H, L, S), H // Hkv, q.dtype, q.device) for g in plan.groups]
-        q, k, v = _hide_unseen(q, k, v, blocks)
+        vis = _Visibility(mask, (B, H, L, S), q.device)
+        seen_rows, seen_keys = vis.seen(plan, lambda g: _chunk_blocks(g, H, Hkv, D))
+        q, k, v = _hide_unseen(q, k, v, seen_rows, seen_keys)
         out = q.new_zeros(B, H, L, v.shape[-1])
         lse = q.new_full((B, H, L), -torch.inf)
-        for blk in blocks:
-            b = blk.group.batch
-            ob, lb = flash(
-                _block_rows(q[b], blk, Hkv),
-                _key_blocks(k[b], blk),
-                _key_blocks(v[b], blk),
-                0.0,
-                False,
-                attn_mask=blk.attn_mask,
-                scale=scale,
-            )  # (n, Hkv, G·R, Dv), (n, Hkv, G·R)
-            seen = blk.seen[:, None, None, :].expand(-1, Hkv, H // Hkv, -1).reshape(lb.shape)
-            _scatter_rows(out[b], ob, blk, Hkv)
-            _scatter_rows(lse[b], torch.where(seen, lb, -torch.inf), blk, Hkv)
+        for group in plan.groups:
+            b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)
+            for g in group.chunks(_chunk_blocks(group, H, Hkv, D)):
+                ob, lb = flash(
+                    _block_rows(q[b], g, Hkv),
+                    _block_keys(k[b], g),
+                    _block_keys(v[b], g),
+                    0.0,
+                    False,
+                    attn_mask=masks(g),
+                    scale=scale,
+                )  # (n, Hkv, G·R, Dv), (n, Hkv, G·R)
+                _write_rows(out[b], ob, g, Hkv)
+                _write_rows(lse[b], lb, g, Hkv)
+        lse.masked_fill_(~seen_rows[:, None, :], -torch.inf)  # the op gives 0 on empty rows
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.blocks, ctx.scale = blocks, scale
+        ctx.vis, ctx.plan, ctx.scale = vis, plan, scale
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -265,26 +234,42 @@ class _TiledAttention(torch.autograd.Function):
         if dout is None and dlse is None:
             return dq, dk, dv, None, None, None
         dout = torch.zeros_like(out) if dout is None else dout
-        Hkv = k.shape[1]
+        H, D, Hkv = q.shape[1], q.shape[-1], k.shape[1]
         backward_op = cpu_flash_attention_backward()
         assert backward_op is not None
         safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)  # masked scores stay -inf
-        for blk in ctx.blocks:
-            b = blk.group.batch
-            qb, kb, vb = _block_rows(q[b], blk, Hkv), _key_blocks(k[b], blk), _key_blocks(v[b], blk)
-            go, ob, lb = (_block_rows(t[b], blk, Hkv) for t in (dout, out, safe_lse))
-            if dlse is not None:
-                qb, kb, vb, ob, go = _with_lse_gradient(
-                    qb, kb, vb, ob, go, _block_rows(dlse[b], blk, Hkv)
+        # with the global out and lse, the blocks' key spans may be cut: smaller gradients
+        pieces = (part for g in ctx.plan.groups for part in g.key_splits(BACKWARD_KEYS))
+        for group in pieces:
+            b, masks = group.batch, ctx.vis.masks(group, H // Hkv, q.dtype)
+            for g in group.chunks(_chunk_blocks(group, H, Hkv, D)):
+                qb, kb, vb = _block_rows(q[b], g, Hkv), _block_keys(k[b], g), _block_keys(v[b], g)
+                go, ob, lb = (_block_rows(t[b], g, Hkv) for t in (dout, out, safe_lse))
+                if dlse is not None:
+                    qb, kb, vb, ob, go = _with_lse_gradient(
+                        qb, kb, vb, ob, go, _block_rows(dlse[b], g, Hkv)
+                    )
+                gq, gk, gv = backward_op(
+                    go, qb, kb, vb, ob, lb, 0.0, False, attn_mask=masks(g), scale=ctx.scale
                 )
-            gq, gk, gv = backward_op(
-                go, qb, kb, vb, ob, lb, 0.0, False, attn_mask=blk.attn_mask, scale=ctx.scale
-            )
-            _scatter_rows(dq[b], gq[..., : q.shape[-1]], blk, Hkv)
-            for grad, g in ((dk, gk[..., : k.shape[-1]]), (dv, gv[..., : v.shape[-1]])):
-                flat = g.transpose(0, 1).reshape(Hkv, -1, g.shape[-1])  # (Hkv, n·K, D)
-                grad[b].index_add_(1, blk.keys, flat)
+                _write_rows(dq[b], gq[..., :D], g, Hkv, add=True)
+                keys = g.index("keys").reshape(-1).to(q.device)
+                for grad, part in ((dk, gk[..., :D]), (dv, gv[..., : v.shape[-1]])):
+                    flat = part.transpose(0, 1).reshape(Hkv, -1, part.shape[-1])  # (Hkv, n·K, D)
+                    grad[b].index_add_(1, keys, flat)
         return dq, dk, dv, None, None, None
+
+
+def _hide_unseen(
+    q: Tensor, k: Tensor, v: Tensor, seen_rows: Tensor, seen_keys: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero query rows that see nothing and keys nobody sees (they may hold NaN or Inf)."""
+    if not bool(seen_rows.all()):
+        q = torch.where(seen_rows[:, None, :, None], q, 0.0)
+    if not bool(seen_keys.all()):
+        k = torch.where(seen_keys[:, None, :, None], k, 0.0)
+        v = torch.where(seen_keys[:, None, :, None], v, 0.0)
+    return q, k, v
 
 
 def _with_lse_gradient(
@@ -337,26 +322,16 @@ class TiledBackend:
         """The tile plan of a call (computed once for cost and run)."""
         if self._last is None or self._last[0]() is not call:
             d = call.dims
-            self._last = (weakref.ref(call), plan_tiles(call.mask, d.B, d.L, d.S))
+            self._last = (weakref.ref(call), best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S))
         return self._last[1]
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
-        plan = self.plan(call)
-        return cost.TILED_PAIR * plan.area * call.dims.H + cost.TILED_CALL * plan.calls
+        return self.plan(call).cost(call.dims.H, call.dims.groups)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
-        """Output and log-sum-exp, plus the largest group's copies and mask (float32)."""
+        """Output and log-sum-exp, plus one chunk's temporaries (float32)."""
         d = call.dims
-        largest = 0
-        for g in self.plan(call).groups:
-            n = g.row0.shape[0]
-            strided = g.key_step is not None
-            copies = n * g.rows * d.H * (d.D + d.Dv) + (
-                0 if strided else 2 * n * g.keys * d.Hkv * d.D
-            )
-            mask = (1 if strided else n) * d.groups * g.rows * g.keys
-            largest = max(largest, copies + mask)
-        return 4 * (d.B * d.H * d.L * (d.Dv + 1) + largest)
+        return 4 * d.B * d.H * d.L * (d.Dv + 1) + CHUNK_BYTES
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = compute_dtype(call.q.dtype)

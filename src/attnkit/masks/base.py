@@ -74,6 +74,15 @@ class Mask:
         zeros = torch.zeros(1, first.shape[0], dtype=torch.long, device=first.device)
         return zeros, zeros + S
 
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        """True if each query row sees exactly the span `key_bounds` gives for it alone.
+
+        Then one interval per row describes the mask completely (causal, sliding window,
+        sorted documents, prefix-LM, length padding and their `&`), and the tiled backend
+        builds its tile-local masks from two (B, L) tensors instead of the predicate.
+        """
+        return False
+
     def dense(
         self,
         B: int,
@@ -256,6 +265,9 @@ class _Combine(Mask):
             else:
                 lo, hi = torch.minimum(lo, part_lo), torch.maximum(hi, part_hi)
         return lo, hi.clamp(min=lo) if self.op == "&" else hi
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return self.op == "&" and all(p.exact_spans(B, L, S) for p in self.parts)
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         preds = [p.predicate(B, H, L, S, device) for p in self.parts]

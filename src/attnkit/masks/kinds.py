@@ -43,6 +43,9 @@ class _Causal(Mask):
         offset = causal_offset(self.align, L, S)
         return torch.zeros_like(first)[None], (last + offset + 1).clamp(0, S)[None]
 
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return True
+
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         offset = causal_offset(self.align, L, S)
         return lambda b, h, i, j: j <= i + offset
@@ -93,6 +96,9 @@ class _SlidingWindow(Mask):
         offset = causal_offset(self.align, L, S, who="sliding_window")
         lo = (first + offset - self.left).clamp(0, S)
         return lo[None], (last + offset + self.right + 1).clamp(0, S)[None]
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return True
 
     def describe(self) -> str:
         align = "" if self.align is None else f", align={self.align!r}"
@@ -181,6 +187,15 @@ class _KeyPadding(Mask):
         hi = torch.where(valid, position + 1, 0).amax(-1, keepdim=True)
         return lo.clamp(max=hi).expand(-1, T), hi.expand(-1, T)
 
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        """Lengths always; a bool mask when each row's real tokens are one run."""
+        if self.is_lengths:
+            return True
+        row = torch.zeros(1, dtype=torch.long)
+        lo, hi = self.key_bounds(B, L, S, row, row)  # (B, 1): the first and last real token
+        position = torch.arange(S)
+        return bool((self.valid.cpu() == ((position >= lo) & (position < hi))).all())
+
     def describe(self) -> str:
         kind = "lengths" if self.is_lengths else "valid"
         return f"key_padding({kind}, B={self.valid.shape[0]})"
@@ -241,16 +256,20 @@ class _Document(Mask):
     ) -> tuple[Tensor, Tensor]:
         q_ids = self.q_ids.to(first.device)  # (B|1, L)
         kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(first.device)  # (B|1, S)
-        sorted_ids = bool((q_ids[:, 1:] >= q_ids[:, :-1]).all()) and bool(
-            (kv_ids[:, 1:] >= kv_ids[:, :-1]).all()
-        )
-        if not sorted_ids:  # documents are not contiguous runs: no tight span
+        if not self._sorted():  # documents are not contiguous runs: no tight span
             return super().key_bounds(B, L, S, first, last)
         batch = max(q_ids.shape[0], kv_ids.shape[0])
         q_ids, kv_ids = q_ids.expand(batch, L), kv_ids.expand(batch, S).contiguous()
         lo = torch.searchsorted(kv_ids, q_ids[:, first].contiguous(), side="left")
         hi = torch.searchsorted(kv_ids, q_ids[:, last].contiguous(), side="right")
         return lo, hi  # (B|1, T): from the first row's document start to the last's end
+
+    def _sorted(self) -> bool:
+        kv_ids = self.q_ids if self.kv_ids is None else self.kv_ids
+        return all(bool((ids[:, 1:] >= ids[:, :-1]).all()) for ids in (self.q_ids, kv_ids))
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return self._sorted()
 
     def describe(self) -> str:
         return f"document(B={self.batch_size})"
@@ -317,6 +336,9 @@ class _PrefixLM(Mask):
         prefix = n.to(first.device).view(-1, 1) if isinstance(n, Tensor) else torch.tensor([[n]])
         hi = torch.maximum(prefix.to(first.device), (last + offset + 1)[None]).clamp(0, S)
         return torch.zeros_like(hi), hi
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return True
 
     def describe(self) -> str:
         n = self.prefix_len
