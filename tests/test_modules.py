@@ -135,6 +135,69 @@ def test_alibi_bias_as_an_additive_mask():
     torch.testing.assert_close(ak.attention(q, k, v, causal_bias), expected)
 
 
+def test_alibi_mask_equals_the_dense_bias_and_runs_tiled_without_an_l_by_s_tensor(monkeypatch):
+    """`causal() & alibi(H)` == the dense alibi_bias with -inf above the diagonal."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 200, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 200, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    dense = (
+        ak.alibi_bias(4, 200)
+        .double()
+        .masked_fill(~ak.causal().materialize(1, 4, 200, 200), -torch.inf)
+    )
+    expected = ak.attention(q, k, v, dense, backend="reference")
+    (expected_grad,) = torch.autograd.grad(expected.sum(), q)
+    mask = ak.causal() & ak.alibi(4)
+    assert ak.explain(q, k, v, mask, backend="tiled").backend == "tiled"  # no refusal
+    for name in ("dense", "materialize", "dense_bias"):
+        monkeypatch.setattr(ak.Mask, name, lambda *a, **kw: pytest.fail("built L×S"))
+    got = ak.attention(q, k, v, mask, backend="tiled")
+    (grad,) = torch.autograd.grad(got.sum(), q)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_alibi_rows_decode_and_modules():
+    q, k = torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8)
+    mask = ak.causal() & ak.alibi(4)
+    full = ak.attention_probs(q, k, mask)
+    torch.testing.assert_close(ak.attention_probs(q, k, mask, rows=[2, 7]), full[:, :, [2, 7]])
+    # decode: one query at the end of 9 keys sees the distances 8, 7, ..., 0
+    last = ak.attention_probs(q[:, :, -1:], k, ak.alibi(4, align="bottom_right"))
+    scores = q[:, :, -1:] @ k.mT / 8**0.5 + ak.alibi_bias(4, 1, 9, align="bottom_right")
+    torch.testing.assert_close(last, torch.softmax(scores, -1))
+    mha = ak.MultiHeadAttention(16, 4, backend="tiled")
+    x = torch.randn(2, 9, 16)
+    out = mha(x, mask=mask)
+    mha.backend = "reference"
+    torch.testing.assert_close(out, mha(x, mask=mask))
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "words"),
+    [
+        (
+            lambda: ak.attention(*(torch.randn(1, 2, 4, 8),) * 3, ak.alibi(4)),
+            ak.ShapeContractError,
+            "alibi\\(2\\)",
+        ),
+        (
+            lambda: ak.attention(
+                torch.randn(1, 4, 2, 8), *(torch.randn(1, 4, 5, 8),) * 2, ak.alibi(4)
+            ),
+            ak.ShapeContractError,
+            "bottom_right",
+        ),
+        (lambda: ak.causal() | ak.alibi(4), ak.MaskError, "by `&` only"),
+        (lambda: ~ak.alibi(4), ak.MaskError, "negate masks only"),
+    ],
+    ids=["heads", "alignment", "or", "not"],
+)
+def test_alibi_misuse_says_what_to_do(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
 def test_every_backend_gives_the_same_module_outputs_and_gradients():
     x = torch.randn(2, 70, 32)
     mask = ak.causal() & ak.key_padding(torch.tensor([70, 50]))

@@ -54,6 +54,9 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
             (ak.sliding_window(4, align=align) | ak.prefix_lm(3, align=align))
             & ak.key_padding(lengths)
         ),
+        "documents_alibi": lambda: (
+            ak.document(q_ids, kv_ids) & ak.causal(align=align) & ak.alibi(H, align=align)
+        ),
         "bool_tensor": lambda: torch.rand(B, 1, L, S, generator=g) > 0.3,
         "float_bias": lambda: torch.randn(1, H, L, S, generator=g).masked_fill(
             torch.rand(1, H, L, S, generator=g) < 0.2, -torch.inf
@@ -65,7 +68,7 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
 MASKS = [
     "none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
     "sliding_two_sided", "documents_causal", "prefix_lm", "window_or_prefix_padded",
-    "bool_tensor", "float_bias",
+    "documents_alibi", "bool_tensor", "float_bias",
 ]  # fmt: skip
 FAST_LARGE = {"causal", "causal_left_padding", "documents_causal", "float_bias"}
 
@@ -138,7 +141,7 @@ def _cases():
 def test_backend_matches_float64_reference(backend, dtype, heads, mask_kind, size, D):
     (q, k, v, mask, dout), truth, ref = truth_and_reference(dtype, heads, mask_kind, size, D)
     if backend == "tiled" and mask_kind == "float_bias":
-        with pytest.raises(ValueError, match="additive float bias has no structure"):
+        with pytest.raises(ValueError, match="additive float bias tensor has no structure"):
             run(q, k, v, mask, dout, backend)
         return
     got = run(q, k, v, mask, dout, backend)

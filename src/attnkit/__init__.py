@@ -29,7 +29,7 @@ from attnkit.masks import (
 )
 from attnkit.modules import MultiHeadAttention, SingleHeadAttention
 from attnkit.planner import Plan
-from attnkit.positional import RotaryEmbedding, alibi_bias, alibi_slopes
+from attnkit.positional import RotaryEmbedding, alibi, alibi_bias, alibi_slopes
 from attnkit.reference import (
     attention_weights,
     build_attention_mask,
@@ -49,6 +49,7 @@ __all__ = [
     "RotaryEmbedding",
     "ShapeContractError",
     "SingleHeadAttention",
+    "alibi",
     "alibi_bias",
     "alibi_slopes",
     "and_masks",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -55,12 +56,35 @@ class AttentionCall:
     q: Tensor  # (B, H, L, D)
     k: Tensor  # (B, Hkv, S, D)
     v: Tensor  # (B, Hkv, S, Dv)
-    mask: Mask | None  # True = may attend
-    bias: Tensor | None  # additive, broadcastable to (B, H, L, S)
+    mask: Mask | None  # True = may attend (and maybe a structured bias, `Mask.has_bias`)
+    bias_tensor: Tensor | None  # a float mask: additive, broadcastable to (B, H, L, S)
     scale: float
     softcap: float | None
     dropout_p: float
     dims: Dims
+
+    @property
+    def has_bias(self) -> bool:
+        """Something is added to the scores: a float tensor mask or a structured bias."""
+        return self.bias_tensor is not None or (self.mask is not None and self.mask.has_bias)
+
+    @cached_property
+    def bias(self) -> Tensor | None:
+        """Every additive bias as one tensor broadcastable to (B, H, L, S) (dense backends)."""
+        return self.bias_rows(None)
+
+    def bias_rows(self, rows: Tensor | None) -> Tensor | None:
+        """The additive bias of query `rows` only: (B|1, H|1, R|1, S|1), or None."""
+        bias = self.bias_tensor
+        if bias is not None:
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            bias = bias if rows is None or bias.shape[2] == 1 else bias[:, :, rows]
+        if self.mask is not None and self.mask.has_bias:
+            d = self.dims
+            structured = self.mask.dense_bias(d.B, d.H, d.L, d.S, self.q.device, rows=rows)
+            assert structured is not None
+            bias = structured if bias is None else bias + structured
+        return bias
 
     @property
     def requires_grad(self) -> bool:

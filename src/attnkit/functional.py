@@ -120,10 +120,7 @@ def attention_probs(
     visible = (
         None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=index)
     )  # (B|1, H|1, R, S)
-    bias = call.bias
-    if bias is not None:
-        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-        bias = bias if bias.shape[2] == 1 else bias[:, :, index]  # (B|1, H|1, R|1, S|1)
+    bias = call.bias_rows(index)  # (B|1, H|1, R|1, S|1) or None
     q_rows = call.q[:, :, index]  # (B, H, R, D)
     q_rows, k_seen, _, _ = hide_unseen(q_rows, call.k, call.k, effective_visibility(visible, bias))
     weights, _ = weights_and_lse(

@@ -130,7 +130,7 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
     }
     if backend.name == "reference":
         shapes["scores"] = (d.B, d.H, d.L, d.S)
-    notes = [] if call.bias is None else ["an additive float bias is applied to the scores"]
+    notes = ["an additive bias is applied to the scores"] if call.has_bias else []
     if isinstance(backend, TiledBackend):
         tiles = backend.plan(call)
         notes.append(

@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from attnkit.errors import ShapeContractError
-from attnkit.masks import causal_offset
+from attnkit.masks import Mask, causal_offset
+from attnkit.masks.base import BiasFn, Predicate
 
-__all__ = ["RotaryEmbedding", "alibi_bias", "alibi_slopes"]
+__all__ = ["RotaryEmbedding", "alibi", "alibi_bias", "alibi_slopes"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -102,3 +103,48 @@ def alibi_bias(
     distance = (i - j).abs().float()  # (L, S)
     slopes = alibi_slopes(num_heads).to(device)
     return -(slopes[:, None, None] * distance)[None]  # (1, H, L, S)
+
+
+class _ALiBi(Mask):
+    """Every key visible; adds `-slope_h · |i' - j|` to the scores (a structured bias)."""
+
+    def __init__(self, slopes: Tensor, align: str | None) -> None:
+        self.slopes = slopes
+        self.align = align
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        causal_offset(self.align, L, S, who="alibi")
+        if H != self.slopes.shape[0]:
+            raise ShapeContractError(
+                f"alibi has {self.slopes.shape[0]} slopes (one per head) but the call has "
+                f"H={H} query heads; build it with alibi({H})."
+            )
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        return lambda b, h, i, j: (i >= 0) & (j >= 0)  # every pair: a bias hides nothing
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return True  # every row sees [0, S)
+
+    @property
+    def has_bias(self) -> bool:
+        return True
+
+    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
+        offset = causal_offset(self.align, L, S, who="alibi")
+        slopes = self.slopes.to(device)
+        return lambda b, h, i, j: -slopes[h] * (i + offset - j).abs()
+
+    def describe(self) -> str:
+        align = "" if self.align is None else f", align={self.align!r}"
+        return f"alibi(H={self.slopes.shape[0]}{align})"
+
+
+def alibi(num_heads: int, *, align: str | None = None) -> Mask:
+    """ALiBi as a structured mask: adds `-slope_h · |i' - j|` to the scores, hides nothing.
+
+    Combine it with visibility masks by `&` (`causal() & alibi(8)`); backends that tile
+    (`tiled`) evaluate it per block, so no L×S tensor is built. `align` places the queries
+    as in `causal` when L != S. `alibi_bias` gives the same values as a dense tensor.
+    """
+    return _ALiBi(alibi_slopes(num_heads), align)

@@ -56,7 +56,7 @@ class FlexBackend:
             return "FlexAttention has no backward on CPU in this torch"
         if cpu and need_lse:
             return "compiled FlexAttention returns no log-sum-exp on CPU in this torch"
-        if call.bias is not None or call.dropout_p > 0:
+        if call.has_bias or call.dropout_p > 0:
             return "an additive bias or dropout is not wired to FlexAttention here"
         if call.mask is None:
             return "no mask: nothing for block sparsity to skip"

@@ -60,20 +60,20 @@ class SdpaBackend:
         pairs = d.B * d.H * d.L * d.S
         if self._is_causal(call):
             return cost.SDPA_CAUSAL * pairs / 2
-        masked = call.mask is not None or call.bias is not None
+        masked = call.mask is not None or call.has_bias
         return (cost.SDPA_MASKED if masked else cost.SDPA_DENSE) * pairs
 
     @staticmethod
     def _is_causal(call: AttentionCall) -> bool:
         d = call.dims
-        return call.mask is not None and call.bias is None and call.mask.is_sdpa_causal(d.L, d.S)
+        return call.mask is not None and not call.has_bias and call.mask.is_sdpa_causal(d.L, d.S)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims
         if self._is_causal(call):
             return 0
         batch = d.B if call.mask is not None and call.mask.batch_size else 1
-        if call.bias is not None or need_lse:  # an additive mask in q's dtype
+        if call.has_bias or need_lse:  # an additive mask in q's dtype
             return batch * d.H * d.L * d.S * call.q.element_size()
         return batch * d.L * d.S  # a bool mask, broadcast over heads
 
@@ -86,7 +86,7 @@ class SdpaBackend:
             work = compute_dtype(q.dtype)
             q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = self._is_causal(call)
-        if (call.mask is not None and not is_causal) or call.bias is not None:
+        if (call.mask is not None and not is_causal) or call.has_bias:
             visible = (
                 None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device)
             )  # (B|1, H|1, L, S)

@@ -52,6 +52,7 @@ class _Visibility:
             self.spans = lo.to(device).expand(B, L), hi.to(device).expand(B, L)
         else:
             self.predicate = mask.predicate(B, H, L, S, device)
+        self.bias = None if mask is None else mask.bias(B, H, L, S, device)
 
     def _predicate_block(self, g: Group) -> Tensor:
         """(n, R, K) visibility by the predicate."""
@@ -63,7 +64,33 @@ class _Visibility:
         return (rows < L)[:, :, None] & visible
 
     def masks(self, group: Group, G: int, dtype: torch.dtype) -> Callable[[Group], Tensor | None]:
-        """The op's additive mask for each chunk of `group`: (n|1, 1, G·R, K), or None.
+        """The op's additive mask for each chunk of `group`, visibility plus any bias."""
+        visibility = self._visibility(group, G, dtype)
+        if self.bias is None:
+            return visibility
+
+        def with_bias(g: Group) -> Tensor:
+            bias = self._bias_block(g, G).to(dtype)  # (n, Hkv, G·R, K)
+            hidden = visibility(g)
+            return bias if hidden is None else bias + hidden
+
+        return with_bias
+
+    def _bias_block(self, g: Group, G: int) -> Tensor:
+        """(n, Hkv, G·R, K) structured bias of the blocks, head h = kv·G + g as in GQA."""
+        assert self.bias is not None
+        _, H, L, _ = self.dims
+        n, R, K, dev = g.size, g.rows, g.keys, self.device
+        i = g.index("rows").clamp(max=L - 1).to(dev).view(n, 1, 1, R, 1)
+        j = g.index("keys").to(dev).view(n, 1, 1, 1, K)
+        h = torch.arange(H, device=dev).view(1, H // G, G, 1, 1)
+        value = self.bias(torch.tensor(g.batch, device=dev), h, i, j)
+        return value.expand(n, H // G, G, R, K).reshape(n, H // G, G * R, K)
+
+    def _visibility(
+        self, group: Group, G: int, dtype: torch.dtype
+    ) -> Callable[[Group], Tensor | None]:
+        """The op's additive visibility mask for each chunk of `group`: (n|1, 1, G·R, K).
 
         With spans the group is examined once: fully visible (no mask), one pattern shared
         by every block (a sliding band: built once), or per block from (n, R) local spans.
@@ -179,9 +206,9 @@ def _block_keys(x: Tensor, g: Group) -> Tensor:
     return x[:, keys].view(x.shape[0], g.size, g.keys, -1).transpose(0, 1)
 
 
-def _chunk_blocks(g: Group, H: int, Hkv: int, D: int) -> int:
+def _chunk_blocks(g: Group, H: int, Hkv: int, D: int, bias: bool) -> int:
     """How many blocks of `g` one kernel call takes so its temporaries stay near CHUNK_BYTES."""
-    per_block = H * g.rows * (3 * D + 2) + (H // Hkv) * g.rows * g.keys
+    per_block = H * g.rows * (3 * D + 2) + (H if bias else H // Hkv) * g.rows * g.keys
     if g.key_step is None:
         per_block += 2 * Hkv * g.keys * D
     return max(1, CHUNK_BYTES // (4 * per_block))
@@ -203,13 +230,15 @@ class _TiledAttention(torch.autograd.Function):
         flash = cpu_flash_attention()
         assert flash is not None
         vis = _Visibility(mask, (B, H, L, S), q.device)
-        seen_rows, seen_keys = vis.seen(plan, lambda g: _chunk_blocks(g, H, Hkv, D))
+        seen_rows, seen_keys = vis.seen(
+            plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None)
+        )
         q, k, v = _hide_unseen(q, k, v, seen_rows, seen_keys)
         out = q.new_zeros(B, H, L, v.shape[-1])
         lse = q.new_full((B, H, L), -torch.inf)
         for group in plan.groups:
             b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)
-            for g in group.chunks(_chunk_blocks(group, H, Hkv, D)):
+            for g in group.chunks(_chunk_blocks(group, H, Hkv, D, vis.bias is not None)):
                 ob, lb = flash(
                     _block_rows(q[b], g, Hkv),
                     _block_keys(k[b], g),
@@ -242,7 +271,7 @@ class _TiledAttention(torch.autograd.Function):
         pieces = (part for g in ctx.plan.groups for part in g.key_splits(BACKWARD_KEYS))
         for group in pieces:
             b, masks = group.batch, ctx.vis.masks(group, H // Hkv, q.dtype)
-            for g in group.chunks(_chunk_blocks(group, H, Hkv, D)):
+            for g in group.chunks(_chunk_blocks(group, H, Hkv, D, ctx.vis.bias is not None)):
                 qb, kb, vb = _block_rows(q[b], g, Hkv), _block_keys(k[b], g), _block_keys(v[b], g)
                 go, ob, lb = (_block_rows(t[b], g, Hkv) for t in (dout, out, safe_lse))
                 if dlse is not None:
@@ -303,8 +332,8 @@ class TiledBackend:
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.q.device.type != "cpu" or cpu_flash_attention_backward() is None:
             return f"needs PyTorch's CPU flash kernel; not available on {call.q.device.type}"
-        if call.bias is not None:
-            return "an additive float bias has no structure to tile"
+        if call.bias_tensor is not None:
+            return "an additive float bias tensor has no structure to tile (use alibi() etc.)"
         if call.softcap is not None or call.dropout_p > 0:
             return "the flash kernel it calls has no softcap or dropout"
         if call.dims.D != call.dims.Dv:

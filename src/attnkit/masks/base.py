@@ -17,6 +17,7 @@ from attnkit.errors import MaskError, ShapeContractError
 
 __all__ = [
     "Align",
+    "BiasFn",
     "Mask",
     "Predicate",
     "and_masks",
@@ -30,6 +31,8 @@ __all__ = [
 Align = Literal["top_left", "bottom_right"]
 # (b, h, i, j) index tensors, broadcastable to (B, H, L, S) -> bool tensor
 Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# (b, h, i, j) index tensors -> float tensor added to the scores
+BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _ALIGNS = ("top_left", "bottom_right")
 ALLOWED, HIDDEN = "■", "·"
@@ -83,6 +86,33 @@ class Mask:
         """
         return False
 
+    @property
+    def has_bias(self) -> bool:
+        """True if this mask also adds a structured bias to the scores (e.g. `alibi`)."""
+        return False
+
+    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
+        """The additive score bias as a function of broadcast (b, h, i, j), or None."""
+        return None
+
+    def dense_bias(
+        self,
+        B: int,
+        H: int,
+        L: int,
+        S: int,
+        device: torch.device | str | None = None,
+        rows: Tensor | None = None,
+    ) -> Tensor | None:
+        """The bias as the smallest float tensor broadcastable to (B, H, L|R, S), or None."""
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        fn = self.bias(B, H, L, S, dev)
+        if fn is None:
+            return None
+        b, h, i, j = _indices(B, H, L, S, dev, rows, None)
+        value = fn(b, h, i, j)
+        return value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
+
     def dense(
         self,
         B: int,
@@ -100,10 +130,7 @@ class Mask:
         """
         self.check(B, H, L, S)
         dev = torch.device(device) if device is not None else torch.device("cpu")
-        b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-        h = torch.arange(H, device=dev).view(1, H, 1, 1)
-        i = (torch.arange(L, device=dev) if rows is None else rows.to(dev)).view(1, 1, -1, 1)
-        j = (torch.arange(S, device=dev) if cols is None else cols.to(dev)).view(1, 1, 1, -1)
+        b, h, i, j = _indices(B, H, L, S, dev, rows, cols)
         allowed = self.predicate(B, H, L, S, dev)(b, h, i, j)
         return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
 
@@ -146,6 +173,17 @@ class Mask:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _indices(
+    B: int, H: int, L: int, S: int, dev: torch.device, rows: Tensor | None, cols: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcast (b, h, i, j) index tensors over (B, H, L|R, S|C)."""
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(H, device=dev).view(1, H, 1, 1)
+    i = (torch.arange(L, device=dev) if rows is None else rows.to(dev)).view(1, 1, -1, 1)
+    j = (torch.arange(S, device=dev) if cols is None else cols.to(dev)).view(1, 1, 1, -1)
+    return b, h, i, j
 
 
 def _check_align(align: str | None) -> None:
@@ -239,8 +277,23 @@ class _TensorMask(Mask):
 
 class _Combine(Mask):
     def __init__(self, op: str, parts: tuple[Mask, ...]) -> None:
+        if op == "|" and any(p.has_bias for p in parts):
+            raise MaskError(
+                "a bias (such as alibi) adds to the scores; it combines with masks by `&` "
+                "only, e.g. causal() & alibi(8)."
+            )
         self.op = op
         self.parts = parts
+
+    @property
+    def has_bias(self) -> bool:
+        return any(p.has_bias for p in self.parts)
+
+    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
+        fns = [f for p in self.parts if (f := p.bias(B, H, L, S, device)) is not None]
+        if not fns:
+            return None
+        return lambda b, h, i, j: sum((f(b, h, i, j) for f in fns[1:]), fns[0](b, h, i, j))
 
     @property
     def batch_size(self) -> int | None:
@@ -287,6 +340,8 @@ class _Combine(Mask):
 
 class _Not(Mask):
     def __init__(self, inner: Mask) -> None:
+        if inner.has_bias:
+            raise MaskError("~ of a bias (such as alibi) has no meaning; negate masks only.")
         self.inner = inner
 
     @property
