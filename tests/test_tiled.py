@@ -189,3 +189,42 @@ def test_tiled_runs_chunks_and_irregular_blocks_exactly(monkeypatch):
     expected_grads = torch.autograd.grad((ref[0].sum() + ref[1].clamp(min=-1e4).sum()), (q, k, v))
     for g, e in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
+def test_long_causal_runs_run_whole_with_is_causal_and_stay_exact(monkeypatch, heads):
+    """Documents (and padded causal rows) as whole `is_causal` blocks, the rest tiled."""
+    import attnkit.backends.tileplan as tileplan
+
+    monkeypatch.setattr(tileplan, "SEGMENT_MIN", 40)
+    H, Hkv = heads
+    ids = torch.tensor([0] * 70 + [1] * 13 + [2] * 150 + [3] * 67)
+    mask = ak.document(ids) & ak.causal() & ak.key_padding(torch.tensor([300, 250]))
+    segments = tileplan.Segments.find(mask, 2, 300, 300)
+    assert segments is not None and segments.runs[0] == [(0, 0, 70), (83, 83, 150), (233, 233, 67)]
+    assert segments.runs[1] == [(0, 0, 70), (83, 83, 150)]  # the padded document is cut
+    plan = plan_tiles(mask, 2, 300, 300, 64, segments)
+    assert sum(g.size for g in plan.groups if g.causal) == 5
+    import attnkit.backends.tiled as tiled
+
+    monkeypatch.setattr(tiled, "best_plan", lambda *args: plan)  # this plan, not the cheapest
+    monkeypatch.setattr(tiled, "BACKWARD_KEYS", 32)  # runs cut into squares and rectangles
+    q, k, v = (t.requires_grad_() for t in qkv(H=H, Hkv=Hkv))
+    expected = ak.attention(q, k, v, mask, backend="reference")
+    expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
+    got = ak.attention(q, k, v, mask, backend="tiled")
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(torch.autograd.grad(got.sum(), (q, k, v)), expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_causal_runs_are_found_where_rows_see_their_run_causally():
+    from attnkit.backends.tileplan import Segments, best_plan
+
+    L = 4096
+    band = Segments.find(ak.sliding_window(255), 1, L, L)
+    assert band is not None and band.runs == [[(0, 0, 256)]]  # until the window is full
+    found = Segments.find(ak.causal() & ak.key_padding(torch.tensor([L])), 1, L, L)
+    assert found is not None and found.runs == [[(0, 0, L)]]
+    docs = ak.document(torch.arange(L) // 1024) & ak.causal()
+    assert sum(g.size for g in best_plan(docs, 1, 8, 8, L, L).groups if g.causal) == 4

@@ -16,7 +16,7 @@ attention does).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,7 +64,12 @@ class _Visibility:
         return (rows < L)[:, :, None] & visible
 
     def masks(self, group: Group, G: int, dtype: torch.dtype) -> Callable[[Group], Tensor | None]:
-        """The op's additive mask for each chunk of `group`, visibility plus any bias."""
+        """The op's additive mask for each chunk of `group`, visibility plus any bias.
+
+        None for causal runs: the op's `is_causal` is their mask (they carry no bias).
+        """
+        if group.causal:
+            return lambda g: None
         visibility = self._visibility(group, G, dtype)
         if self.bias is None:
             return visibility
@@ -214,6 +219,34 @@ def _chunk_blocks(g: Group, H: int, Hkv: int, D: int, bias: bool) -> int:
     return max(1, CHUNK_BYTES // (4 * per_block))
 
 
+def _calls(
+    group: Group, H: int, Hkv: int, D: int, bias: bool
+) -> Iterator[tuple[Group, Callable[[Tensor], Tensor]]]:
+    """Each kernel call of `group`: a chunk of its blocks, and the query heads it takes.
+
+    `heads` maps a batch row (H, L, ...) to the heads of the call: all of them, or for a
+    causal run with GQA one query head per K/V head at a time (stacking G heads as rows
+    would break `is_causal`, which counts rows from the block's corner).
+    """
+    G = H // Hkv
+    if group.causal and G > 1:
+        per_head = [_head_picker(Hkv, G, i) for i in range(G)]
+    else:
+        per_head = [_all_heads]
+    for g in group.chunks(_chunk_blocks(group, H, Hkv, D, bias)):
+        for heads in per_head:
+            yield g, heads
+
+
+def _all_heads(x: Tensor) -> Tensor:
+    return x
+
+
+def _head_picker(Hkv: int, G: int, i: int) -> Callable[[Tensor], Tensor]:
+    """x (H, L, ...) -> (Hkv, L, ...): query head i of each K/V head's group, a view."""
+    return lambda x: x.view(Hkv, G, *x.shape[1:])[:, i]
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -237,19 +270,19 @@ class _TiledAttention(torch.autograd.Function):
         out = q.new_zeros(B, H, L, v.shape[-1])
         lse = q.new_full((B, H, L), -torch.inf)
         for group in plan.groups:
-            b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)
-            for g in group.chunks(_chunk_blocks(group, H, Hkv, D, vis.bias is not None)):
+            b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)  # None if causal
+            for g, heads in _calls(group, H, Hkv, D, vis.bias is not None):
                 ob, lb = flash(
-                    _block_rows(q[b], g, Hkv),
+                    _block_rows(heads(q[b]), g, Hkv),
                     _block_keys(k[b], g),
                     _block_keys(v[b], g),
                     0.0,
-                    False,
+                    g.causal,
                     attn_mask=masks(g),
                     scale=scale,
                 )  # (n, Hkv, G·R, Dv), (n, Hkv, G·R)
-                _write_rows(out[b], ob, g, Hkv)
-                _write_rows(lse[b], lb, g, Hkv)
+                _write_rows(heads(out[b]), ob, g, Hkv)
+                _write_rows(heads(lse[b]), lb, g, Hkv)
         lse.masked_fill_(~seen_rows[:, None, :], -torch.inf)  # the op gives 0 on empty rows
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.vis, ctx.plan, ctx.scale = vis, plan, scale
@@ -268,20 +301,22 @@ class _TiledAttention(torch.autograd.Function):
         assert backward_op is not None
         safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)  # masked scores stay -inf
         # with the global out and lse, the blocks' key spans may be cut: smaller gradients
-        pieces = (part for g in ctx.plan.groups for part in g.key_splits(BACKWARD_KEYS))
+        pieces = (part for g in ctx.plan.groups for part in g.pieces(BACKWARD_KEYS))
         for group in pieces:
             b, masks = group.batch, ctx.vis.masks(group, H // Hkv, q.dtype)
-            for g in group.chunks(_chunk_blocks(group, H, Hkv, D, ctx.vis.bias is not None)):
-                qb, kb, vb = _block_rows(q[b], g, Hkv), _block_keys(k[b], g), _block_keys(v[b], g)
-                go, ob, lb = (_block_rows(t[b], g, Hkv) for t in (dout, out, safe_lse))
+            for g, heads in _calls(group, H, Hkv, D, ctx.vis.bias is not None):
+                kb, vb = _block_keys(k[b], g), _block_keys(v[b], g)
+                qb, go, ob, lb = (
+                    _block_rows(heads(t[b]), g, Hkv) for t in (q, dout, out, safe_lse)
+                )
                 if dlse is not None:
                     qb, kb, vb, ob, go = _with_lse_gradient(
-                        qb, kb, vb, ob, go, _block_rows(dlse[b], g, Hkv)
+                        qb, kb, vb, ob, go, _block_rows(heads(dlse[b]), g, Hkv)
                     )
                 gq, gk, gv = backward_op(
-                    go, qb, kb, vb, ob, lb, 0.0, False, attn_mask=masks(g), scale=ctx.scale
+                    go, qb, kb, vb, ob, lb, 0.0, g.causal, attn_mask=masks(g), scale=ctx.scale
                 )
-                _write_rows(dq[b], gq[..., :D], g, Hkv, add=True)
+                _write_rows(heads(dq[b]), gq[..., :D], g, Hkv, add=True)
                 keys = g.index("keys").reshape(-1).to(q.device)
                 for grad, part in ((dk, gk[..., :D]), (dv, gv[..., : v.shape[-1]])):
                     flat = part.transpose(0, 1).reshape(Hkv, -1, part.shape[-1])  # (Hkv, n·K, D)

@@ -23,12 +23,22 @@ from torch import Tensor
 from attnkit import cost
 from attnkit.masks import Mask
 
-__all__ = ["GRANULE", "TILES", "Group", "TilePlan", "best_plan", "plan_tiles", "uniform_step"]
+__all__ = [
+    "GRANULE",
+    "TILES",
+    "Group",
+    "Segments",
+    "TilePlan",
+    "best_plan",
+    "plan_tiles",
+    "uniform_step",
+]
 
 TILES = (64, 128, 256)  # query rows per tile, the candidates `best_plan` weighs
 GRANULE = 64  # key spans start and end on multiples of this
 MAX_ROWS = 256  # tiles with equal spans merge into blocks of at most this many rows
 MAX_PAIRS = 1 << 19  # ... and at most this many pairs (a block's mask: 2 MiB in float32)
+SEGMENT_MIN = 32  # causal runs this long run whole, as one is_causal block
 MAX_GROUPS = 24  # more distinct block widths than this get bucketed
 
 
@@ -50,6 +60,7 @@ class Group:
     key0: tuple[int, ...]  # first key of each block
     rows: int
     keys: int
+    causal: bool = False  # rows == keys and row m sees keys 0..m (the op's is_causal)
 
     @property
     def size(self) -> int:
@@ -70,17 +81,30 @@ class Group:
         starts, size = (self.row0, self.rows) if which == "rows" else (self.key0, self.keys)
         return torch.tensor(starts)[:, None] + torch.arange(size)
 
-    def key_splits(self, width: int) -> Iterator[Group]:
-        """The same blocks cut along keys into spans of at most `width` keys."""
-        for j in range(0, self.keys, width):
-            key0 = tuple(k + j for k in self.key0)
-            yield Group(self.batch, self.row0, key0, self.rows, min(width, self.keys - j))
+    def pieces(self, width: int) -> Iterator[Group]:
+        """The same pairs in blocks of at most `width` keys (for a backward pass, which
+        takes the global log-sum-exp and so may cut a row's keys anywhere).
+
+        A causal run becomes causal squares on its diagonal and fully visible rectangles
+        below them.
+        """
+        if not self.causal:
+            for j in range(0, self.keys, width):
+                key0 = tuple(k + j for k in self.key0)
+                yield Group(self.batch, self.row0, key0, self.rows, min(width, self.keys - j))
+            return
+        for a in range(0, self.rows, width):
+            n = min(width, self.rows - a)
+            row0 = tuple(r + a for r in self.row0)
+            yield Group(self.batch, row0, tuple(k + a for k in self.key0), n, n, causal=True)
+            if a > 0:
+                yield from Group(self.batch, row0, self.key0, n, a).pieces(width)
 
     def chunks(self, blocks: int) -> Iterator[Group]:
         """The same blocks, at most `blocks` at a time (bounds the memory of one call)."""
         for i in range(0, self.size, blocks):
             sl = slice(i, i + blocks)
-            yield Group(self.batch, self.row0[sl], self.key0[sl], self.rows, self.keys)
+            yield Group(self.batch, self.row0[sl], self.key0[sl], self.rows, self.keys, self.causal)
 
 
 @dataclass(frozen=True)
@@ -96,7 +120,13 @@ class TilePlan:
     def cost(self, heads: int, group_heads: int) -> float:
         """Estimated time in the units of `cost`: pairs by kernel efficiency, plus calls."""
         pairs = sum(
-            cost.tiled_pair(g.rows * group_heads) * g.size * g.rows * g.keys for g in self.groups
+            g.size
+            * (
+                cost.TILED_CAUSAL * g.rows * (g.rows + 256) / 2
+                if g.causal
+                else cost.tiled_pair(g.rows * group_heads) * g.rows * g.keys
+            )
+            for g in self.groups
         )
         return heads * pairs + cost.TILED_CALL * self.calls
 
@@ -112,15 +142,28 @@ def _bucket(length: Tensor) -> Tensor:
     return (granules + step - 1) // step * step * GRANULE
 
 
-def plan_tiles(mask: Mask | None, B: int, L: int, S: int, tile: int = TILES[1]) -> TilePlan:
-    """Blocks of (batch row, query rows, key span) covering every visible pair."""
+def plan_tiles(
+    mask: Mask | None,
+    B: int,
+    L: int,
+    S: int,
+    tile: int = TILES[1],
+    segments: Segments | None = None,
+) -> TilePlan:
+    """Blocks of (batch row, query rows, key span) covering every visible pair.
+
+    With `segments` (exact per-row spans and the causal runs found in them), each run is
+    one causal block and the tiles cover the other rows, their spans from the rows'.
+    """
     n_tiles = math.ceil(L / tile)
     first = torch.arange(n_tiles) * tile
-    last = (first + tile).clamp(max=L) - 1
-    if mask is None:
+    row0, rows = first.expand(B, n_tiles), torch.full((B, n_tiles), tile)
+    if segments is not None:
+        row0, rows, lo, hi = _tiles_around(segments, B, L, S, tile)
+    elif mask is None:
         lo, hi = torch.zeros(1, n_tiles, dtype=torch.long), torch.full((1, n_tiles), S)
     else:
-        lo, hi = mask.key_bounds(B, L, S, first, last)
+        lo, hi = mask.key_bounds(B, L, S, first, (first + tile).clamp(max=L) - 1)
     lo, hi = lo.expand(B, n_tiles), hi.expand(B, n_tiles)
     lo = torch.div(lo, GRANULE, rounding_mode="floor") * GRANULE
     hi = torch.where(hi > lo, ((hi + GRANULE - 1) // GRANULE * GRANULE).clamp(max=S), lo)
@@ -128,12 +171,73 @@ def plan_tiles(mask: Mask | None, B: int, L: int, S: int, tile: int = TILES[1]) 
         width = torch.minimum(_bucket(hi - lo), torch.tensor(S))
         lo = torch.where(hi > lo, (hi - width).clamp(min=0), lo)
         hi = torch.where(hi > lo, (lo + width).clamp(max=S), hi)
-    return _group(lo, hi, tile, L)
+    runs = [] if segments is None else segments.runs
+    return _group(row0, rows, lo, hi, tile, L, runs)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Exact per-row spans (B, L) and the long causal runs in them, per batch row."""
+
+    lo: Tensor
+    hi: Tensor
+    runs: list[list[tuple[int, int, int]]]  # (first row, first key, length)
+
+    @staticmethod
+    def find(mask: Mask, B: int, L: int, S: int) -> Segments | None:
+        """Rows r..e-1 that see exactly keys c..c+(i-r): one `is_causal` call each.
+
+        Only runs of at least `SEGMENT_MIN` rows count (there the op uses its large
+        query blocks); None if the mask has no exact spans or no such run.
+        """
+        if not mask.exact_spans(B, L, S) or mask.has_bias:
+            return None
+        index = torch.arange(L)
+        lo, hi = (t.expand(B, L) for t in mask.key_bounds(B, L, S, index, index))
+        shift = hi - index  # constant along a causal run, as the first key is
+        change = torch.ones(B, L, dtype=torch.bool)
+        change[:, 1:] = (lo[:, 1:] != lo[:, :-1]) | (shift[:, 1:] != shift[:, :-1])
+        runs: list[list[tuple[int, int, int]]] = []
+        for b in range(B):
+            starts = torch.nonzero(change[b])[:, 0]
+            length = torch.diff(starts, append=torch.tensor([L]))
+            ok = (length >= SEGMENT_MIN) & (hi[b, starts] - lo[b, starts] == 1)
+            first, key, count = starts[ok], lo[b, starts[ok]], length[ok]
+            runs.append(list(zip(first.tolist(), key.tolist(), count.tolist(), strict=True)))
+        return Segments(lo, hi, runs) if any(runs) else None
+
+
+def _tiles_around(
+    segments: Segments, B: int, L: int, S: int, tile: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(B, n_tiles) first row, row count and key span of each tile's rows outside the runs.
+
+    Runs are longer than a tile, so the rows a tile keeps are one interval.
+    """
+    n_tiles = math.ceil(L / tile)
+    keep = torch.ones(B, n_tiles * tile, dtype=torch.bool)
+    keep[:, L:] = False
+    for b, runs in enumerate(segments.runs):
+        for r, _, length in runs:
+            keep[b, r : r + length] = False
+    pad = n_tiles * tile - L
+    lo = torch.nn.functional.pad(segments.lo, (0, pad), value=S)
+    hi = torch.nn.functional.pad(segments.hi, (0, pad), value=0)
+    keep = keep.view(B, n_tiles, tile)
+    lo = torch.where(keep, lo.view(B, n_tiles, tile), S).amin(-1)
+    hi = torch.where(keep, hi.view(B, n_tiles, tile), 0).amax(-1).clamp(min=lo)
+    row0 = torch.arange(n_tiles) * tile + keep.long().argmax(-1)  # first kept row
+    return row0, keep.sum(-1), lo.clamp(max=S), hi
 
 
 def best_plan(mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int) -> TilePlan:
-    """The plan of least estimated cost over the tile heights in `TILES`."""
-    plans = [plan_tiles(mask, B, L, S, tile) for tile in TILES if tile < 2 * L or tile == TILES[0]]
+    """The plan of least estimated cost over the tile heights in `TILES`, with and
+    without causal runs as whole blocks."""
+    tiles = [tile for tile in TILES if tile < 2 * L or tile == TILES[0]]
+    plans = [plan_tiles(mask, B, L, S, tile) for tile in tiles]
+    segments = None if mask is None else Segments.find(mask, B, L, S)
+    if segments is not None:
+        plans += [plan_tiles(mask, B, L, S, tile, segments) for tile in tiles]
     return min(plans, key=lambda p: p.cost(H, H // Hkv))
 
 
@@ -141,27 +245,44 @@ def _fits(rows: int, keys: int) -> bool:
     return rows <= MAX_ROWS and rows * keys <= MAX_PAIRS
 
 
-def _group(lo: Tensor, hi: Tensor, tile: int, L: int) -> TilePlan:
-    """Merge runs of tiles with equal spans into blocks, then blocks by batch row and shape."""
+def _group(
+    row0: Tensor,
+    rows: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    tile: int,
+    L: int,
+    runs: list[list[tuple[int, int, int]]],
+) -> TilePlan:
+    """Merge runs of whole tiles with equal spans into blocks; group blocks by batch row
+    and shape; add the causal runs as blocks of their own."""
     B, n_tiles = lo.shape
-    blocks: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    blocks: dict[tuple[int, int, int, bool], list[tuple[int, int]]] = {}
     area = 0
     for b in range(B):
+        starts, counts = row0[b].tolist(), rows[b].tolist()
         spans = list(zip(lo[b].tolist(), hi[b].tolist(), strict=True))
         t = 0
         while t < n_tiles:
-            end = t + 1
-            width = spans[t][1] - spans[t][0]
-            while end < n_tiles and spans[end] == spans[t] and _fits((end + 1 - t) * tile, width):
+            end, (start_key, stop_key) = t + 1, spans[t]
+            width = stop_key - start_key
+            while (
+                end < n_tiles
+                and spans[end] == spans[t]
+                and counts[end - 1] == tile == counts[end]
+                and _fits((end + 1 - t) * tile, width)
+            ):
                 end += 1
-            start_key, stop_key = spans[t]
-            if stop_key > start_key:
-                rows = (end - t) * tile
-                blocks.setdefault((b, rows, stop_key - start_key), []).append((t * tile, start_key))
-                area += min(rows, L - t * tile) * (stop_key - start_key)
+            if width > 0 and counts[t] > 0:
+                n = sum(counts[t:end])
+                blocks.setdefault((b, n, width, False), []).append((starts[t], start_key))
+                area += min(n, L - starts[t]) * width
             t = end
+        for r, c, length in runs[b] if runs else ():
+            blocks.setdefault((b, length, length, True), []).append((r, c))
+            area += length * (length + 1) // 2
     groups = tuple(
-        Group(b, tuple(m[0] for m in members), tuple(m[1] for m in members), rows, keys)
-        for (b, rows, keys), members in sorted(blocks.items())
+        Group(b, tuple(m[0] for m in members), tuple(m[1] for m in members), n, k, causal)
+        for (b, n, k, causal), members in sorted(blocks.items())
     )
     return TilePlan(groups=groups, area=area, tile=tile)
