@@ -228,3 +228,27 @@ def test_causal_runs_are_found_where_rows_see_their_run_causally():
     assert found is not None and found.runs == [[(0, 0, L)]]
     docs = ak.document(torch.arange(L) // 1024) & ak.causal()
     assert sum(g.size for g in best_plan(docs, 1, 8, 8, L, L).groups if g.causal) == 4
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        ak.sliding_window(20),
+        ak.document(torch.arange(300) // 70) & ak.causal(),
+        ak.causal() & ak.key_padding(torch.tensor([300, 0])),  # batch row 1: no rows covered
+        ak.key_padding(torch.tensor([0, 120])),
+    ],
+    ids=str,
+)
+def test_plans_count_covered_rows_so_uncovered_ones_stay_zero(mask):
+    plan = plan_tiles(mask, 2, 300, 300, 64)
+    rows = torch.zeros(2, 300, dtype=torch.bool)
+    for g in plan.groups:
+        for r in g.row0:
+            rows[g.batch, r : r + g.rows] = True
+    assert plan.covered == int(rows.sum())
+    q, k, v = qkv()
+    torch.testing.assert_close(
+        ak.attention(q, k, v, mask, backend="tiled"),
+        ak.attention(q, k, v, mask, backend="reference"),
+    )

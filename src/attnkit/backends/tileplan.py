@@ -111,6 +111,7 @@ class Group:
 class TilePlan:
     groups: tuple[Group, ...]
     area: int  # query-key pairs computed per head, over the batch
+    covered: int  # query rows (over the batch) that lie in some block
     tile: int  # query rows per tile
 
     @property
@@ -258,7 +259,7 @@ def _group(
     and shape; add the causal runs as blocks of their own."""
     B, n_tiles = lo.shape
     blocks: dict[tuple[int, int, int, bool], list[tuple[int, int]]] = {}
-    area = 0
+    area = covered = 0
     for b in range(B):
         starts, counts = row0[b].tolist(), rows[b].tolist()
         spans = list(zip(lo[b].tolist(), hi[b].tolist(), strict=True))
@@ -277,12 +278,14 @@ def _group(
                 n = sum(counts[t:end])
                 blocks.setdefault((b, n, width, False), []).append((starts[t], start_key))
                 area += min(n, L - starts[t]) * width
+                covered += min(n, L - starts[t])
             t = end
         for r, c, length in runs[b] if runs else ():
             blocks.setdefault((b, length, length, True), []).append((r, c))
             area += length * (length + 1) // 2
+            covered += length
     groups = tuple(
         Group(b, tuple(m[0] for m in members), tuple(m[1] for m in members), n, k, causal)
         for (b, n, k, causal), members in sorted(blocks.items())
     )
-    return TilePlan(groups=groups, area=area, tile=tile)
+    return TilePlan(groups=groups, area=area, covered=covered, tile=tile)
