@@ -252,3 +252,37 @@ def test_plans_count_covered_rows_so_uncovered_ones_stay_zero(mask):
         ak.attention(q, k, v, mask, backend="tiled"),
         ak.attention(q, k, v, mask, backend="reference"),
     )
+
+
+def test_plans_are_reused_per_mask_and_renewed_when_its_tensors_change():
+    lengths = torch.tensor([300, 120])
+    mask = ak.causal() & ak.key_padding(lengths)
+    q, k, v = qkv()
+    from attnkit.backends import get_backend
+
+    backend = get_backend("tiled")
+    first = ak.attention(q, k, v, mask, backend="tiled")
+    state = mask.state()
+    torch.testing.assert_close(first, ak.attention(q, k, v, mask, backend="reference"))
+    lengths[1] = 7  # in place: the mask now hides more keys
+    assert mask.state() != state
+    torch.testing.assert_close(
+        ak.attention(q, k, v, mask, backend="tiled"),
+        ak.attention(q, k, v, mask, backend="reference"),
+    )
+    assert len(backend._plans[mask]) == 2
+
+
+@pytest.mark.parametrize("tile", TILES)
+def test_runs_shorter_than_a_tile_stay_in_the_tiles(tile):
+    """A short causal run inside a tall tile must not split the tile's rows in two."""
+    from attnkit.backends.tileplan import Segments
+
+    ids = torch.tensor([0] * 70 + [1] * 13 + [2] * 150 + [3] * 67)
+    mask = ak.document(ids) & ak.causal() & ak.key_padding(torch.tensor([300, 250]))
+    plan = plan_tiles(mask, 2, 300, 300, tile, Segments.find(mask, 2, 300, 300))
+    rows = torch.zeros(2, 300, dtype=torch.int)
+    for g in plan.groups:
+        for r in g.row0:
+            rows[g.batch, r : r + g.rows] += 1
+    assert (rows == 1).all(), "every row in exactly one block"

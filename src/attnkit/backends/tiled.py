@@ -31,6 +31,7 @@ from attnkit.softmax import compute_dtype
 __all__ = ["CHUNK_BYTES", "TiledBackend"]
 
 CHUNK_BYTES = 2 << 20  # temporaries of one kernel call: block rows, outputs, masks, copies
+PLANS_PER_MASK = 8  # problem sizes remembered per mask object
 BACKWARD_KEYS = 1024  # the backward cuts key spans to this width (its key gradients)
 
 Dims = tuple[int, int, int, int]  # B, H, L, S
@@ -380,16 +381,24 @@ class TiledBackend:
         return None
 
     def __init__(self) -> None:
-        # the plan of the call `auto` just costed, which it then runs; a weak reference,
-        # so the call's tensors are not kept alive
-        self._last: tuple[weakref.ref[AttentionCall], TilePlan] | None = None
+        # plans per mask object (held weakly) and problem size; a mask whose tensors
+        # change in place gets a new plan (`Mask.state`)
+        self._plans: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], TilePlan]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def plan(self, call: AttentionCall) -> TilePlan:
-        """The tile plan of a call (computed once for cost and run)."""
-        if self._last is None or self._last[0]() is not call:
-            d = call.dims
-            self._last = (weakref.ref(call), best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S))
-        return self._last[1]
+        """The tile plan of a call: computed once per mask and size, for cost and run."""
+        d, mask = call.dims, call.mask
+        if mask is None:
+            return best_plan(None, d.B, d.H, d.Hkv, d.L, d.S)
+        plans = self._plans.setdefault(mask, {})
+        key = (d.B, d.H, d.Hkv, d.L, d.S, mask.state())
+        if key not in plans:
+            if len(plans) >= PLANS_PER_MASK:
+                plans.clear()
+            plans[key] = best_plan(mask, d.B, d.H, d.Hkv, d.L, d.S)
+        return plans[key]
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         return self.plan(call).cost(call.dims.H, call.dims.groups)

@@ -38,7 +38,7 @@ TILES = (64, 128, 256)  # query rows per tile, the candidates `best_plan` weighs
 GRANULE = 64  # key spans start and end on multiples of this
 MAX_ROWS = 256  # tiles with equal spans merge into blocks of at most this many rows
 MAX_PAIRS = 1 << 19  # ... and at most this many pairs (a block's mask: 2 MiB in float32)
-SEGMENT_MIN = 32  # causal runs this long run whole, as one is_causal block
+SEGMENT_MIN = 16  # causal runs this long run whole, as one is_causal block
 MAX_GROUPS = 24  # more distinct block widths than this get bucketed
 
 
@@ -123,13 +123,19 @@ class TilePlan:
         pairs = sum(
             g.size
             * (
-                cost.TILED_CAUSAL * g.rows * (g.rows + 256) / 2
+                cost.TILED_CAUSAL * g.rows * (g.rows + _query_split(g.rows)) / 2
                 if g.causal
                 else cost.tiled_pair(g.rows * group_heads) * g.rows * g.keys
             )
             for g in self.groups
         )
         return heads * pairs + cost.TILED_CALL * self.calls
+
+
+def _query_split(rows: int) -> int:
+    """Query rows per inner block of PyTorch's CPU flash kernel: with `is_causal` it
+    computes keys up to the end of each such block, so about rows·(rows + split)/2 pairs."""
+    return 256 if rows >= 768 else 64 if rows >= 192 else 32
 
 
 def _bucket(length: Tensor) -> Tensor:
@@ -160,6 +166,12 @@ def plan_tiles(
     first = torch.arange(n_tiles) * tile
     row0, rows = first.expand(B, n_tiles), torch.full((B, n_tiles), tile)
     if segments is not None:
+        # runs at least a tile long: then the rows a tile keeps are one interval
+        segments = Segments(
+            segments.lo,
+            segments.hi,
+            [[run for run in runs if run[2] >= tile] for runs in segments.runs],
+        )
         row0, rows, lo, hi = _tiles_around(segments, B, L, S, tile)
     elif mask is None:
         lo, hi = torch.zeros(1, n_tiles, dtype=torch.long), torch.full((1, n_tiles), S)
@@ -213,7 +225,7 @@ def _tiles_around(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(B, n_tiles) first row, row count and key span of each tile's rows outside the runs.
 
-    Runs are longer than a tile, so the rows a tile keeps are one interval.
+    Runs are at least a tile long, so the rows a tile keeps are one interval.
     """
     n_tiles = math.ceil(L / tile)
     keep = torch.ones(B, n_tiles * tile, dtype=torch.bool)

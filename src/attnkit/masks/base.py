@@ -86,6 +86,21 @@ class Mask:
         """
         return False
 
+    def state(self) -> tuple[tuple[int, int], ...]:
+        """The identity and version of every tensor this mask holds (its parts' included).
+
+        Caches keyed by a mask object (tile plans) compare it: an in-place change to a
+        mask's tensor changes its state.
+        """
+        found: list[tuple[int, int]] = []
+        for value in vars(self).values():
+            for item in value if isinstance(value, tuple) else (value,):
+                if isinstance(item, Tensor):
+                    found.append((item.data_ptr(), item._version))
+                elif isinstance(item, Mask):
+                    found.extend(item.state())
+        return tuple(found)
+
     @property
     def has_bias(self) -> bool:
         """True if this mask also adds a structured bias to the scores (e.g. `alibi`)."""
