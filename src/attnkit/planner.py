@@ -133,9 +133,10 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []
     if isinstance(backend, TiledBackend):
         tiles = backend.plan(call)
+        runs = sum(g.size for g in tiles.groups if g.causal)
         notes.append(
-            f"tiled: {tiles.calls} kernel calls over {tiles.area / (d.B * d.L * d.S):.1%}"
-            " of the L×S pairs"
+            f"tiled: {tiles.calls} group{'' if tiles.calls == 1 else 's'} of blocks (tiles of {tiles.tile} rows, {runs} causal"
+            f" runs whole) over {tiles.area / (d.B * d.L * d.S):.1%} of the L×S pairs"
         )
     return Plan(
         backend=backend.name,
