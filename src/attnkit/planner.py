@@ -134,9 +134,10 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
     if isinstance(backend, TiledBackend):
         tiles = backend.plan(call)
         runs = sum(g.size for g in tiles.groups if g.causal)
+        share = tiles.area / (d.B * d.L * d.S)
         notes.append(
-            f"tiled: {tiles.calls} group{'' if tiles.calls == 1 else 's'} of blocks (tiles of {tiles.tile} rows, {runs} causal"
-            f" runs whole) over {tiles.area / (d.B * d.L * d.S):.1%} of the L×S pairs"
+            f"tiled: {tiles.calls} block group(s), tiles of {tiles.tile} rows, {runs} causal"
+            f" run(s) whole; {share:.1%} of the L×S pairs computed"
         )
     return Plan(
         backend=backend.name,
