@@ -176,15 +176,37 @@ def run_once(
             t.grad = None
 
 
-def time_call(fn: Callable[..., torch.Tensor], case: Case, grad: bool, repeats: int) -> float:
+def time_peers(
+    fns: dict[str, Callable[..., torch.Tensor]], case: Case, grad: bool, repeats: int
+) -> dict[str, float]:
+    """Median seconds of each peer, timed round-robin on the same inputs.
+
+    Interleaving makes a slow spell of the machine (other load, frequency changes) fall
+    on every peer alike instead of on whichever peer ran during it; the garbage
+    collector stays off while timing.
+    """
     tensors = inputs(case, grad)
-    run_once(fn, tensors, grad)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    for fn in fns.values():  # warm-up: thread pools, allocator, caches
         run_once(fn, tensors, grad)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {peer: [] for peer in fns}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            for peer, fn in fns.items():
+                start = time.perf_counter()
+                run_once(fn, tensors, grad)
+                times[peer].append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+    return {peer: statistics.median(t) for peer, t in times.items()}
+
+
+def repeats_for(S: int, repeats: int) -> int:
+    """More runs where calls are short (and noisier), fewer where one call takes seconds."""
+    if S <= 1024:
+        return 3 * repeats
+    return max(3, repeats // 2) if S >= 16384 else repeats
 
 
 def roofline_gflops(repeats: int) -> float:
@@ -236,6 +258,55 @@ def measure_memory(pattern: str, S: int, peer: str, grad: bool) -> int | None:
     return result.get("peak_extra_bytes")
 
 
+def measure_cell(
+    case: Case, pass_: str, args: argparse.Namespace, roof: float, progress: str
+) -> list[dict[str, object]]:
+    """One record per peer for a pattern, S and pass: times, useful GFLOP/s, memory."""
+    grad = pass_ == "fwd+bwd"
+    flops = 4 * H * case.pairs * D * (3.5 if grad else 1.0)
+    label = f"{progress} S={case.S} {case.pattern} {pass_}"
+    print(f"{label}: compiling and warming up …", file=sys.stderr, flush=True)
+    peers = Peers(case)
+    fns, records = {}, {}
+    for peer in PEERS:
+        peers.compile_s = None
+        fn = peers.call(peer, grad)
+        records[peer] = {
+            "S": case.S,
+            "B": case.B,
+            "H": H,
+            "D": D,
+            "pattern": case.pattern,
+            "pass": pass_,
+            "peer": peer,
+            "useful_gflop": flops / 1e9,
+        }
+        if isinstance(fn, str):
+            records[peer]["skipped"] = fn
+            continue
+        fns[peer] = fn
+        if peer in ("flex", "auto"):
+            records[peer]["compile_s"] = peers.compile_s
+    repeats = repeats_for(case.S, args.repeats)
+    print(
+        f"{label}: timing {', '.join(fns)} round-robin, {repeats} runs …",
+        file=sys.stderr,
+        flush=True,
+    )
+    for peer, seconds in time_peers(fns, case, grad, repeats).items():
+        gflops = flops / seconds / 1e9
+        records[peer].update(
+            ms=seconds * 1e3, gflops=gflops, roofline_pct=100 * gflops / roof, repeats=repeats
+        )
+    records["auto"]["backend"] = ak.explain(*inputs(case, grad), case.mask).backend
+    for peer in fns:
+        if not args.no_memory:
+            records[peer]["peak_extra_bytes"] = measure_memory(case.pattern, case.S, peer, grad)
+    summary = "  ".join(f"{p} {r['ms']:.1f} ms" for p, r in records.items() if "ms" in r)
+    print(f"{label}: {summary}", file=sys.stderr, flush=True)
+    return list(records.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -261,55 +332,19 @@ def main() -> None:
     cells = [(S, p, ps) for S in args.sizes for p in args.patterns for ps in PASSES]
     records = []
     for n, (S, pattern, pass_) in enumerate(cells, 1):
-        case = make_case(pattern, S)
-        peers = Peers(case)
-        grad = pass_ == "fwd+bwd"
-        flops = 4 * H * case.pairs * D * (3.5 if grad else 1.0)
-        repeats = max(3, args.repeats // 2) if S >= 16384 else args.repeats
-        for peer in PEERS:
-            print(
-                f"[{n}/{len(cells)}] S={S} {pattern} {pass_} {peer} …",
-                end=" ",
-                file=sys.stderr,
-                flush=True,
-            )
-            peers.compile_s = None
-            fn = peers.call(peer, grad)
-            record = {
-                "S": S,
-                "B": case.B,
-                "H": H,
-                "D": D,
-                "pattern": pattern,
-                "pass": pass_,
-                "peer": peer,
-                "useful_gflop": flops / 1e9,
-            }
-            if isinstance(fn, str):
-                record["skipped"] = fn
-                print(fn, file=sys.stderr)
-            else:
-                seconds = time_call(fn, case, grad, repeats)
-                record.update(
-                    ms=seconds * 1e3,
-                    gflops=flops / seconds / 1e9,
-                    roofline_pct=100 * flops / seconds / 1e9 / roof,
-                )
-                if peer in ("flex", "auto"):
-                    record["compile_s"] = peers.compile_s
-                if peer == "auto":
-                    plan = ak.explain(*inputs(case, grad), case.mask)
-                    record["backend"] = plan.backend
-                if not args.no_memory:
-                    record["peak_extra_bytes"] = measure_memory(pattern, S, peer, grad)
-                print(f"{seconds * 1e3:.1f} ms", file=sys.stderr)
-            records.append(record)
+        records += measure_cell(
+            case=make_case(pattern, S),
+            pass_=pass_,
+            args=args,
+            roof=roof,
+            progress=f"[{n}/{len(cells)}]",
+        )
     meta = {
         "roofline_gflops": roof,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
-        "repeats": args.repeats,
+        "repeats": {S: repeats_for(S, args.repeats) for S in args.sizes},
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,13 @@ def _compile(record: dict[str, Any] | None) -> str:
     return f" (+{record['compile_s']:.0f} s compile)"
 
 
+def _repeats(meta: dict[str, Any]) -> str:
+    repeats = meta["repeats"]
+    if isinstance(repeats, int):  # results written before repeats depended on S
+        return f"median of {repeats} runs"
+    return "median of " + ", ".join(f"{n} runs at S={S}" for S, n in repeats.items())
+
+
 def _mib(record: dict[str, Any] | None) -> str:
     if record is None or record.get("peak_extra_bytes") is None:
         return "–"
@@ -35,7 +42,8 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
     )
     lines = [
         f"fp32 matmul roofline {meta['roofline_gflops']:.0f} GFLOP/s, torch {meta['torch']}, "
-        f"{meta['threads']} threads, median of {meta['repeats']} runs, H=8, D=64, float32; "
+        f"{meta['threads']} threads, {_repeats(meta)}, peers timed round-robin, H=8, D=64, "
+        "float32; "
         "times in ms; useful GFLOP/s count allowed pairs only; memory = peak extra MiB of one "
         "call in a fresh process.",
         "",
@@ -52,7 +60,7 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
         lines.append(
             f"| {S} | {pattern} | {pass_} | {_cell(row['naive'])} | {_cell(row['sdpa'])} | "
             f"{flex} | {_cell(auto)} ({auto.get('backend', '?') if auto else '?'})"
-            f"{_compile(auto)} | "
+            f"{_compile(auto) if auto and auto.get('backend') == 'flex' else ''} | "
             f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | {speedup} | "
             f"{_mib(row['sdpa'])} | {_mib(auto)} |"
             if auto and "ms" in auto
