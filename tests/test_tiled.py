@@ -191,9 +191,11 @@ def test_tiled_runs_chunks_and_irregular_blocks_exactly(monkeypatch):
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("band", [None, 64], ids=["whole", "bands"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
-def test_long_causal_runs_run_whole_with_is_causal_and_stay_exact(monkeypatch, heads):
-    """Documents (and padded causal rows) as whole `is_causal` blocks, the rest tiled."""
+def test_long_causal_runs_run_whole_with_is_causal_and_stay_exact(monkeypatch, heads, band):
+    """Documents (and padded causal rows) as `is_causal` blocks, the rest tiled; the
+    forward cuts long runs into bands merged by log-sum-exp."""
     import attnkit.backends.tileplan as tileplan
 
     monkeypatch.setattr(tileplan, "SEGMENT_MIN", 40)
@@ -209,13 +211,38 @@ def test_long_causal_runs_run_whole_with_is_causal_and_stay_exact(monkeypatch, h
 
     monkeypatch.setattr(tiled, "best_plan", lambda *args: plan)  # this plan, not the cheapest
     monkeypatch.setattr(tiled, "BACKWARD_KEYS", 32)  # runs cut into squares and rectangles
+    if band is not None:  # 150 rows: bands of 64, 64 and 22 rows, two of them merged
+        monkeypatch.setattr(tiled, "_band_rows", lambda heads, Dv: band)
     q, k, v = (t.requires_grad_() for t in qkv(H=H, Hkv=Hkv))
-    expected = ak.attention(q, k, v, mask, backend="reference")
+    expected, expected_lse = ak.attention_with_lse(q, k, v, mask, backend="reference")
     expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
-    got = ak.attention(q, k, v, mask, backend="tiled")
+    got, lse = ak.attention_with_lse(q, k, v, mask, backend="tiled")
     torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(lse, expected_lse)
     for g, e in zip(torch.autograd.grad(got.sum(), (q, k, v)), expected_grads, strict=True):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("height", [1, 7, 64, 150, 151])
+def test_bands_and_pieces_of_a_causal_run_hold_each_pair_once(height):
+    """Bands: causal squares, then rectangles marked to merge; pieces also cut keys."""
+    from attnkit.backends.tileplan import Group
+
+    run = Group(0, (10, 400), (10, 400), 150, 150, causal=True)
+    for parts in (list(run.bands(height)), list(run.pieces(height))):
+        count = torch.zeros(2, 150, 150, dtype=torch.long)  # per block: (row, key) hits
+        for part in parts:
+            assert part.rows <= height and (part.causal or part.keys <= height or part.merge)
+            rows = part.index("rows") - torch.tensor(run.row0)[:, None]  # (n, R) local
+            keys = part.index("keys") - torch.tensor(run.key0)[:, None]
+            hit = torch.ones(part.rows, part.keys, dtype=torch.long)
+            if part.causal:
+                hit = hit.tril()
+            for i in range(2):
+                count[i, rows[i, :, None], keys[i, None, :]] += hit
+        assert torch.equal(count, torch.ones(150, 150, dtype=torch.long).tril().expand(2, -1, -1))
+    bands = list(run.bands(height))
+    assert [b.merge for b in bands] == [not b.causal for b in bands]
 
 
 def test_causal_runs_are_found_where_rows_see_their_run_causally():

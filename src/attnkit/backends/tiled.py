@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
-from attnkit.backends.tileplan import Group, TilePlan, best_plan
+from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.softmax import compute_dtype
@@ -248,6 +248,27 @@ def _head_picker(Hkv: int, G: int, i: int) -> Callable[[Tensor], Tensor]:
     return lambda x: x.view(Hkv, G, *x.shape[1:])[:, i]
 
 
+def _band_rows(heads: int, Dv: int) -> int:
+    """Query rows per forward band of a causal run: as many as fit one call's output,
+    log-sum-exp and merge in CHUNK_BYTES, but at least `BAND_MIN` (below that the op
+    splits queries finer and runs slower). Whole, a long run's output would be a second
+    copy of its rows while it is written into place."""
+    rows = CHUNK_BYTES // (4 * heads * (3 * Dv + 2))
+    return max(BAND_MIN, rows // GRANULE * GRANULE)
+
+
+def _merged(
+    out: Tensor, lse: Tensor, ob: Tensor, lb: Tensor, g: Group, Hkv: int
+) -> tuple[Tensor, Tensor]:
+    """Block result (ob, lb) merged with the partial result in its rows of (out, lse):
+    both weighted by their share of the summed exponentials (ob is overwritten)."""
+    old_out, old_lse = _block_rows(out, g, Hkv), _block_rows(lse, g, Hkv)
+    new_lse = torch.logaddexp(old_lse, lb)  # (n, Hkv, G·R)
+    ob.mul_((lb - new_lse).exp_()[..., None])
+    ob.addcmul_(old_out, (old_lse - new_lse).exp_()[..., None])
+    return ob, new_lse
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -272,7 +293,8 @@ class _TiledAttention(torch.autograd.Function):
             out, lse = q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
         else:
             out, lse = q.new_zeros(B, H, L, v.shape[-1]), q.new_full((B, H, L), -torch.inf)
-        for group in plan.groups:
+        bands = (part for g in plan.groups for part in g.bands(_band_rows(Hkv, v.shape[-1])))
+        for group in bands:
             b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)  # None if causal
             for g, heads in _calls(group, H, Hkv, D, vis.bias is not None):
                 ob, lb = flash(
@@ -284,8 +306,11 @@ class _TiledAttention(torch.autograd.Function):
                     attn_mask=masks(g),
                     scale=scale,
                 )  # (n, Hkv, G·R, Dv), (n, Hkv, G·R)
+                if g.merge:
+                    ob, lb = _merged(heads(out[b]), heads(lse[b]), ob, lb, g, Hkv)
                 _write_rows(heads(out[b]), ob, g, Hkv)
                 _write_rows(heads(lse[b]), lb, g, Hkv)
+                del ob, lb  # freed before the next call allocates its output
         lse.masked_fill_(~seen_rows[:, None, :], -torch.inf)  # the op gives 0 on empty rows
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.vis, ctx.plan, ctx.scale = vis, plan, scale

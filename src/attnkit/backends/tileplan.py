@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -24,6 +24,7 @@ from attnkit import cost
 from attnkit.masks import Mask
 
 __all__ = [
+    "BAND_MIN",
     "GRANULE",
     "TILES",
     "Group",
@@ -40,6 +41,7 @@ MAX_ROWS = 256  # tiles with equal spans merge into blocks of at most this many 
 MAX_PAIRS = 1 << 19  # ... and at most this many pairs (a block's mask: 2 MiB in float32)
 SEGMENT_MIN = 16  # causal runs this long run whole, as one is_causal block
 MAX_GROUPS = 24  # more distinct block widths than this get bucketed
+BAND_MIN = 768  # from this many query rows on, the CPU flash op splits queries by 256
 
 
 def uniform_step(starts: tuple[int, ...]) -> int | None:
@@ -61,6 +63,7 @@ class Group:
     rows: int
     keys: int
     causal: bool = False  # rows == keys and row m sees keys 0..m (the op's is_causal)
+    merge: bool = False  # the rows hold a partial result already: merge by log-sum-exp
 
     @property
     def size(self) -> int:
@@ -81,30 +84,40 @@ class Group:
         starts, size = (self.row0, self.rows) if which == "rows" else (self.key0, self.keys)
         return torch.tensor(starts)[:, None] + torch.arange(size)
 
-    def pieces(self, width: int) -> Iterator[Group]:
-        """The same pairs in blocks of at most `width` keys (for a backward pass, which
-        takes the global log-sum-exp and so may cut a row's keys anywhere).
+    def bands(self, height: int) -> Iterator[Group]:
+        """The same pairs in bands of at most `height` query rows (bounds a call's output).
 
-        A causal run becomes causal squares on its diagonal and fully visible rectangles
-        below them.
+        A causal run becomes, per band, a causal square on the diagonal and then, below
+        it, the fully visible rectangle of the band's earlier keys; that rectangle has
+        `merge` set: its rows already hold the square's partial result. Other groups
+        stay whole.
         """
-        if not self.causal:
-            for j in range(0, self.keys, width):
-                key0 = tuple(k + j for k in self.key0)
-                yield Group(self.batch, self.row0, key0, self.rows, min(width, self.keys - j))
+        if not self.causal or self.rows <= height:
+            yield self
             return
-        for a in range(0, self.rows, width):
-            n = min(width, self.rows - a)
+        for a in range(0, self.rows, height):
+            n = min(height, self.rows - a)
             row0 = tuple(r + a for r in self.row0)
             yield Group(self.batch, row0, tuple(k + a for k in self.key0), n, n, causal=True)
             if a > 0:
-                yield from Group(self.batch, row0, self.key0, n, a).pieces(width)
+                yield Group(self.batch, row0, self.key0, n, a, merge=True)
+
+    def pieces(self, width: int) -> Iterator[Group]:
+        """The same pairs in blocks of at most `width` keys and rows (for a backward pass,
+        which takes the global log-sum-exp and so may cut a row's keys anywhere)."""
+        for band in self.bands(width):
+            if band.causal:
+                yield band
+                continue
+            for j in range(0, band.keys, width):
+                key0 = tuple(k + j for k in band.key0)
+                yield replace(band, key0=key0, keys=min(width, band.keys - j), merge=False)
 
     def chunks(self, blocks: int) -> Iterator[Group]:
         """The same blocks, at most `blocks` at a time (bounds the memory of one call)."""
         for i in range(0, self.size, blocks):
             sl = slice(i, i + blocks)
-            yield Group(self.batch, self.row0[sl], self.key0[sl], self.rows, self.keys, self.causal)
+            yield replace(self, row0=self.row0[sl], key0=self.key0[sl])
 
 
 @dataclass(frozen=True)
@@ -135,7 +148,7 @@ class TilePlan:
 def _query_split(rows: int) -> int:
     """Query rows per inner block of PyTorch's CPU flash kernel: with `is_causal` it
     computes keys up to the end of each such block, so about rows·(rows + split)/2 pairs."""
-    return 256 if rows >= 768 else 64 if rows >= 192 else 32
+    return 256 if rows >= BAND_MIN else 64 if rows >= 192 else 32
 
 
 def _bucket(length: Tensor) -> Tensor:
