@@ -203,8 +203,12 @@ def test_long_causal_runs_run_whole_with_is_causal_and_stay_exact(monkeypatch, h
     ids = torch.tensor([0] * 70 + [1] * 13 + [2] * 150 + [3] * 67)
     mask = ak.document(ids) & ak.causal() & ak.key_padding(torch.tensor([300, 250]))
     segments = tileplan.Segments.find(mask, 2, 300, 300)
-    assert segments is not None and segments.runs[0] == [(0, 0, 70), (83, 83, 150), (233, 233, 67)]
-    assert segments.runs[1] == [(0, 0, 70), (83, 83, 150)]  # the padded document is cut
+    assert segments is not None and segments.runs[0] == [
+        (0, 0, 70, 0),
+        (83, 83, 150, 0),
+        (233, 233, 67, 0),
+    ]
+    assert segments.runs[1] == [(0, 0, 70, 0), (83, 83, 150, 0)]  # the padded document is cut
     plan = plan_tiles(mask, 2, 300, 300, 64, segments)
     assert sum(g.size for g in plan.groups if g.causal) == 5
     import attnkit.backends.tiled as tiled
@@ -232,7 +236,8 @@ def test_bands_and_pieces_of_a_causal_run_hold_each_pair_once(height):
     for parts in (list(run.bands(height)), list(run.pieces(height))):
         count = torch.zeros(2, 150, 150, dtype=torch.long)  # per block: (row, key) hits
         for part in parts:
-            assert part.rows <= height and (part.causal or part.keys <= height or part.merge)
+            assert part.rows < 2 * height and (part.causal or part.keys <= height or part.merge)
+            assert part.rows >= min(height, 150)  # no short tail band
             rows = part.index("rows") - torch.tensor(run.row0)[:, None]  # (n, R) local
             keys = part.index("keys") - torch.tensor(run.key0)[:, None]
             hit = torch.ones(part.rows, part.keys, dtype=torch.long)
@@ -250,11 +255,53 @@ def test_causal_runs_are_found_where_rows_see_their_run_causally():
 
     L = 4096
     band = Segments.find(ak.sliding_window(255), 1, L, L)
-    assert band is not None and band.runs == [[(0, 0, 256)]]  # until the window is full
+    assert band is not None and band.runs == [[(0, 0, 256, 0)]]  # until the window is full
     found = Segments.find(ak.causal() & ak.key_padding(torch.tensor([L])), 1, L, L)
-    assert found is not None and found.runs == [[(0, 0, L)]]
+    assert found is not None and found.runs == [[(0, 0, L, 0)]]
     docs = ak.document(torch.arange(L) // 1024) & ak.causal()
     assert sum(g.size for g in best_plan(docs, 1, 8, 8, L, L).groups if g.causal) == 4
+    prefix = Segments.find(ak.prefix_lm(1000), 1, L, L)  # row 999 on: causal after 999 keys
+    assert prefix is not None and prefix.runs == [[(999, 0, L - 999, 999)]]
+    decode = Segments.find(ak.causal(align="bottom_right"), 1, 100, L)
+    assert decode is not None and decode.runs == [[(0, 0, 100, L - 100)]]
+
+
+@pytest.mark.parametrize("band", [None, 64], ids=["whole", "bands"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["MHA", "GQA"])
+@pytest.mark.parametrize(
+    "mask, L, S",
+    [
+        (ak.prefix_lm(90), 300, 300),
+        (ak.causal(align="bottom_right"), 150, 300),
+        (ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([300, 280])), 150, 300),
+    ],
+    ids=["prefix", "bottom_right", "bottom_right_padded"],
+)
+def test_causal_runs_after_offset_keys_merge_two_calls_exactly(
+    monkeypatch, mask, L, S, heads, band
+):
+    """A run whose rows all first see `offset` keys: a causal square, then the offset
+    rectangle merged into its rows by log-sum-exp; output, lse and gradients exact."""
+    import attnkit.backends.tiled as tiled
+    from attnkit.backends.tileplan import Segments
+
+    segments = Segments.find(mask, 2, L, S)
+    assert segments is not None and all(run[3] > 0 for run in segments.runs[0])
+    plan = plan_tiles(mask, 2, L, S, 64, segments)
+    assert any(g.merge for g in plan.groups) and plan.groups[-1].merge  # merging groups last
+    monkeypatch.setattr(tiled, "best_plan", lambda *args: plan)
+    if band is not None:
+        monkeypatch.setattr(tiled, "_band_rows", lambda heads, Dv: band)
+    H, Hkv = heads
+    q, k, v = (t.requires_grad_() for t in qkv(H=H, Hkv=Hkv, L=L, S=S))
+    expected, expected_lse = ak.attention_with_lse(q, k, v, mask, backend="reference")
+    got, lse = ak.attention_with_lse(q, k, v, mask, backend="tiled")
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(lse, expected_lse)
+    grads = torch.autograd.grad(got.sum() + lse.sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.sum() + expected_lse.sum(), (q, k, v))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ class _Visibility:
         else:
             self.predicate = mask.predicate(B, H, L, S, device)
         self.bias = None if mask is None else mask.bias(B, H, L, S, device)
+        self._masks: dict[tuple[Group, int, torch.dtype], Callable[[Group], Tensor | None]] = {}
+        self._seen: tuple[Tensor, Tensor] | None = None
 
     def _predicate_block(self, g: Group) -> Tensor:
         """(n, R, K) visibility by the predicate."""
@@ -68,7 +71,16 @@ class _Visibility:
         """The op's additive mask for each chunk of `group`, visibility plus any bias.
 
         None for causal runs: the op's `is_causal` is their mask (they carry no bias).
+        Remembered per group: a visibility object lives as long as its plan.
         """
+        key = (group, G, dtype)
+        if key not in self._masks:
+            self._masks[key] = self._chunk_masks(group, G, dtype)
+        return self._masks[key]
+
+    def _chunk_masks(
+        self, group: Group, G: int, dtype: torch.dtype
+    ) -> Callable[[Group], Tensor | None]:
         if group.causal:
             return lambda g: None
         visibility = self._visibility(group, G, dtype)
@@ -125,7 +137,12 @@ class _Visibility:
         return chunk
 
     def seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
-        """(B, L) rows that see some key and (B, S) keys that some row sees."""
+        """(B, L) rows that see some key and (B, S) keys that some row sees (remembered)."""
+        if self._seen is None:
+            self._seen = self._find_seen(plan, chunk)
+        return self._seen
+
+    def _find_seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
         B, _, L, S = self.dims
         if self.spans is not None:
             lo, hi = self.spans
@@ -276,15 +293,14 @@ class _TiledAttention(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        mask: Mask | None,
+        vis: _Visibility,
         plan: TilePlan,
         scale: float,
     ) -> tuple[Tensor, Tensor]:
         B, H, L, D = q.shape
-        Hkv, S = k.shape[1], k.shape[2]
+        Hkv = k.shape[1]
         flash = cpu_flash_attention()
         assert flash is not None
-        vis = _Visibility(mask, (B, H, L, S), q.device)
         seen_rows, seen_keys = vis.seen(
             plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None)
         )
@@ -387,6 +403,14 @@ def _with_lse_gradient(
     )
 
 
+@dataclass
+class _Prepared:
+    """A plan, and the visibility of its blocks per device (kept per mask and size)."""
+
+    plan: TilePlan
+    visibility: dict[torch.device, _Visibility] = field(default_factory=dict)
+
+
 class TiledBackend:
     """Block-sparse: runs the fused kernel only on the key spans each query tile may see."""
 
@@ -408,22 +432,26 @@ class TiledBackend:
     def __init__(self) -> None:
         # plans per mask object (held weakly) and problem size; a mask whose tensors
         # change in place gets a new plan (`Mask.state`)
-        self._plans: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], TilePlan]] = (
+        self._plans: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], _Prepared]] = (
             weakref.WeakKeyDictionary()
         )
 
-    def plan(self, call: AttentionCall) -> TilePlan:
-        """The tile plan of a call: computed once per mask and size, for cost and run."""
+    def _prepared(self, call: AttentionCall) -> _Prepared:
+        """The plan of a call and its visibility: made once per mask and size."""
         d, mask = call.dims, call.mask
         if mask is None:
-            return best_plan(None, d.B, d.H, d.Hkv, d.L, d.S)
+            return _Prepared(best_plan(None, d.B, d.H, d.Hkv, d.L, d.S))
         plans = self._plans.setdefault(mask, {})
         key = (d.B, d.H, d.Hkv, d.L, d.S, mask.state())
         if key not in plans:
             if len(plans) >= PLANS_PER_MASK:
                 plans.clear()
-            plans[key] = best_plan(mask, d.B, d.H, d.Hkv, d.L, d.S)
+            plans[key] = _Prepared(best_plan(mask, d.B, d.H, d.Hkv, d.L, d.S))
         return plans[key]
+
+    def plan(self, call: AttentionCall) -> TilePlan:
+        """The tile plan of a call: computed once per mask and size, for cost and run."""
+        return self._prepared(call).plan
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         return self.plan(call).cost(call.dims.H, call.dims.groups)
@@ -436,7 +464,12 @@ class TiledBackend:
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = compute_dtype(call.q.dtype)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
+        prepared, d = self._prepared(call), call.dims
+        vis = prepared.visibility.get(q.device)
+        if vis is None:
+            vis = _Visibility(call.mask, (d.B, d.H, d.L, d.S), q.device)
+            prepared.visibility[q.device] = vis
         out, lse = _TiledAttention.apply(  # type: ignore[no-untyped-call]
-            q, k, v, call.mask, self.plan(call), call.scale
+            q, k, v, vis, prepared.plan, call.scale
         )
         return out.to(call.q.dtype), lse if need_lse else None

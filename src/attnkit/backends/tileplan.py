@@ -85,25 +85,31 @@ class Group:
         return torch.tensor(starts)[:, None] + torch.arange(size)
 
     def bands(self, height: int) -> Iterator[Group]:
-        """The same pairs in bands of at most `height` query rows (bounds a call's output).
+        """The same pairs in bands of `height` to 2·`height` query rows (bounds a call's
+        output and keeps its rows many enough for the op's coarse query split).
 
         A causal run becomes, per band, a causal square on the diagonal and then, below
         it, the fully visible rectangle of the band's earlier keys; that rectangle has
         `merge` set: its rows already hold the square's partial result. Other groups
-        stay whole.
+        are cut by rows only.
         """
-        if not self.causal or self.rows <= height:
+        count = self.rows // height  # bands of height..2·height rows: no short tail
+        if count <= 1:
             yield self
             return
-        for a in range(0, self.rows, height):
-            n = min(height, self.rows - a)
+        cuts = [i * self.rows // count for i in range(count + 1)]
+        for a, end in itertools.pairwise(cuts):
+            n = end - a
             row0 = tuple(r + a for r in self.row0)
+            if not self.causal:
+                yield replace(self, row0=row0, rows=n)
+                continue
             yield Group(self.batch, row0, tuple(k + a for k in self.key0), n, n, causal=True)
             if a > 0:
                 yield Group(self.batch, row0, self.key0, n, a, merge=True)
 
     def pieces(self, width: int) -> Iterator[Group]:
-        """The same pairs in blocks of at most `width` keys and rows (for a backward pass,
+        """The same pairs in blocks of under 2·`width` rows and keys (for a backward pass,
         which takes the global log-sum-exp and so may cut a row's keys anywhere)."""
         for band in self.bands(width):
             if band.causal:
@@ -207,11 +213,13 @@ class Segments:
 
     lo: Tensor
     hi: Tensor
-    runs: list[list[tuple[int, int, int]]]  # (first row, first key, length)
+    runs: list[list[tuple[int, int, int, int]]]  # (first row, first key, length, offset)
 
     @staticmethod
     def find(mask: Mask, B: int, L: int, S: int) -> Segments | None:
-        """Rows r..e-1 that see exactly keys c..c+(i-r): one `is_causal` call each.
+        """Rows r..e-1 where row i sees exactly keys c..c+offset+(i-r): a causal square
+        (one `is_causal` call) after `offset` keys that every row sees (one plain call,
+        merged by log-sum-exp). Prefix-LM and bottom-right causal rows have an offset.
 
         Only runs of at least `SEGMENT_MIN` rows count (there the op uses its large
         query blocks); None if the mask has no exact spans or no such run.
@@ -223,13 +231,15 @@ class Segments:
         shift = hi - index  # constant along a causal run, as the first key is
         change = torch.ones(B, L, dtype=torch.bool)
         change[:, 1:] = (lo[:, 1:] != lo[:, :-1]) | (shift[:, 1:] != shift[:, :-1])
-        runs: list[list[tuple[int, int, int]]] = []
+        runs: list[list[tuple[int, int, int, int]]] = []
         for b in range(B):
             starts = torch.nonzero(change[b])[:, 0]
             length = torch.diff(starts, append=torch.tensor([L]))
-            ok = (length >= SEGMENT_MIN) & (hi[b, starts] - lo[b, starts] == 1)
-            first, key, count = starts[ok], lo[b, starts[ok]], length[ok]
-            runs.append(list(zip(first.tolist(), key.tolist(), count.tolist(), strict=True)))
+            offset = hi[b, starts] - lo[b, starts] - 1
+            ok = (length >= SEGMENT_MIN) & (offset >= 0)
+            first, key, count, offset = starts[ok], lo[b, starts[ok]], length[ok], offset[ok]
+            found = zip(first.tolist(), key.tolist(), count.tolist(), offset.tolist(), strict=True)
+            runs.append(list(found))
         return Segments(lo, hi, runs) if any(runs) else None
 
 
@@ -244,7 +254,7 @@ def _tiles_around(
     keep = torch.ones(B, n_tiles * tile, dtype=torch.bool)
     keep[:, L:] = False
     for b, runs in enumerate(segments.runs):
-        for r, _, length in runs:
+        for r, _, length, _ in runs:
             keep[b, r : r + length] = False
     pad = n_tiles * tile - L
     lo = torch.nn.functional.pad(segments.lo, (0, pad), value=S)
@@ -267,6 +277,11 @@ def best_plan(mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int) -> Ti
     return min(plans, key=lambda p: p.cost(H, H // Hkv))
 
 
+def _merging_last(item: tuple[tuple[int, int, int, bool, bool], object]) -> tuple[object, ...]:
+    (b, n, k, causal, merge), _ = item
+    return merge, b, n, k, causal
+
+
 def _fits(rows: int, keys: int) -> bool:
     return rows <= MAX_ROWS and rows * keys <= MAX_PAIRS
 
@@ -278,12 +293,13 @@ def _group(
     hi: Tensor,
     tile: int,
     L: int,
-    runs: list[list[tuple[int, int, int]]],
+    runs: list[list[tuple[int, int, int, int]]],
 ) -> TilePlan:
     """Merge runs of whole tiles with equal spans into blocks; group blocks by batch row
-    and shape; add the causal runs as blocks of their own."""
+    and shape; add the causal runs as blocks of their own (a causal square, then the
+    rectangle of its offset keys, merged into the square's rows: those groups last)."""
     B, n_tiles = lo.shape
-    blocks: dict[tuple[int, int, int, bool], list[tuple[int, int]]] = {}
+    blocks: dict[tuple[int, int, int, bool, bool], list[tuple[int, int]]] = {}
     area = covered = 0
     for b in range(B):
         starts, counts = row0[b].tolist(), rows[b].tolist()
@@ -301,16 +317,18 @@ def _group(
                 end += 1
             if width > 0 and counts[t] > 0:
                 n = sum(counts[t:end])
-                blocks.setdefault((b, n, width, False), []).append((starts[t], start_key))
+                blocks.setdefault((b, n, width, False, False), []).append((starts[t], start_key))
                 area += min(n, L - starts[t]) * width
                 covered += min(n, L - starts[t])
             t = end
-        for r, c, length in runs[b] if runs else ():
-            blocks.setdefault((b, length, length, True), []).append((r, c))
-            area += length * (length + 1) // 2
+        for r, c, length, offset in runs[b] if runs else ():
+            blocks.setdefault((b, length, length, True, False), []).append((r, c + offset))
+            if offset:
+                blocks.setdefault((b, length, offset, False, True), []).append((r, c))
+            area += length * (length + 1) // 2 + length * offset
             covered += length
     groups = tuple(
-        Group(b, tuple(m[0] for m in members), tuple(m[1] for m in members), n, k, causal)
-        for (b, n, k, causal), members in sorted(blocks.items())
+        Group(b, tuple(m[0] for m in group), tuple(m[1] for m in group), n, k, causal, merge)
+        for (b, n, k, causal, merge), group in sorted(blocks.items(), key=_merging_last)
     )
     return TilePlan(groups=groups, area=area, covered=covered, tile=tile)
