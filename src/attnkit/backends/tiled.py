@@ -365,6 +365,7 @@ class _TiledAttention(torch.autograd.Function):
                 for grad, part in ((dk, gk[..., :D]), (dv, gv[..., : v.shape[-1]])):
                     flat = part.transpose(0, 1).reshape(Hkv, -1, part.shape[-1])  # (Hkv, n·K, D)
                     grad[b].index_add_(1, keys, flat)
+                del gq, gk, gv  # freed before the next call allocates its gradients
         return dq, dk, dv, None, None, None
 
 
