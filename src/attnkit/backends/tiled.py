@@ -10,9 +10,9 @@ memory; query and key windows are strided views where they are evenly spaced.
 Each query row lies in one block, so the kernel's log-sum-exp is the row's log-sum-exp,
 except in causal runs: their rows take a causal square and then a rectangle of earlier
 keys (the run's offset, or the earlier rows of a long run cut into bands), whose result
-merges into theirs by log-sum-exp. The backward pass reruns the op's backward per block with the global output
-and log-sum-exp, which makes the block gradients sum to the exact gradient (as ring
-attention does).
+merges into theirs by log-sum-exp. The backward pass reruns the op's backward per block
+with the global output and log-sum-exp, which makes the block gradients sum to the exact
+gradient (as ring attention does).
 """
 
 from __future__ import annotations
