@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -179,7 +180,7 @@ def run_once(
 def time_peers(
     fns: dict[str, Callable[..., torch.Tensor]], case: Case, grad: bool, repeats: int
 ) -> dict[str, float]:
-    """Median seconds of each peer, timed round-robin on the same inputs.
+    """Median seconds of each peer, timed round-robin (in a shuffled order) on the same inputs.
 
     Interleaving makes a slow spell of the machine (other load, frequency changes) fall
     on every peer alike instead of on whichever peer ran during it; the garbage
@@ -192,10 +193,12 @@ def time_peers(
     gc.collect()
     gc.disable()
     try:
-        for _ in range(repeats):
-            for peer, fn in fns.items():
+        order = list(fns)
+        for r in range(repeats):
+            random.Random(r).shuffle(order)  # no peer always runs after the same one
+            for peer in order:
                 start = time.perf_counter()
-                run_once(fn, tensors, grad)
+                run_once(fns[peer], tensors, grad)
                 times[peer].append(time.perf_counter() - start)
     finally:
         gc.enable()

@@ -438,14 +438,13 @@ class TiledBackend:
         self._plans: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], _Prepared]] = (
             weakref.WeakKeyDictionary()
         )
+        self._unmasked: dict[tuple[Any, ...], _Prepared] = {}  # plans without a mask
 
     def _prepared(self, call: AttentionCall) -> _Prepared:
         """The plan of a call and its visibility: made once per mask and size."""
         d, mask = call.dims, call.mask
-        if mask is None:
-            return _Prepared(best_plan(None, d.B, d.H, d.Hkv, d.L, d.S))
-        plans = self._plans.setdefault(mask, {})
-        key = (d.B, d.H, d.Hkv, d.L, d.S, mask.state())
+        plans = self._unmasked if mask is None else self._plans.setdefault(mask, {})
+        key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else mask.state())
         if key not in plans:
             if len(plans) >= PLANS_PER_MASK:
                 plans.clear()
