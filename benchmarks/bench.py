@@ -302,9 +302,8 @@ def measure_cell(
             ms=seconds * 1e3, gflops=gflops, roofline_pct=100 * gflops / roof, repeats=repeats
         )
     records["auto"]["backend"] = ak.explain(*inputs(case, grad), case.mask).backend
-    for peer in fns:
-        if not args.no_memory:
-            records[peer]["peak_extra_bytes"] = measure_memory(case.pattern, case.S, peer, grad)
+    for peer in [] if args.no_memory else fns:
+        records[peer]["peak_extra_bytes"] = measure_memory(case.pattern, case.S, peer, grad)
     summary = "  ".join(f"{p} {r['ms']:.1f} ms" for p, r in records.items() if "ms" in r)
     print(f"{label}: {summary}", file=sys.stderr, flush=True)
     return list(records.values())
