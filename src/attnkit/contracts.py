@@ -26,6 +26,7 @@ __all__ = [
     "attention_score_elements",
     "check_attention_contract",
     "normalize_call",
+    "unit_last_stride",
 ]
 
 MODES = ("self", "cross")
@@ -87,6 +88,16 @@ class AttentionCall:
         return bias
 
     @property
+    def is_empty(self) -> bool:
+        """Nothing to compute: no output element (B, H, L or Dv = 0) or no key (S = 0).
+
+        Then the output is all zeros (with S = 0 every query sees nothing, as an empty
+        row does) and the log-sum-exp all `-inf`.
+        """
+        d = self.dims
+        return d.B * d.H * d.L * d.Dv == 0 or d.S == 0
+
+    @property
     def requires_grad(self) -> bool:
         """Autograd will need a backward pass through this call."""
         return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
@@ -97,17 +108,35 @@ def check_attention_contract(
 ) -> Dims:
     """Raise `ShapeContractError` naming the offending dimension, else return the `Dims`.
 
-    Shapes are (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv). `mode='self'` also needs
-    L == S (queries and keys come from the same sequence); `'cross'` lets them differ.
+    Shapes are (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv) of positive ints (the seed's
+    contract). `mode='self'` also needs L == S (queries and keys come from the same
+    sequence); `'cross'` lets them differ. An unknown `mode` raises `ValueError`.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    dims = _check_shapes(q_shape, k_shape, v_shape, minimum=1)
+    if mode == "self" and dims.L != dims.S:
+        raise ShapeContractError(
+            f"self-attention needs L == S, got L={dims.L} queries and S={dims.S} keys; use "
+            "mode='cross' if they come from different sequences."
+        )
+    return dims
+
+
+def _check_shapes(
+    q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], *, minimum: int
+) -> Dims:
+    """The cross-attention contract; sizes B, L, S, Dv may be 0 when `minimum` is 0."""
     for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape)):
         if len(shape) != 4:
             raise ShapeContractError(
                 f"{name} must have 4 dims (B, heads, length, head_dim), got {len(shape)} dims "
                 f"{tuple(shape)}. Use split_heads(x, num_heads) to go from (B, L, E), or "
                 f"{name}.unsqueeze(1) for a single head."
+            )
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < minimum for n in shape):
+            raise ShapeContractError(
+                f"{name} has shape {tuple(shape)}; every size must be an int >= {minimum}."
             )
     B, H, L, D = q_shape
     Bk, Hkv, S, Dk = k_shape
@@ -122,6 +151,10 @@ def check_attention_contract(
             f"head dim mismatch: q has D={D} but k has D={Dk}; scores are q·kᵀ, so q and k "
             "need the same head dim (project them to one size)."
         )
+    if D < 1:
+        raise ShapeContractError(
+            "q and k have head dim D=0: a score q·kᵀ needs at least one feature (D >= 1)."
+        )
     if Sv != S:
         raise ShapeContractError(
             f"K/V length mismatch: k has S={S} keys but v has S={Sv} values; each key needs "
@@ -131,15 +164,11 @@ def check_attention_contract(
         raise ShapeContractError(
             f"k has Hkv={Hkv} heads but v has {Hv}; k and v must have the same number of heads."
         )
-    if Hkv < 1 or H % Hkv != 0:
+    if H < 1 or Hkv < 1 or H % Hkv != 0:
         raise ShapeContractError(
             f"H={H} query heads is not divisible by Hkv={Hkv} key/value heads; GQA needs "
-            f"H % Hkv == 0 (e.g. Hkv in {[d for d in range(1, H + 1) if H % d == 0]})."
-        )
-    if mode == "self" and L != S:
-        raise ShapeContractError(
-            f"self-attention needs L == S, got L={L} queries and S={S} keys; use "
-            "mode='cross' if they come from different sequences."
+            f"H % Hkv == 0 with both >= 1 (e.g. Hkv in "
+            f"{[d for d in range(1, H + 1) if H % d == 0]})."
         )
     return Dims(B=B, H=H, Hkv=Hkv, L=L, S=S, D=D, Dv=Dv)
 
@@ -147,10 +176,10 @@ def check_attention_contract(
 def attention_contract_ok(
     q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], mode: str
 ) -> bool:
-    """True when `check_attention_contract` would pass."""
+    """True when `check_attention_contract` would pass; False for an unknown `mode` too."""
     try:
         check_attention_contract(q_shape, k_shape, v_shape, mode)
-    except ShapeContractError:
+    except ValueError:  # ShapeContractError, or an unknown mode (the seed returns False)
         return False
     return True
 
@@ -159,7 +188,12 @@ def attention_score_elements(
     batch_size: int, num_heads: int, seq_len: int, key_len: int | None = None
 ) -> int:
     """Entries of the score matrix QKᵀ: B·H·L·S. It grows with the square of the length."""
-    return batch_size * num_heads * seq_len * (seq_len if key_len is None else key_len)
+    key_len = seq_len if key_len is None else key_len
+    sizes = {"batch_size": batch_size, "num_heads": num_heads, "seq_len": seq_len}
+    for name, value in {**sizes, "key_len": key_len}.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}.")
+    return batch_size * num_heads * seq_len * key_len
 
 
 def _check_tensors(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
@@ -209,6 +243,36 @@ def normalize_mask(
     return checked, None
 
 
+def unit_last_stride(t: Tensor) -> Tensor:
+    """`t`, copied only if its last dim is not contiguous.
+
+    PyTorch's CPU flash kernels read the last dim as if its stride were 1 and give wrong
+    numbers otherwise (a transposed or `x[..., ::2]` view); every other stride, expanded
+    ones included, they read correctly.
+    """
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}.")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")
+    return float(value)
+
+
+def _fold_scale(q: Tensor, scale: float) -> tuple[Tensor, float]:
+    """(q, scale) with scale > 0 and the same scores q·kᵀ·scale.
+
+    Fused kernels mask with -inf before they scale, so a scale <= 0 turns hidden scores
+    into NaN (0·-inf) or +inf; the sign folds into q exactly (negation rounds nothing)
+    and a zero scale makes every score 0, which q·0 with scale 1 gives too.
+    """
+    if scale > 0:
+        return q, scale
+    return (-q, -scale) if scale < 0 else (q * 0.0, 1.0)
+
+
 def normalize_call(
     q: Tensor,
     k: Tensor,
@@ -219,21 +283,20 @@ def normalize_call(
     softcap: float | None = None,
     dropout_p: float = 0.0,
 ) -> AttentionCall:
-    """Validate every argument of `attention(...)` and return the normalized call."""
+    """Validate every argument of `attention(...)` and return the normalized call.
+
+    Empty sizes are valid (B, L, S or Dv = 0): see `AttentionCall.is_empty`. Inputs of
+    any strides are accepted; backends get them with a contiguous last dim.
+    """
     q, k, v = _check_tensors(q, k, v)
-    dims = check_attention_contract(q.shape, k.shape, v.shape, "cross")
-    if dims.L == 0 or dims.S == 0:
-        raise ShapeContractError(
-            f"empty sequence: L={dims.L} queries, S={dims.S} keys; attention needs at least "
-            "one of each (skip the call for empty inputs)."
-        )
+    dims = _check_shapes(q.shape, k.shape, v.shape, minimum=0)
     visibility, bias = normalize_mask(mask, dims, q.device)
-    if scale is None:
-        scale = 1.0 / math.sqrt(dims.D)
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale}.")
-    if softcap is not None and not softcap > 0:
+    scale = 1.0 / math.sqrt(dims.D) if scale is None else _check_number("scale", scale)
+    if softcap is not None and not _check_number("softcap", softcap) > 0:
         raise ValueError(f"softcap must be > 0 (s = c·tanh(s/c)), got {softcap}.")
+    dropout_p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}.")
-    return AttentionCall(q, k, v, visibility, bias, float(scale), softcap, dropout_p, dims)
+    q, scale = _fold_scale(q, scale)
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    return AttentionCall(q, k, v, visibility, bias, scale, softcap, dropout_p, dims)

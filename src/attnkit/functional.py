@@ -7,15 +7,18 @@ Data flows one way: arguments -> contracts (validate, normalize) -> mask -> plan
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnkit.backends import get_backend
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
 from attnkit.planner import Plan, choose_backend, plan_call
 from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
+from attnkit.softmax import compute_dtype
 
 __all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
 
@@ -75,8 +78,28 @@ def attention_with_lse(
 
 
 def _run(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    if call.is_empty:
+        get_backend(backend) if backend != "auto" else None  # an unknown name still raises
+        out, lse = _Empty.apply(call.q, call.k, call.v, call.dims.Dv)  # type: ignore[no-untyped-call]
+        return out, lse
     chosen, _ = choose_backend(call, backend, need_lse=need_lse)
     return chosen.run(call, need_lse=need_lse)
+
+
+class _Empty(torch.autograd.Function):
+    """The result of a call with nothing to compute: zeros, lse -inf, zero gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, Dv: int) -> tuple[Tensor, Tensor]:
+        B, H, L, _ = q.shape
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        lse = q.new_full((B, H, L), -torch.inf, dtype=compute_dtype(q.dtype))
+        return q.new_zeros(B, H, L, Dv), lse
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        zeros = [torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.inputs]
+        return (*zeros, None)
 
 
 def _row_index(
@@ -117,6 +140,8 @@ def attention_probs(
     call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
     d = call.dims
     index = _row_index(rows, d.L, q.device)
+    if d.B * d.H * index.numel() * d.S == 0:
+        return q.new_zeros(d.B, d.H, index.numel(), d.S) + 0 * q.sum() + 0 * k.sum()
     visible = (
         None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=index)
     )  # (B|1, H|1, R, S)

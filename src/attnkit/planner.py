@@ -76,10 +76,9 @@ def count_allowed_pairs(
     total = 0
     for start in range(0, L, chunk):
         rows = torch.arange(start, min(L, start + chunk), device=device)
-        part = mask.dense(B, H, L, S, device, rows=rows)  # (B|1, H|1, rows, S|1)
-        total += (
-            int(part.sum()) * (B // part.shape[0]) * (H // part.shape[1]) * (S // part.shape[3])
-        )
+        part = mask.dense(B, H, L, S, device, rows=rows)  # (B|1, H|1, rows|1, S|1)
+        full = (B, H, rows.numel(), S)  # a broadcast dim counts once per position it covers
+        total += int(part.sum()) * math.prod(n // m for n, m in zip(full, part.shape, strict=True))
     return total
 
 
@@ -116,18 +115,42 @@ def choose_backend(
     return BACKENDS[chosen], reasons
 
 
-def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False) -> Plan:
-    """The `Plan` for a validated call."""
-    backend, reasons = choose_backend(call, name, need_lse=need_lse)
+def _shapes(call: AttentionCall) -> dict[str, tuple[int, ...]]:
     d = call.dims
-    pairs = count_allowed_pairs(call.mask, d.B, d.H, d.L, d.S, call.q.device)
-    shapes = {
+    return {
         "q": tuple(call.q.shape),
         "k": tuple(call.k.shape),
         "v": tuple(call.v.shape),
         "out": (d.B, d.H, d.L, d.Dv),
         "lse": (d.B, d.H, d.L),
     }
+
+
+def _empty_plan(call: AttentionCall, name: str) -> Plan:
+    """Nothing to compute (B, H, L, Dv or S is 0): zeros, and no backend runs."""
+    if name != "auto":
+        get_backend(name)  # an unknown name still raises
+    why = "nothing to compute: B, H, L, Dv or S is 0, so the output is all zeros"
+    return Plan(
+        backend="none",
+        reasons=dict.fromkeys(BACKENDS, why),
+        flops=0,
+        peak_bytes=0,
+        shapes=_shapes(call),
+        mask="none" if call.mask is None else str(call.mask),
+        density=0.0,
+        notes=[why],
+    )
+
+
+def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False) -> Plan:
+    """The `Plan` for a validated call."""
+    d = call.dims
+    if call.is_empty:
+        return _empty_plan(call, name)
+    backend, reasons = choose_backend(call, name, need_lse=need_lse)
+    pairs = count_allowed_pairs(call.mask, d.B, d.H, d.L, d.S, call.q.device)
+    shapes = _shapes(call)
     if backend.name == "reference":
         shapes["scores"] = (d.B, d.H, d.L, d.S)
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []

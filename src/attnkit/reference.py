@@ -27,6 +27,7 @@ __all__ = [
     "hide_unseen",
     "scaled_dot_product_attention",
     "weights_and_lse",
+    "zero_unseen",
 ]
 
 
@@ -74,17 +75,30 @@ def hide_unseen(
     """
     if visible is None:
         return q, k, v, None
+    rows = visible.any(-1)  # (B|1, H|1, L|1)
+    q, k, v = zero_unseen(q, k, v, rows, visible.any(-2))
+    return q, k, v, (None if bool(rows.all()) else rows)
+
+
+def zero_unseen(
+    q: Tensor, k: Tensor, v: Tensor, rows: Tensor, cols: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero query rows that see nothing and keys/values that no query sees.
+
+    Args:
+        rows: (B|1, H|1, L|1) bool, the query sees some key.
+        cols: (B|1, H|1, S|1) bool, some query of that head sees the key; under GQA a
+            K/V head counts as seen where any query head of its group sees it.
+    """
     H, Hkv = q.shape[1], k.shape[1]
-    rows = visible.any(-1)  # (B|1, H|1, L)
-    cols = visible.any(-2)  # (B|1, H|1, S)
-    if cols.shape[1] == H and H != Hkv:  # a K/V head is seen if any head of its group sees it
-        cols = cols.view(cols.shape[0], Hkv, H // Hkv, -1).any(2)  # (B|1, Hkv, S)
+    if cols.shape[1] == H and H != Hkv:
+        cols = cols.view(cols.shape[0], Hkv, H // Hkv, -1).any(2)  # (B|1, Hkv, S|1)
     if not bool(rows.all()):
         q = torch.where(rows.unsqueeze(-1), q, 0.0)
     if not bool(cols.all()):
         k = torch.where(cols.unsqueeze(-1), k, 0.0)
         v = torch.where(cols.unsqueeze(-1), v, 0.0)
-    return q, k, v, (None if bool(rows.all()) else rows)
+    return q, k, v
 
 
 def effective_visibility(visible: Tensor | None, bias: Tensor | None) -> Tensor | None:

@@ -19,10 +19,13 @@ from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
+from attnkit.reference import zero_unseen
 from attnkit.softmax import compute_dtype
 
 __all__ = ["FlexBackend"]
 
+CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what its CPU kernel lowers
+PREPARED_PER_MASK = 8  # block masks remembered per mask object
 RECOMPILE_LIMIT = 256  # one compiled kernel per shape and mask structure kept warm
 
 
@@ -56,6 +59,8 @@ class FlexBackend:
             return "FlexAttention has no backward on CPU in this torch"
         if cpu and need_lse:
             return "compiled FlexAttention returns no log-sum-exp on CPU in this torch"
+        if cpu and call.q.dtype not in CPU_DTYPES:
+            return f"FlexAttention on CPU takes float32, float16 and bfloat16, not {call.q.dtype}"
         if call.has_bias or call.dropout_p > 0:
             return "an additive bias or dropout is not wired to FlexAttention here"
         if call.mask is None:
@@ -84,23 +89,32 @@ class FlexBackend:
         return d.B * d.H * d.L * (d.Dv + 1) * 4
 
     def _block_mask(self, call: AttentionCall) -> Any:
+        return self._prepared(call)[0]
+
+    def _prepared(self, call: AttentionCall) -> tuple[Any, Tensor, Tensor]:
+        """The `BlockMask` of a call and its seen rows and keys, made once per mask and
+        size (kept on the mask; renewed when its tensors change in place: `Mask.state`)."""
         mask = call.mask
         assert mask is not None
         d = call.dims
-        key = (d.B, d.L, d.S, call.q.device)
-        cache: dict[Any, Any] = mask.__dict__.setdefault("_flex_block_masks", {})
+        key = (d.B, d.H, d.L, d.S, call.q.device, mask.state())
+        cache: dict[Any, Any] = mask.__dict__.setdefault("_flex_prepared", {})
         if key not in cache:
             flex = flex_attention_module()
             assert flex is not None
-            cache[key] = flex.create_block_mask(
+            if len(cache) >= PREPARED_PER_MASK:
+                cache.clear()
+            block_mask = flex.create_block_mask(
                 _mask_mod(mask, d.B, d.H, d.L, d.S, call.q.device),
                 d.B if mask.batch_size else None,
-                None,
+                d.H if mask.head_dependent else None,
                 d.L,
                 d.S,
                 device=call.q.device,
             )
-        return cache[key]
+            cache[key] = (block_mask, *mask.seen(d.B, d.H, d.L, d.S, call.q.device))
+        prepared: tuple[Any, Tensor, Tensor] = cache[key]
+        return prepared
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         flex = flex_attention_module()
@@ -115,13 +129,16 @@ class FlexBackend:
             def score_mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
                 return cap * torch.tanh(score / cap)
 
+        block_mask, rows, keys = self._prepared(call)
+        # keys no query sees may hold NaN: flex masks their scores, but 0·NaN still leaks
+        q, k, v = zero_unseen(call.q.to(work), call.k.to(work), call.v.to(work), rows, keys)
         with dynamo_recompile_limit(RECOMPILE_LIMIT):
             out = self._compiled(
-                call.q.to(work),
-                call.k.to(work),
-                call.v.to(work),
+                q,
+                k,
+                v,
                 score_mod=score_mod,
-                block_mask=self._block_mask(call),
+                block_mask=block_mask,
                 scale=call.scale,
                 enable_gqa=call.dims.groups > 1,
             )

@@ -27,8 +27,10 @@ from torch import Tensor
 
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
-from attnkit.contracts import AttentionCall
+from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks import Mask
+from attnkit.masks.base import seen_from_spans
+from attnkit.reference import zero_unseen
 from attnkit.softmax import compute_dtype
 
 __all__ = ["CHUNK_BYTES", "TiledBackend"]
@@ -67,7 +69,9 @@ class _Visibility:
         b = torch.tensor(g.batch, device=dev)
         h = torch.zeros((), dtype=torch.long, device=dev)
         visible = self.predicate(b, h, rows.clamp(max=L - 1)[:, :, None], keys[:, None, :])
-        return (rows < L)[:, :, None] & visible
+        # a predicate may return less than the index shape (a tensor mask broadcast over
+        # keys or rows): expand it, since masks and seen keys below need every pair
+        return ((rows < L)[:, :, None] & visible).expand(g.size, g.rows, g.keys)
 
     def masks(self, group: Group, G: int, dtype: torch.dtype) -> Callable[[Group], Tensor | None]:
         """The op's additive mask for each chunk of `group`, visibility plus any bias.
@@ -147,13 +151,7 @@ class _Visibility:
     def _find_seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
         B, _, L, S = self.dims
         if self.spans is not None:
-            lo, hi = self.spans
-            rows = hi > lo
-            count = torch.zeros(B, S + 1, dtype=torch.long, device=self.device)
-            ones = rows.long()
-            count.scatter_add_(1, torch.where(rows, lo, S), ones)
-            count.scatter_add_(1, torch.where(rows, hi, S), -ones)
-            return rows, count.cumsum(1)[:, :S] > 0
+            return seen_from_spans(*self.spans, S)
         seen_rows = torch.zeros(B, L, dtype=torch.bool, device=self.device)
         seen_keys = torch.zeros(B, S, dtype=torch.bool, device=self.device)
         for group in plan.groups:
@@ -306,7 +304,7 @@ class _TiledAttention(torch.autograd.Function):
         seen_rows, seen_keys = vis.seen(
             plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None)
         )
-        q, k, v = _hide_unseen(q, k, v, seen_rows, seen_keys)
+        q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
         if plan.covered == B * L:  # every row is written by some block
             out, lse = q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
         else:
@@ -341,7 +339,7 @@ class _TiledAttention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if dout is None and dlse is None:
             return dq, dk, dv, None, None, None
-        dout = torch.zeros_like(out) if dout is None else dout
+        dout = torch.zeros_like(out) if dout is None else unit_last_stride(dout)
         H, D, Hkv = q.shape[1], q.shape[-1], k.shape[1]
         backward_op = cpu_flash_attention_backward()
         assert backward_op is not None
@@ -369,18 +367,6 @@ class _TiledAttention(torch.autograd.Function):
                     grad[b].index_add_(1, keys, flat)
                 del gq, gk, gv  # freed before the next call allocates its gradients
         return dq, dk, dv, None, None, None
-
-
-def _hide_unseen(
-    q: Tensor, k: Tensor, v: Tensor, seen_rows: Tensor, seen_keys: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Zero query rows that see nothing and keys nobody sees (they may hold NaN or Inf)."""
-    if not bool(seen_rows.all()):
-        q = torch.where(seen_rows[:, None, :, None], q, 0.0)
-    if not bool(seen_keys.all()):
-        k = torch.where(seen_keys[:, None, :, None], k, 0.0)
-        v = torch.where(seen_keys[:, None, :, None], v, 0.0)
-    return q, k, v
 
 
 def _with_lse_gradient(

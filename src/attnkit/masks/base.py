@@ -26,6 +26,7 @@ __all__ = [
     "check_broadcastable",
     "integer_mask_error",
     "or_masks",
+    "seen_from_spans",
 ]
 
 Align = Literal["top_left", "bottom_right"]
@@ -85,6 +86,32 @@ class Mask:
         builds its tile-local masks from two (B, L) tensors instead of the predicate.
         """
         return False
+
+    def seen(
+        self, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Which query rows see some key, (B, H|1, L), and which keys some query row of
+        their head sees, (B, H|1, S) (H only for a `head_dependent` mask).
+
+        Backends zero the rest (they may hold NaN or Inf). One key interval per row
+        (`exact_spans`) takes O(B·L); otherwise the mask is evaluated in row chunks.
+        """
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if not self.head_dependent and self.exact_spans(B, L, S):
+            index = torch.arange(L, device=dev)
+            lo, hi = (t.to(dev).expand(B, L) for t in self.key_bounds(B, L, S, index, index))
+            rows, keys = seen_from_spans(lo, hi, S)
+            return rows[:, None], keys[:, None]
+        heads = H if self.head_dependent else 1
+        rows = torch.zeros(B, heads, L, dtype=torch.bool, device=dev)
+        keys = torch.zeros(B, heads, S, dtype=torch.bool, device=dev)
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, B * heads * S))
+        for start in range(0, L, chunk):
+            index = torch.arange(start, min(L, start + chunk), device=dev)
+            part = self.dense(B, heads, L, S, dev, rows=index)  # (B|1, H|1, R|1, S|1)
+            rows[:, :, index] = part.any(-1)
+            keys |= part.any(-2)
+        return rows, keys
 
     def state(self) -> tuple[tuple[int, int], ...]:
         """The identity and version of every tensor this mask holds (its parts' included).
@@ -189,6 +216,23 @@ class Mask:
 
 # ----------------------------------------------------------------------------- helpers
 
+_CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once by `Mask.seen`
+
+
+def seen_from_spans(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
+    """(B, L) rows that see a key and (B, S) keys some row sees, from per-row spans.
+
+    Row i sees keys [lo[b, i], hi[b, i]); a key is seen where the count of spans that
+    open before it exceeds the count that close (a difference array, O(B·(L + S))).
+    """
+    B = lo.shape[0]
+    rows = hi > lo  # (B, L)
+    count = torch.zeros(B, S + 1, dtype=torch.long, device=lo.device)
+    ones = rows.long()
+    count.scatter_add_(1, torch.where(rows, lo, S), ones)
+    count.scatter_add_(1, torch.where(rows, hi, S), -ones)
+    return rows, count.cumsum(1)[:, :S] > 0
+
 
 def _indices(
     B: int, H: int, L: int, S: int, dev: torch.device, rows: Tensor | None, cols: Tensor | None
@@ -262,7 +306,11 @@ class _TensorMask(Mask):
     def __init__(self, tensor: Tensor) -> None:
         if tensor.dim() > 4:
             check_broadcastable("mask", tuple(tensor.shape), (0, 0, 0, 0))
-        self.tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+        tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+        # an expanded dim (stride 0) holds one value: keep size 1 there, and one compact
+        # copy (compiled kernels that index the mask take dense tensors only)
+        index = tuple(slice(0, 1) if st == 0 else slice(None) for st in tensor.stride())
+        self.tensor = tensor[index].contiguous()  # (B|1, H|1, L|1, S|1)
 
     @property
     def batch_size(self) -> int | None:
