@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint format bench clean
+.PHONY: demo test test-slow fuzz lint format bench clean
+
+CASES ?= 10000
+SEED ?= 0
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +25,11 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	cd benchmarks && ../$(PY) bench.py
+
+# the long differential campaign: CASES random calls of SEED on every backend against a
+# float64 oracle, a summary table at the end (replay one: tests/fuzz.py --seed S --case I)
+fuzz: $(STAMP)
+	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -13,6 +13,10 @@ from attnkit.errors import ShapeContractError
 __all__ = ["KVCache"]
 
 
+def _shape(t: object) -> object:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
 class KVCache:
     """Empty until the first forward that is given it; `length` cached positions after.
 
@@ -31,6 +35,21 @@ class KVCache:
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k (B, Hkv, n, D) and v (B, Hkv, n, Dv); return all cached keys and values."""
+        if not (isinstance(k, Tensor) and isinstance(v, Tensor)) or k.dim() != 4 or v.dim() != 4:
+            raise ShapeContractError(
+                f"KVCache.append takes k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got "
+                f"{_shape(k)} and {_shape(v)}; split heads first (split_heads)."
+            )
+        if k.shape[:3] != v.shape[:3]:
+            raise ShapeContractError(
+                f"KVCache.append: k {tuple(k.shape)} and v {tuple(v.shape)} must agree on "
+                "(B, Hkv, n): one value per key, for the same batch and heads."
+            )
+        if k.dtype != v.dtype or k.device != v.device:
+            raise TypeError(
+                f"KVCache.append: k is {k.dtype} on {k.device}, v is {v.dtype} on {v.device}; "
+                "give both one dtype and device."
+            )
         if self._k is not None and self._v is not None:
             want = (self._k.shape[:2], self._k.shape[3], self._v.shape[3])
             if (k.shape[:2], k.shape[3], v.shape[3]) != want:
@@ -59,8 +78,15 @@ class KVCache:
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` positions (e.g. to roll back rejected draft tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"crop length must lie in [0, {self.length}], got {length}.")
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, int)
+            or not 0 <= length <= self.length
+        ):
+            raise ValueError(
+                f"crop length must be an int in [0, {self.length}] (the cached positions), "
+                f"got {length!r}; reset() forgets them all."
+            )
         self.length = length
 
     def reset(self) -> None:

@@ -17,54 +17,79 @@ from attnkit.reference import build_attention_mask, build_causal_mask, scaled_do
 __all__ = ["MultiHeadAttention", "SingleHeadAttention"]
 
 
+def _zero_one(name: str, mask: Tensor) -> Tensor:
+    """Bool from a mask of 1/True = keep: bool, integer or float 0/1 (what collate
+    functions yield); any other value is refused."""
+    if mask.dtype == torch.bool:
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise MaskError(
+            f"{name} must hold only 0 and 1 (1 = keep), got values such as "
+            f"{sorted(set(mask[(mask != 0) & (mask != 1)].tolist()))[:4]}; for an additive "
+            "float bias use attnkit.attention(..., mask=bias)."
+        )
+    return mask != 0
+
+
 def _real_tokens(attention_mask: Tensor, B: int, L: int) -> Tensor:
     """(B, L) bool, True = real token, from 1/True = real token."""
-    if attention_mask.shape != (B, L):
+    if tuple(attention_mask.shape) != (B, L):
         raise ShapeContractError(
             f"attention_mask must be (B, L) = {(B, L)} like x's first two dims, got "
             f"{tuple(attention_mask.shape)}."
         )
-    if attention_mask.is_floating_point():
-        raise MaskError(
-            "attention_mask must be bool or 0/1 integers (1 = real token), got "
-            f"{attention_mask.dtype}."
-        )
-    return attention_mask != 0
+    return _zero_one("attention_mask", attention_mask)
 
 
 class SingleHeadAttention(nn.Module):
-    """One attention head over (B, L, E) inputs: the seed chapters' module, bugs fixed.
+    """One attention head over (B, T, n_embed) inputs: the seed chapters' module, bugs fixed.
 
-    q, k, v are linear maps E -> head_dim (no bias); the output is the weighted sum of
-    values, (B, L, head_dim), returned with the weights (B, L, L). Unlike the seed it
-    projects v from x (not `x(x)`), keeps hidden weights exactly 0 (no clamping that
-    would un-mask future or padded keys), and gives zeros, not NaN, to a query that
-    sees nothing.
+    q, k, v are linear maps n_embed -> head_dim (no bias), and `proj` maps the weighted
+    sum of values back to n_embed, as in the seed (same parameter names, so a seed
+    checkpoint loads). Unlike the seed it projects v from x (not `x(x)`), keeps hidden
+    weights exactly 0 (no clamping that would un-mask future or padded keys), and gives
+    zeros, not NaN, to a query that sees nothing.
     """
 
     def __init__(self, n_embed: int, head_dim: int, *, causal: bool = True) -> None:
         super().__init__()
         if n_embed < 1 or head_dim < 1:
             raise ValueError(f"n_embed and head_dim must be >= 1, got {n_embed}, {head_dim}.")
+        self.n_embed, self.head_dim = n_embed, head_dim
         self.q_proj = nn.Linear(n_embed, head_dim, bias=False)
         self.k_proj = nn.Linear(n_embed, head_dim, bias=False)
         self.v_proj = nn.Linear(n_embed, head_dim, bias=False)
+        self.proj = nn.Linear(head_dim, n_embed)
         self.causal = causal
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x: (B, L, E); attention_mask: (B, L), 1/True = real token. -> (out, weights)."""
-        if x.dim() != 3:
-            raise ShapeContractError(f"x must be (B, L, E), got shape {tuple(x.shape)}.")
-        B, L, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, L, head_dim) each
-        mask: Tensor | None = None
+    def forward(
+        self, x: Tensor, attention_mask: Tensor | None = None, *, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """x (B, T, n_embed) -> (out (B, T, n_embed), weights (B, T, T)).
+
+        `attention_mask` (B, T): 1/True = real token (bool, integer or float 0/1).
+        `mask` (T, T) or (B, T, T): 1/True = query may see key, the seed's first version;
+        both combine with the causal mask when `causal=True`.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.n_embed:
+            raise ShapeContractError(
+                f"x must be (B, T, n_embed={self.n_embed}), got shape {tuple(x.shape)}."
+            )
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, head_dim) each
+        visible: Tensor | None = build_causal_mask(T, device=x.device) if self.causal else None
         if attention_mask is not None:
-            real = _real_tokens(attention_mask, B, L)
-            mask = build_attention_mask(real, L, self.causal)[:, 0]  # (B, L, L)
-        elif self.causal:
-            mask = build_causal_mask(L, device=x.device)  # (L, L)
-        out, weights = scaled_dot_product_attention(q, k, v, mask)
-        return out, weights  # (B, L, head_dim), (B, L, L)
+            real = _real_tokens(attention_mask, B, T)  # (B, T)
+            visible = build_attention_mask(real, T, self.causal)[:, 0]  # (B, T, T)
+        if mask is not None:
+            if tuple(mask.shape) not in ((T, T), (B, T, T)):
+                raise ShapeContractError(
+                    f"mask must be (T, T) or (B, T, T) with T={T}, B={B}; got {tuple(mask.shape)}."
+                )
+            given = _zero_one("mask", mask)
+            visible = given if visible is None else visible & given
+        out, weights = scaled_dot_product_attention(q, k, v, visible)
+        return self.proj(out), weights  # (B, T, n_embed), (B, T, T)
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}"
@@ -136,10 +161,7 @@ class MultiHeadAttention(nn.Module):
         """
         key = query if key is None else key
         value = key if value is None else value
-        if key.shape[:2] != value.shape[:2]:
-            raise ShapeContractError(
-                f"key {tuple(key.shape)} and value {tuple(value.shape)} need the same (B, S)."
-            )
+        self._check_inputs(query, key, value)
         offset = 0 if cache is None else cache.length
         q, k, v = self.project(query, key, value, offset)
         if cache is not None:
@@ -149,6 +171,27 @@ class MultiHeadAttention(nn.Module):
         )  # (B, H, L, hd)
         projected: Tensor = self.out_proj(merge_heads(out))  # (B, L, E)
         return projected
+
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """Shapes against the projections, named, before a Linear raises a bare error."""
+        for name, t, width in (
+            ("query", query, self.embed_dim),
+            ("key", key, self.kdim),
+            ("value", value, self.vdim),
+        ):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+            if t.dim() != 3 or t.shape[-1] != width:
+                raise ShapeContractError(
+                    f"{name} must be (B, length, {width}) (batch first), got shape "
+                    f"{tuple(t.shape)}; the module was built for "
+                    f"{'embed_dim' if name == 'query' else name[0] + 'dim'}={width}."
+                )
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ShapeContractError(
+                f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                f"{tuple(value.shape)} need one batch size B, and key and value one length S."
+            )
 
     @classmethod
     def from_torch(

@@ -33,6 +33,8 @@ __all__ = [
 
 def build_causal_mask(seq_len: int, *, device: torch.device | str | None = None) -> Tensor:
     """(L, L) bool, `True` on and below the diagonal: query i sees keys 0..i."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}.")
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
 
 
@@ -44,7 +46,8 @@ def build_attention_mask(key_padding_mask: Tensor, query_length: int, causal: bo
     if key_padding_mask.dtype != torch.bool:
         if key_padding_mask.is_floating_point():
             raise MaskError(
-                f"key_padding_mask must be bool (True = real token), got {key_padding_mask.dtype}."
+                f"key_padding_mask must be bool (True = real token), got "
+                f"{key_padding_mask.dtype}; convert with m.bool() if 1 = real token."
             )
         raise integer_mask_error("key_padding_mask", key_padding_mask.dtype)
     if key_padding_mask.dim() != 2:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit.errors import ShapeContractError
 from attnkit.masks import integer_mask_error
 
 __all__ = ["compute_dtype", "masked_softmax", "merge_partials", "softmax_with_lse"]
@@ -52,6 +53,16 @@ def masked_softmax(scores: Tensor, mask: Tensor | None = None, dim: int = -1) ->
     """
     work = scores.to(compute_dtype(scores.dtype))
     if mask is not None:
+        try:
+            fits = torch.broadcast_shapes(mask.shape, scores.shape) == scores.shape  # type: ignore[no-untyped-call]
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ShapeContractError(
+                f"masked_softmax: mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"scores of shape {tuple(scores.shape)}; give it the scores' shape, or 1 "
+                "where it is shared (e.g. (L, S) for every batch and head)."
+            )
         if mask.dtype == torch.bool:
             work = work.masked_fill(~mask, -torch.inf)
         elif mask.is_floating_point():

@@ -45,23 +45,32 @@ def _indent(text: str, pad: str = "      ") -> str:
 
 def closed_loop(t: Tour) -> None:
     t.section(1, "The closed loop: scores → mask → softmax → weighted sum of V")
-    q = torch.tensor([[1.0, 0.0], [1.0, 1.0]])  # (L, D) = (2, 2)
-    k = torch.tensor([[1.0, 0.0], [1.0, 2.0]])  # (S, D)
-    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # (S, Dv)
-    t.show("Q", q)
-    t.show("K", k)
-    t.show("V", v)
-    scores = q @ k.T / math.sqrt(2)
-    t.show("scores = QKᵀ/√D", scores)
-    mask = ak.build_causal_mask(2)
+    # the seed chapter's own tensors (Q1): one batch, L = S = 2, D = 3, Dv = 2
+    q = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]])  # (B, L, D)
+    k = torch.tensor([[[1.0, 2.0, 0.0], [3.0, 0.0, 1.0]]])  # (B, S, D)
+    v = torch.tensor([[[10.0, 0.0], [0.0, 20.0]]])  # (B, S, Dv)
+    for name, x in (("Q", q), ("K", k), ("V", v)):
+        t.show(name, x[0])
+    t.show("scores = QKᵀ/√D", (q @ k.mT / math.sqrt(3))[0])
+    mask = ak.build_causal_mask(2).unsqueeze(0)  # (1, L, S)
     t.echo(f"   causal mask (L, L) = (2, 2), True = may attend\n{_indent(ak.causal().draw(2))}")
-    t.show("masked scores", scores.masked_fill(~mask, -math.inf))
-    out, weights = ak.scaled_dot_product_attention(q, k, v, mask)
-    t.show("weights = softmax(masked scores)", weights)
-    t.show("output = weights · V", out)
-    expected = torch.tensor([[1.0, 0.0], [0.19557033, 0.80442965]])
-    t.check(torch.allclose(weights, expected, atol=1e-6), "weights are [[1, 0], [0.1956, 0.8044]]")
-    torch_out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    out, weights = ak.scaled_dot_product_attention(q, k, v, mask=mask)
+    t.show("weights = softmax(masked scores)", weights[0])
+    t.show("output = weights · V", out[0])
+    t.echo("   the seed's check (Q1): q = [[1, 0], [0, 1]], k = [[1, 2], [3, 4]], same V")
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    k = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
+    out, weights = ak.scaled_dot_product_attention(q, k, v, mask=mask)
+    t.show("weights", weights[0])
+    expected = torch.tensor([[[1.0, 0.0], [0.19557033, 0.80442965]]])
+    t.check(
+        torch.allclose(weights, expected, atol=1e-5, rtol=1e-5),
+        "weights are [[1, 0], [0.1956, 0.8044]]: query 0 reads only value 0",
+    )
+    t.check(
+        torch.allclose(out, expected @ v, atol=1e-5, rtol=1e-5), "output = expected weights · V"
+    )
+    torch_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     t.check(
         torch.allclose(out, torch_out, atol=1e-6),
         "output equals F.scaled_dot_product_attention(is_causal=True)",

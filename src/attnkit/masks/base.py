@@ -266,9 +266,7 @@ def _check_int(name: str, value: object, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
     if value < minimum:
-        raise MaskError(
-            f"{name}={value} is negative; a window size counts keys, so use {name} >= 0."
-        )
+        raise MaskError(f"{name}={value} is negative; it counts keys, so use {name} >= 0.")
     return value
 
 
@@ -429,14 +427,14 @@ class _Not(Mask):
 def and_masks(*masks: Mask | Tensor) -> Mask:
     """Keys visible under every mask (FlexAttention's `and_masks`)."""
     if not masks:
-        raise MaskError("and_masks needs at least one mask.")
+        raise MaskError("and_masks needs at least one mask, e.g. and_masks(causal(), mask).")
     return _Combine("&", tuple(as_mask(m) for m in masks))
 
 
 def or_masks(*masks: Mask | Tensor) -> Mask:
     """Keys visible under any mask (FlexAttention's `or_masks`)."""
     if not masks:
-        raise MaskError("or_masks needs at least one mask.")
+        raise MaskError("or_masks needs at least one mask, e.g. or_masks(prefix_lm(4), mask).")
     return _Combine("|", tuple(as_mask(m) for m in masks))
 
 

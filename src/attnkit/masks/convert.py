@@ -31,7 +31,10 @@ def from_hf_attention_mask(attention_mask: Tensor) -> Mask:
             f"got dtype {attention_mask.dtype} and shape {tuple(attention_mask.shape)}."
         )
     if not ((attention_mask == 0) | (attention_mask == 1)).all():
-        raise MaskError("from_hf_attention_mask expects only 0 and 1 values.")
+        raise MaskError(
+            "from_hf_attention_mask expects only 0 and 1 values (1 = real token); for "
+            "other values build the visibility yourself, e.g. key_padding(m > 0)."
+        )
     return _KeyPadding(attention_mask != 0)
 
 
@@ -44,7 +47,8 @@ def from_additive_mask(additive_mask: Tensor) -> Mask:
     """
     if not additive_mask.is_floating_point():
         raise MaskError(
-            f"from_additive_mask takes a float tensor, got dtype {additive_mask.dtype}."
+            f"from_additive_mask takes a float tensor (0 keep, -inf remove), got dtype "
+            f"{additive_mask.dtype}; for a bool mask (True = may attend) pass it directly."
         )
     removed = additive_mask <= torch.finfo(additive_mask.dtype).min
     if not ((additive_mask == 0) | removed).all():

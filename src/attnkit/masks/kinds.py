@@ -135,7 +135,10 @@ class _KeyPadding(Mask):
                 )
         elif not valid.is_floating_point() and valid.dim() == 1:
             if (valid < 0).any():
-                raise MaskError(f"key_padding lengths must be >= 0, got {valid.tolist()}.")
+                raise MaskError(
+                    f"key_padding lengths must be >= 0 (real keys per batch row), got "
+                    f"{valid.tolist()}."
+                )
         else:
             raise MaskError(
                 f"key_padding takes a (B, S) bool tensor (True = real token) or (B,) integer "
