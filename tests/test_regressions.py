@@ -10,7 +10,7 @@ import torch
 
 import attnkit as ak
 from attnkit._compat import flex_attention_module
-from fuzz_cases import Case, MaskSpec
+from fuzz_cases import Case, MaskSpec, RandomDraw, draw_case
 from fuzz_check import FUSED, run_case
 
 BACKENDS = ["reference", "sdpa", "tiled", "auto"]
@@ -218,3 +218,29 @@ def test_empty_sizes_give_zeros_lse_minus_inf_and_zero_gradients(backend, sizes)
     plan = ak.explain(q, k, v, mask)
     assert plan.backend == "none" and plan.flops == 0 and "nothing to compute" in str(plan)
     assert ak.attention_probs(q, k, mask).shape == (q.shape[0], 2, q.shape[2], k.shape[2])
+
+
+@pytest.mark.skipif(flex_attention_module() is None, reason="no FlexAttention")
+def test_flex_never_returns_a_wrong_result_for_small_ragged_shapes():
+    """PyTorch 2.13's compiled CPU flex misreads some shapes (L=16, S=8 gave NaN here): a
+    new kernel is checked against the reference on its first call and refused if wrong."""
+    q, k, v = qkv(B=2, L=16, S=8)
+    mask = ak.causal(align="top_left") & ak.key_padding(torch.tensor([8, 5]))
+    with torch.no_grad():
+        want = ak.attention(q, k, v, mask, backend="reference")
+        try:
+            got = ak.attention(q, k, v, mask, backend="flex")
+        except ValueError as refusal:
+            assert "gave wrong results for this shape" in str(refusal)
+            assert "wrong results" in (ak.explain(q, k, v, mask).reasons["flex"] or "")
+            return
+    torch.testing.assert_close(got, want)
+
+
+def test_gqa_key_gradients_of_half_inputs_sum_in_float32_on_the_reference():
+    """The reference repeated K/V heads before casting up, so the G heads' key gradients
+    were summed in bfloat16 (campaign seed 0, case 5985: dk 8 ulps off)."""
+    case = draw_case(RandomDraw(0, 5985))
+    assert case.dtype == torch.bfloat16 and case.H > case.Hkv
+    failures = [o for o in run_case(case) if o.failed]
+    assert not failures, failures

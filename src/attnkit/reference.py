@@ -124,7 +124,8 @@ def weights_and_lse(
     """Attention weights (B, H, L, S) and log-sum-exp (B, H, L), in the compute dtype."""
     work = compute_dtype(q.dtype)
     G = q.shape[1] // k.shape[1]
-    k = repeat_kv(k, G).to(work)  # (B, H, S, D)
+    # cast before repeating: the G heads' key gradients then sum in the compute dtype
+    k = repeat_kv(k.to(work), G)  # (B, H, S, D)
     scores = (q.to(work) @ k.transpose(-2, -1)) * scale  # (B, H, L, S)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)  # Gemma 2's logit softcapping
@@ -159,7 +160,7 @@ def attend(
     q, k, v, _ = hide_unseen(q, k, v, effective_visibility(visible, bias))
     weights, lse = weights_and_lse(q, k, visible, bias, scale=scale, softcap=softcap)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    v = repeat_kv(v, q.shape[1] // v.shape[1]).to(weights.dtype)  # (B, H, S, Dv)
+    v = repeat_kv(v.to(weights.dtype), q.shape[1] // v.shape[1])  # (B, H, S, Dv), sums too
     out = dropped @ v  # (B, H, L, Dv)
     return out.to(q.dtype), weights.to(q.dtype), lse
 

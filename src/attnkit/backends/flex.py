@@ -19,14 +19,20 @@ from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
-from attnkit.reference import zero_unseen
+from attnkit.reference import attend, zero_unseen
 from attnkit.softmax import compute_dtype
 
 __all__ = ["FlexBackend"]
 
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what its CPU kernel lowers
 PREPARED_PER_MASK = 8  # block masks remembered per mask object
-RECOMPILE_LIMIT = 256  # one compiled kernel per shape and mask structure kept warm
+RECOMPILE_LIMIT = 256
+CHECK_ROWS = 16  # query rows of a first call checked against the reference
+BROKEN = (
+    "compiled FlexAttention gave wrong results for this shape and mask (checked against the "
+    "reference on its first call; PyTorch 2.13's CPU kernels misread some small ragged "
+    "shapes, e.g. L=11, S=8); another backend serves it"
+)  # one compiled kernel per shape and mask structure kept warm
 
 
 def _signature(call: AttentionCall) -> tuple[Any, ...]:
@@ -49,7 +55,8 @@ class FlexBackend:
 
     def __init__(self) -> None:
         self._compiled: Any = None
-        self._warm: set[tuple[Any, ...]] = set()
+        self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
+        self._broken: set[tuple[Any, ...]] = set()  # compiled, and found wrong
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if flex_attention_module() is None:
@@ -65,6 +72,8 @@ class FlexBackend:
             return "an additive bias or dropout is not wired to FlexAttention here"
         if call.mask is None:
             return "no mask: nothing for block sparsity to skip"
+        if _signature(call) in self._broken:
+            return BROKEN
         return None
 
     def is_warm(self, call: AttentionCall) -> bool:
@@ -142,14 +151,42 @@ class FlexBackend:
                 scale=call.scale,
                 enable_gqa=call.dims.groups > 1,
             )
-        self._warm.add(_signature(call))
+        signature = _signature(call)
+        if signature not in self._warm:
+            if not _agrees_with_reference(call, q, k, v, out):
+                self._broken.add(signature)
+                raise ValueError(f"backend 'flex' cannot serve this call: {BROKEN}.")
+            self._warm.add(signature)
         return out.to(call.q.dtype), None
 
 
+def _agrees_with_reference(
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, out: Tensor
+) -> bool:
+    """Whether a new kernel's output matches `reference` on a few evenly spaced rows."""
+    d = call.dims
+    assert call.mask is not None
+    rows = torch.linspace(0, d.L - 1, min(d.L, CHECK_ROWS), device=q.device).round().long()
+    visible = call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=rows)  # (B|1, H|1, R, S|1)
+    bias = call.bias_rows(rows)
+    want, _, _ = attend(q[:, :, rows], k, v, visible, bias, scale=call.scale, softcap=call.softcap)
+    got = out[:, :, rows]  # (B, H, R, Dv)
+    tolerance = 1e-3 * max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+    return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= tolerance
+
+
 def _mask_mod(mask: Mask, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
+    """The `Mask` as FlexAttention's mask_mod.
+
+    Flex evaluates it on whole blocks of 128, so with L or S not a multiple of 128 it asks
+    about positions past the end: a predicate that indexes a tensor (document ids,
+    per-row lengths, a tensor mask) would read out of bounds. Indices are clamped into
+    range and those positions hidden.
+    """
     predicate = mask.predicate(B, H, L, S, device)
 
     def mask_mod(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        return predicate(b, h, i, j)
+        inside = (i < L) & (j < S)
+        return inside & predicate(b, h, i.clamp(max=L - 1), j.clamp(max=S - 1))
 
     return mask_mod
