@@ -78,8 +78,9 @@ def attention_with_lse(
 
 
 def _run(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-    if call.is_empty:
-        get_backend(backend) if backend != "auto" else None  # an unknown name still raises
+    if call.is_empty:  # nothing to compute: no backend runs
+        if backend != "auto":
+            get_backend(backend)  # an unknown name still raises
         out, lse = _Empty.apply(call.q, call.k, call.v, call.dims.Dv)  # type: ignore[no-untyped-call]
         return out, lse
     chosen, _ = choose_backend(call, backend, need_lse=need_lse)
@@ -140,8 +141,8 @@ def attention_probs(
     call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
     d = call.dims
     index = _row_index(rows, d.L, q.device)
-    if d.B * d.H * index.numel() * d.S == 0:
-        return q.new_zeros(d.B, d.H, index.numel(), d.S) + 0 * q.sum() + 0 * k.sum()
+    if d.B * d.H * index.numel() * d.S == 0:  # an empty result
+        return q.new_zeros(d.B, d.H, index.numel(), d.S)
     visible = (
         None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=index)
     )  # (B|1, H|1, R, S)

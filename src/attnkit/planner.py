@@ -27,7 +27,7 @@ _CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once while counting
 class Plan:
     """What `attention(...)` would do for a call, computed without running it."""
 
-    backend: str
+    backend: str  # "none" for an empty call (B, H, L, Dv or S is 0)
     reasons: dict[str, str | None]  # backend name -> why not chosen, None for the chosen one
     flops: int
     peak_bytes: int

@@ -26,13 +26,13 @@ __all__ = ["FlexBackend"]
 
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what its CPU kernel lowers
 PREPARED_PER_MASK = 8  # block masks remembered per mask object
-RECOMPILE_LIMIT = 256
+RECOMPILE_LIMIT = 256  # one compiled kernel per shape and mask structure kept warm
 CHECK_ROWS = 16  # query rows of a first call checked against the reference
 BROKEN = (
     "compiled FlexAttention gave wrong results for this shape and mask (checked against the "
     "reference on its first call; PyTorch 2.13's CPU kernels misread some small ragged "
-    "shapes, e.g. L=11, S=8); another backend serves it"
-)  # one compiled kernel per shape and mask structure kept warm
+    "shapes, e.g. L=16, S=8); another backend serves it"
+)
 
 
 def _signature(call: AttentionCall) -> tuple[Any, ...]:
