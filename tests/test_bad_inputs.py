@@ -204,6 +204,10 @@ def test_unusual_but_valid_input_gives_the_right_result(make, backend):
     torch.testing.assert_close(got, _reference(q_, k_, v_, mask))
 
 
+def test_no_rows_asked_gives_an_empty_result():
+    assert ak.attention_probs(q, k, rows=[]).shape == (2, 4, 0, 5)
+
+
 def test_batch_of_zero_gives_an_empty_result():
     out = ak.attention(t(0, 4, 5, 8), t(0, 2, 5, 8), t(0, 2, 5, 8), ak.causal())
     assert out.shape == (0, 4, 5, 8)

@@ -111,6 +111,8 @@ def _row_index(
     if isinstance(rows, slice):
         return torch.arange(L, device=device)[rows]
     index = torch.as_tensor(rows, device=device).reshape(-1)
+    if index.numel() == 0:  # `rows=[]`: no rows (torch reads an empty list as float)
+        return index.long()
     if index.is_floating_point() or index.dtype == torch.bool:
         raise TypeError(f"rows must be integer query positions, got dtype {index.dtype}.")
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= L):
