@@ -17,10 +17,9 @@ from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
 from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
+from attnkit.masks.base import CHUNK_ELEMENTS
 
 __all__ = ["Plan", "choose_backend", "count_allowed_pairs", "plan_call"]
-
-_CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once while counting
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ def count_allowed_pairs(
         rows = torch.arange(L, device=device)
         lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
         return int((hi - lo).clamp(min=0).sum()) * (B // lo.shape[0]) * H
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, B * H * S))
+    chunk = max(1, CHUNK_ELEMENTS // max(1, B * H * S))
     total = 0
     for start in range(0, L, chunk):
         rows = torch.arange(start, min(L, start + chunk), device=device)

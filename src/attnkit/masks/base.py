@@ -16,6 +16,7 @@ from torch import Tensor
 from attnkit.errors import MaskError, ShapeContractError
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "Align",
     "BiasFn",
     "Mask",
@@ -105,7 +106,7 @@ class Mask:
         heads = H if self.head_dependent else 1
         rows = torch.zeros(B, heads, L, dtype=torch.bool, device=dev)
         keys = torch.zeros(B, heads, S, dtype=torch.bool, device=dev)
-        chunk = max(1, _CHUNK_ELEMENTS // max(1, B * heads * S))
+        chunk = max(1, CHUNK_ELEMENTS // max(1, B * heads * S))
         for start in range(0, L, chunk):
             index = torch.arange(start, min(L, start + chunk), device=dev)
             part = self.dense(B, heads, L, S, dev, rows=index)  # (B|1, H|1, R|1, S|1)
@@ -216,7 +217,7 @@ class Mask:
 
 # ----------------------------------------------------------------------------- helpers
 
-_CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once by `Mask.seen`
+CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once (Mask.seen, the planner's count)
 
 
 def seen_from_spans(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:
