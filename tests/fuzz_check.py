@@ -277,7 +277,11 @@ def _check_probs(case: Case, b: Built, truth: Truth, ref: Truth,
         got = ak.attention_probs(b.q, b.k, b.mask, rows=rows, **kwargs)
     index = torch.tensor(rows, dtype=torch.long)
     want, want_ref = truth.probs[:, :, index], ref.probs[:, :, index]
-    problem = compare("probs", got, want, want_ref, case.dtype, max_logit=truth.max_logit)
+    # a few rows take another matrix product than all of them (the oracle's): another
+    # summation order, whose rounding of scores of size max|s| moves each weight by
+    # about eps·max|s| of itself
+    slack = _rounding(case, truth) * want
+    problem = compare("probs", got, want, want_ref, case.dtype, slack, truth.max_logit)
     return _outcome("probs", [problem])
 
 
