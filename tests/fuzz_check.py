@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import attnkit as ak
-from attnkit.softmax import compute_dtype
+from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from fuzz_cases import Built, Case, build
 
 BACKENDS = ("reference", "sdpa", "tiled", "auto")
@@ -168,7 +168,9 @@ def compare(name: str, got: torch.Tensor | None, truth: torch.Tensor, ref: torch
     bound = 2 * _err(ref, truth) + floor * magnitude
     err = _err(got, truth)
     if not err <= bound and isinstance(extra, torch.Tensor):  # elementwise, with the slack
+        same = got.double() == truth  # equal infinities (lse -inf of rows that see nothing)
         diff = torch.nan_to_num((got.double() - truth).abs(), nan=math.inf, posinf=math.inf)
+        diff = diff.masked_fill(same, 0.0)
         excess = diff - extra
         err = float(excess.max()) if excess.numel() else 0.0
     if not err <= bound:
@@ -230,12 +232,14 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
                 what = "forward+lse"
             except ValueError:  # this backend has no lse here: the output alone
                 out, lse = ak.attention(b.q, b.k, b.v, b.mask, backend=backend, **kwargs), None
-        slack = _rounding(case, truth) * truth.sensitivity_out if backend in FUSED else 0.0
+        slack = _rounding(case, truth, backend) * truth.sensitivity_out if backend in FUSED else 0.0
         problems = [compare("out", out, truth.out, ref.out, dtype, slack, truth.max_logit)]
         if lse is not None:
             lse_dtype = compute_dtype(dtype)
+            # half kernels round the weights they sum: lse moves by about that much
+            lse_slack = torch.full_like(truth.lse, _half_kernel_rounding(case, truth, backend))
             problems.append(
-                compare("lse", lse, truth.lse, ref.lse, lse_dtype, 0.0, truth.max_logit)
+                compare("lse", lse, truth.lse, ref.lse, lse_dtype, lse_slack, truth.max_logit)
             )
             if lse.dtype != compute_dtype(dtype):
                 problems.append(f"lse dtype {lse.dtype}")
@@ -255,7 +259,7 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
     got = torch.autograd.grad(loss, (q, k, v), allow_unused=True) if loss.requires_grad else None
     if got is None:  # nothing depends on the inputs: only an empty call may do that
         got = tuple(torch.zeros_like(t) for t in (q, k, v))
-    slack = [_rounding(case, truth) * t if backend in FUSED else 0.0 for t in sens]
+    slack = [_rounding(case, truth, backend) * t if backend in FUSED else 0.0 for t in sens]
     names = ("dq", "dk", "dv")
     problems = [
         compare(n, g, t, r, dtype, x, truth.max_logit)
@@ -264,10 +268,20 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
     return _outcome(what, problems)
 
 
-def _rounding(case: Case, truth: Truth) -> float:
-    """Relative error of the weights a fused kernel may bring: eps·max|s| (and eps)."""
-    eps = torch.finfo(compute_dtype(case.dtype)).eps
-    return LSE_ROUNDING * eps * max(1.0, truth.max_logit)
+def _rounding(case: Case, truth: Truth, backend: str | None = None) -> float:
+    """Relative error of the weights a fused kernel may bring: eps·max|s| (and eps), eps
+    of the dtype the kernel runs in (half natively where `kernel_dtype` says so)."""
+    work = compute_dtype(case.dtype)
+    if backend in FUSED:
+        work = kernel_dtype(case.dtype, torch.device("cpu"))
+    return LSE_ROUNDING * torch.finfo(work).eps * max(1.0, truth.max_logit)
+
+
+def _half_kernel_rounding(case: Case, truth: Truth, backend: str) -> float:
+    """Absolute lse slack of a kernel running half natively (0 otherwise)."""
+    if backend not in FUSED or kernel_dtype(case.dtype, torch.device("cpu")) not in HALF:
+        return 0.0
+    return _rounding(case, truth, backend)
 
 
 def _check_probs(case: Case, b: Built, truth: Truth, ref: Truth,

@@ -1,8 +1,11 @@
 """Every backend against a float64 run of the reference, outputs and gradients.
 
 The flash-attention rule: a backend's error against float64 is at most 2x the error of
-the reference computed in the same dtype (plus a small floor). Inputs are drawn in the
-test dtype; the float64 truth is computed from those same (rounded) inputs.
+the naive computation in the same dtype (plus a small floor): attnkit's reference for
+float32; for half, `naive_same_dtype` (each op rounded to half, as a half PyTorch program
+computes). Inputs are drawn in the test dtype; the float64 truth is computed from those
+same (rounded) inputs. Half runs on the fused kernels natively and in float32 (both
+paths exist; the hardware picks one, `attnkit.precision.kernel_dtype`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import pytest
 import torch
 
 import attnkit as ak
-from helpers import assert_rule
+from attnkit.precision import OVERRIDE_ENV
+from helpers import assert_rule, naive_same_dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
@@ -87,7 +91,10 @@ def truth_and_reference(dtype, heads, mask_kind, size, D):
     truth = run(
         q.double(), k.double(), v.double(), _cast(mask, torch.float64), dout.double(), "reference"
     )
-    ref = run(q, k, v, mask, dout, "reference")
+    if dtype in (torch.float16, torch.bfloat16):
+        ref = naive_same_dtype(q, k, v, mask, dout, dtype)
+    else:
+        ref = run(q, k, v, mask, dout, "reference")
     return (q, k, v, mask, dout), truth, ref
 
 
@@ -144,7 +151,12 @@ def test_backend_matches_float64_reference(backend, dtype, heads, mask_kind, siz
         with pytest.raises(ValueError, match="additive float bias tensor has no structure"):
             run(q, k, v, mask, dout, backend)
         return
-    got = run(q, k, v, mask, dout, backend)
-    for name, g, r, t in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
-        assert g.dtype == dtype and g.shape == t.shape
-        assert_rule(f"{backend} {name}", g, r, t)
+    # half: both kernel paths, whichever this machine's hardware would pick
+    modes = ["native", "float32"] if dtype in (torch.float16, torch.bfloat16) else ["auto"]
+    for mode in modes:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(OVERRIDE_ENV, mode)
+            got = run(q, k, v, mask, dout, backend)
+        for name, g, r, t in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+            assert g.dtype == dtype and g.shape == t.shape
+            assert_rule(f"{backend} ({mode} kernels) {name}", g, r, t)

@@ -5,6 +5,7 @@ Core code asks these names; it never inspects `torch.__version__` itself.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -12,10 +13,13 @@ import torch
 __all__ = [
     "SDPA_HAS_GQA",
     "TORCH_VERSION",
+    "cpu_features",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "dynamo_recompile_limit",
     "flex_attention_module",
+    "half_matmul_is_fast",
+    "sdpa_zeroes_empty_rows",
 ]
 
 
@@ -75,3 +79,52 @@ def flex_attention_module() -> Any | None:
     except ImportError:
         return None
     return flex_attention
+
+
+# the CPU features that multiply half matrices at least as fast as float32 ones
+_HALF_UNITS = {
+    torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+    torch.float16: ("_is_amx_fp16_supported",),
+}
+
+
+@functools.cache
+def half_matmul_is_fast(dtype: torch.dtype, device_type: str) -> bool:
+    """True where `dtype` matrix products run at least at float32's speed.
+
+    Always on GPUs; on CPUs with AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16
+    (probed through torch.cpu's private `_is_*_supported`; absent probes read False).
+    """
+    if device_type != "cpu":
+        return True
+    probes = _HALF_UNITS.get(dtype, ())
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU's vector and matrix units that matter to attention, by name."""
+    names = {
+        "AVX2": "_is_avx2_supported",
+        "AVX512": "_is_avx512_supported",
+        "AVX512-BF16": "_is_avx512_bf16_supported",
+        "AMX": "_is_amx_tile_supported",
+        "AMX-FP16": "_is_amx_fp16_supported",
+    }
+    return {k: bool(getattr(torch.cpu, v, lambda: False)()) for k, v in names.items()}
+
+
+@functools.cache
+def sdpa_zeroes_empty_rows() -> bool:
+    """True if CPU `F.scaled_dot_product_attention` gives a query whose mask row is all
+    False a zero output and zero gradients (it does in torch 2.5+, which attnkit's
+    fused path then relies on instead of cleaning such rows itself). Checked once."""
+    q, k, v = (torch.ones(1, 1, n, 2, requires_grad=True) for n in (2, 3, 3))
+    visible = torch.tensor([[True, True, False], [False, False, False]])
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        out.sum().backward()  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return False
+    grads = (q.grad, k.grad, v.grad)
+    zero_row = bool((out[0, 0, 1] == 0).all()) and bool((q.grad[0, 0, 1] == 0).all())  # type: ignore[index]
+    return zero_row and all(g is not None and bool(torch.isfinite(g).all()) for g in grads)

@@ -7,7 +7,7 @@ Data flows one way: arguments -> contracts (validate, normalize) -> mask -> plan
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -17,14 +17,27 @@ from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
 from attnkit.planner import Plan, choose_backend, plan_call
+from attnkit.precision import compute_dtype
 from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
-from attnkit.softmax import compute_dtype
 
 __all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
+
+Fn = TypeVar("Fn")
 
 MaskLike = Mask | Tensor | None
 
 
+def _eager(fn: Fn) -> Fn:
+    """Run `fn` eagerly inside `torch.compile`d code: a graph break around the call.
+
+    Planning reads mask tensors and shapes as data, which tracing cannot do (it failed
+    with `vr must not be None` and data-dependent guards); compiled models get the
+    eager result and gradients. Custom ops that compile into the graph: issue 10.
+    """
+    return cast(Fn, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+
+
+@_eager
 def attention(
     q: Tensor,
     k: Tensor,
@@ -53,6 +66,7 @@ def attention(
     return _run(call, backend, need_lse=False)[0]
 
 
+@_eager
 def attention_with_lse(
     q: Tensor,
     k: Tensor,
@@ -122,6 +136,7 @@ def _row_index(
     return index
 
 
+@_eager
 def attention_probs(
     q: Tensor,
     k: Tensor,

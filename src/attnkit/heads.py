@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from attnkit.errors import ShapeContractError
 
-__all__ = ["merge_heads", "repeat_kv", "split_heads"]
+__all__ = ["merge_heads", "repeat_kv", "repeat_kv_exact_grad", "split_heads"]
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -41,3 +44,27 @@ def repeat_kv(x: Tensor, groups: int) -> Tensor:
     enable_gqa=True)` define them.
     """
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def repeat_kv_exact_grad(x: Tensor, groups: int) -> Tensor:
+    """`repeat_kv` whose backward sums the G heads' gradients in float32 (then rounds once).
+
+    For half K/V given to a kernel without GQA: autograd's own sum would add G half
+    gradients in half precision, one rounding per head.
+    """
+    if groups == 1:
+        return x
+    return _RepeatKV.apply(x, groups)  # type: ignore[no-untyped-call,no-any-return]
+
+
+class _RepeatKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, groups: int) -> Tensor:
+        ctx.groups = groups
+        return x.repeat_interleave(groups, dim=1)  # (B, Hkv·G, S, D)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        B, H, S, D = grad.shape
+        per_head = grad.reshape(B, H // ctx.groups, ctx.groups, S, D)
+        return per_head.sum(2, dtype=torch.float32).to(grad.dtype), None

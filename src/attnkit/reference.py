@@ -16,7 +16,8 @@ from torch import Tensor
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.heads import repeat_kv
 from attnkit.masks import Mask, causal_offset, integer_mask_error
-from attnkit.softmax import compute_dtype, softmax_with_lse
+from attnkit.precision import compute_dtype
+from attnkit.softmax import softmax_with_lse
 
 __all__ = [
     "attend",

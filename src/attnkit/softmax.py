@@ -14,13 +14,9 @@ from torch import Tensor
 
 from attnkit.errors import ShapeContractError
 from attnkit.masks import integer_mask_error
+from attnkit.precision import compute_dtype
 
 __all__ = ["compute_dtype", "masked_softmax", "merge_partials", "softmax_with_lse"]
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float16 and bfloat16 are computed in float32 (DESIGN.md §2); others as they are."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def softmax_with_lse(scores: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:

@@ -19,8 +19,8 @@ from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
+from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend, zero_unseen
-from attnkit.softmax import compute_dtype
 
 __all__ = ["FlexBackend"]
 
@@ -35,6 +35,14 @@ BROKEN = (
 )
 
 
+def _work_dtype(call: AttentionCall) -> torch.dtype:
+    """Half natively on GPUs (as `kernel_dtype` says); on CPU in float32, where compiled
+    flex kernels of half inputs are another compile per dtype and gain nothing."""
+    if call.q.device.type == "cpu":
+        return compute_dtype(call.q.dtype)
+    return kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+
+
 def _signature(call: AttentionCall) -> tuple[Any, ...]:
     """What a compiled kernel is specialised on (besides tensors captured by the mask)."""
     return (
@@ -42,7 +50,7 @@ def _signature(call: AttentionCall) -> tuple[Any, ...]:
         tuple(call.q.shape),
         tuple(call.k.shape),
         tuple(call.v.shape),
-        compute_dtype(call.q.dtype),
+        _work_dtype(call),
         call.q.device.type,
         call.softcap is not None,
     )
@@ -130,7 +138,7 @@ class FlexBackend:
         assert flex is not None and call.mask is not None
         if self._compiled is None:
             self._compiled = torch.compile(flex.flex_attention, dynamic=False)
-        work = compute_dtype(call.q.dtype)
+        work = _work_dtype(call)
         score_mod = None
         if call.softcap is not None:
             cap = call.softcap

@@ -8,16 +8,20 @@ mask tensor at all.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import cost
-from attnkit._compat import cpu_flash_attention
+from attnkit._compat import cpu_flash_attention, sdpa_zeroes_empty_rows
 from attnkit.contracts import AttentionCall
-from attnkit.heads import repeat_kv
-from attnkit.reference import effective_visibility, hide_unseen
-from attnkit.softmax import compute_dtype
+from attnkit.heads import repeat_kv_exact_grad
+from attnkit.masks import Mask
+from attnkit.masks.base import seen_from_spans
+from attnkit.precision import HALF, kernel_dtype
+from attnkit.reference import effective_visibility, hide_unseen, zero_unseen
 
 __all__ = ["SdpaBackend"]
 
@@ -34,6 +38,69 @@ def _attn_mask(
         assert visible is not None
         additive = torch.zeros((), dtype=dtype, device=visible.device)
     return additive if visible is None else torch.where(visible, additive, -torch.inf)
+
+
+def _masked_inputs(
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, need_lse: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(q, k, v) with what no one sees zeroed, the kernel's mask, and the (B|1, H|1, L)
+    rows that see a key (None if all do).
+
+    One key interval per row: seen rows and keys come from the spans in O(B·L), and a
+    mask under which every row sees every key (bottom-right causal at L = 1: decoding)
+    is no mask at all. Otherwise from the dense mask, cleaned only where the kernel
+    could not hide what it hides by itself (`_kernel_hides_unseen`).
+    """
+    d, mask = call.dims, call.mask
+    if mask is not None and not call.has_bias and not mask.head_dependent:
+        spans = _spans(mask, d.B, d.L, d.S, q.device)
+        if spans is not None:
+            lo, hi = spans  # (B, L)
+            if bool((lo <= 0).all()) and bool((hi >= d.S).all()):
+                return q, k, v, None, None  # every pair visible
+            seen_rows, seen_keys = seen_from_spans(lo, hi, d.S)  # (B, L), (B, S)
+            q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
+            dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
+            seen = None if bool(seen_rows.all()) else seen_rows[:, None]
+            return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), seen
+    visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
+    effective = effective_visibility(visible, call.bias)  # (B|1, H|1, L, S)
+    if _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
+        rows = None if not need_lse or effective is None else effective.any(-1)
+    else:
+        q, k, v, rows = hide_unseen(q, k, v, effective)
+    return q, k, v, _attn_mask(visible, call.bias, q.dtype, as_float=need_lse), rows
+
+
+def _spans(
+    mask: Mask, B: int, L: int, S: int, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """(B, L) key span [lo, hi) of each row, if the mask is one interval per row."""
+    if not mask.exact_spans(B, L, S):
+        return None
+    index = torch.arange(L, device=device)
+    lo, hi = mask.key_bounds(B, L, S, index, index)  # (B|1, L)
+    return lo.to(device).expand(B, L), hi.to(device).expand(B, L)
+
+
+def _kernel_hides_unseen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
+    """True where the kernel alone gets hidden rows and keys right: finite inputs whose
+    scores cannot overflow (an infinite score plus the mask's -inf is NaN), on a kernel
+    that gives rows seeing nothing zero outputs and gradients (PyTorch's CPU kernel).
+
+    Costs one min/max pass over q, k, v instead of the (L, S) reductions and the copies
+    of `hide_unseen`.
+    """
+    if q.device.type != "cpu" or not sdpa_zeroes_empty_rows():
+        return False
+    peaks = [
+        max(-float(lo), float(hi)) for lo, hi in (torch.aminmax(t.detach()) for t in (q, k, v))
+    ]
+    bound = peaks[0] * peaks[1] * q.shape[-1] * abs(scale)  # >= every |score|; NaN if any
+    return bound < _SAFE_SCORE and math.isfinite(peaks[2])
+
+
+_SAFE_SCORE = 1e30  # far below float32's overflow (3.4e38), even after the mask's bias
 
 
 class SdpaBackend:
@@ -80,23 +147,22 @@ class SdpaBackend:
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
         q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
-        if q.device.type == "cpu":
-            # PyTorch's CPU kernels sum GQA key/value gradients in half precision; computing
-            # in float32 keeps DESIGN.md's numerics at O(B·H·L·D) cost for the casts.
-            work = compute_dtype(q.dtype)
-            q, k, v = q.to(work), k.to(work), v.to(work)
+        # half natively where the hardware is fast, except under a bias (needs float32)
+        work = kernel_dtype(q.dtype, q.device, bias=call.has_bias)
+        q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
-            visible = (
-                None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device)
-            )  # (B|1, H|1, L, S)
-            q, k, v, rows = hide_unseen(q, k, v, effective_visibility(visible, call.bias))
-            attn_mask = _attn_mask(visible, call.bias, q.dtype, as_float=need_lse)
+            q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse)
+        # half K/V heads repeated by attnkit, so that their G gradients sum in float32
+        # (PyTorch's CPU kernels sum them in half); float32 and forward-only calls use
+        # the kernel's own GQA
+        repeat = d.groups > 1 and (need_lse or (work in HALF and call.requires_grad))
+        if repeat:
+            k, v = repeat_kv_exact_grad(k, d.groups), repeat_kv_exact_grad(v, d.groups)
         lse = None
         if need_lse:
             flash = cpu_flash_attention()
             assert flash is not None  # can_use refused the call otherwise
-            k, v = repeat_kv(k, d.groups), repeat_kv(v, d.groups)  # the op has no GQA
             out, lse = flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=call.scale)
         else:
             out = F.scaled_dot_product_attention(
@@ -107,7 +173,7 @@ class SdpaBackend:
                 dropout_p=call.dropout_p,
                 is_causal=is_causal,
                 scale=call.scale,
-                enable_gqa=d.groups > 1,
+                enable_gqa=d.groups > 1 and not repeat,
             )  # (B, H, L, Dv)
         if rows is not None:
             out = torch.where(rows.unsqueeze(-1), out, 0.0)

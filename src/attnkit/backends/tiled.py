@@ -25,13 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit import cost
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks import Mask
 from attnkit.masks.base import seen_from_spans
+from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import zero_unseen
-from attnkit.softmax import compute_dtype
 
 __all__ = ["CHUNK_BYTES", "TiledBackend"]
 
@@ -212,7 +213,7 @@ def _write_rows(dst: Tensor, src: Tensor, g: Group, Hkv: int, *, add: bool = Fal
         view.add_(src) if add else view.copy_(src)  # blocks never share a row: no overlap
         return
     rows = g.index("rows").reshape(-1).to(dst.device)
-    valid = rows < dst.shape[1]
+    valid, src = rows < dst.shape[1], src.to(dst.dtype)
     n, R, G = g.size, g.rows, dst.shape[0] // Hkv
     src = src.reshape(n, Hkv, G, R, *src.shape[3:]).movedim(0, 2)  # (Hkv, G, n, R, ...)
     src = src.reshape(Hkv, G, n * R, *src.shape[4:])[:, :, valid]
@@ -305,10 +306,12 @@ class _TiledAttention(torch.autograd.Function):
             plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None)
         )
         q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
+        # results merge and land in float32 (compute_dtype) whatever the kernel's dtype
+        acc = q.new_empty(0, dtype=compute_dtype(q.dtype))
         if plan.covered == B * L:  # every row is written by some block
-            out, lse = q.new_empty(B, H, L, v.shape[-1]), q.new_empty(B, H, L)
+            out, lse = acc.new_empty(B, H, L, v.shape[-1]), acc.new_empty(B, H, L)
         else:
-            out, lse = q.new_zeros(B, H, L, v.shape[-1]), q.new_full((B, H, L), -torch.inf)
+            out, lse = acc.new_zeros(B, H, L, v.shape[-1]), acc.new_full((B, H, L), -torch.inf)
         bands = (part for g in plan.groups for part in g.bands(_band_rows(Hkv, v.shape[-1])))
         for group in bands:
             b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)  # None if causal
@@ -323,7 +326,7 @@ class _TiledAttention(torch.autograd.Function):
                     scale=scale,
                 )  # (n, Hkv, G·R, Dv), (n, Hkv, G·R)
                 if g.merge:
-                    ob, lb = _merged(heads(out[b]), heads(lse[b]), ob, lb, g, Hkv)
+                    ob, lb = _merged(heads(out[b]), heads(lse[b]), ob.to(out.dtype), lb, g, Hkv)
                 _write_rows(heads(out[b]), ob, g, Hkv)
                 _write_rows(heads(lse[b]), lb, g, Hkv)
                 del ob, lb  # freed before the next call allocates its output
@@ -336,10 +339,12 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # block gradients sum in float32 (compute_dtype) whatever the kernel's dtype
+        dq, dk, dv = (torch.zeros_like(t, dtype=compute_dtype(t.dtype)) for t in (q, k, v))
         if dout is None and dlse is None:
-            return dq, dk, dv, None, None, None
-        dout = torch.zeros_like(out) if dout is None else unit_last_stride(dout)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        out = out.to(q.dtype)  # the op's dtype
+        dout = torch.zeros_like(out) if dout is None else unit_last_stride(dout.to(q.dtype))
         H, D, Hkv = q.shape[1], q.shape[-1], k.shape[1]
         backward_op = cpu_flash_attention_backward()
         assert backward_op is not None
@@ -354,9 +359,8 @@ class _TiledAttention(torch.autograd.Function):
                     _block_rows(heads(t[b]), g, Hkv) for t in (q, dout, out, safe_lse)
                 )
                 if dlse is not None:
-                    qb, kb, vb, ob, go = _with_lse_gradient(
-                        qb, kb, vb, ob, go, _block_rows(heads(dlse[b]), g, Hkv)
-                    )
+                    lse_grad = _block_rows(heads(dlse[b]), g, Hkv).to(q.dtype)
+                    qb, kb, vb, ob, go = _with_lse_gradient(qb, kb, vb, ob, go, lse_grad)
                 gq, gk, gv = backward_op(
                     go, qb, kb, vb, ob, lb, 0.0, g.causal, attn_mask=masks(g), scale=ctx.scale
                 )
@@ -364,9 +368,9 @@ class _TiledAttention(torch.autograd.Function):
                 keys = g.index("keys").reshape(-1).to(q.device)
                 for grad, part in ((dk, gk[..., :D]), (dv, gv[..., : v.shape[-1]])):
                     flat = part.transpose(0, 1).reshape(Hkv, -1, part.shape[-1])  # (Hkv, n·K, D)
-                    grad[b].index_add_(1, keys, flat)
+                    grad[b].index_add_(1, keys, flat.to(grad.dtype))
                 del gq, gk, gv  # freed before the next call allocates its gradients
-        return dq, dk, dv, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _with_lse_gradient(
@@ -442,7 +446,11 @@ class TiledBackend:
         return self._prepared(call).plan
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
-        return self.plan(call).cost(call.dims.H, call.dims.groups)
+        d, mask = call.dims, call.mask
+        estimate = self.plan(call).cost(d.H, d.groups)
+        if mask is not None and mask.has_dense_tensor:
+            estimate *= cost.TILED_PREDICATE  # block masks gathered from an L×S tensor
+        return estimate
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus one chunk's temporaries (float32)."""
@@ -450,7 +458,7 @@ class TiledBackend:
         return 4 * d.B * d.H * d.L * (d.Dv + 1) + CHUNK_BYTES
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-        work = compute_dtype(call.q.dtype)
+        work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
         prepared, d = self._prepared(call), call.dims
         vis = prepared.visibility.get(q.device)

@@ -134,6 +134,11 @@ class Mask:
         """True if this mask also adds a structured bias to the scores (e.g. `alibi`)."""
         return False
 
+    @property
+    def has_dense_tensor(self) -> bool:
+        """True if some part is an L×S tensor mask (its predicate gathers, block by block)."""
+        return False
+
     def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
         """The additive score bias as a function of broadcast (b, h, i, j), or None."""
         return None
@@ -333,6 +338,25 @@ class _TensorMask(Mask):
     def head_dependent(self) -> bool:
         return self.tensor.shape[1] > 1
 
+    @property
+    def has_dense_tensor(self) -> bool:
+        return True
+
+    def dense(
+        self,
+        B: int,
+        H: int,
+        L: int,
+        S: int,
+        device: torch.device | str | None = None,
+        rows: Tensor | None = None,
+        cols: Tensor | None = None,
+    ) -> Tensor:
+        if rows is not None or cols is not None:
+            return super().dense(B, H, L, S, device, rows, cols)
+        self.check(B, H, L, S)
+        return self.tensor.to(device or "cpu")  # itself: no gather of a copy
+
     def describe(self) -> str:
         return f"tensor{tuple(self.tensor.shape)}"
 
@@ -368,6 +392,10 @@ class _Combine(Mask):
     @property
     def head_dependent(self) -> bool:
         return any(p.head_dependent for p in self.parts)
+
+    @property
+    def has_dense_tensor(self) -> bool:
+        return any(p.has_dense_tensor for p in self.parts)
 
     def key_bounds(
         self, B: int, L: int, S: int, first: Tensor, last: Tensor
@@ -416,6 +444,10 @@ class _Not(Mask):
     @property
     def head_dependent(self) -> bool:
         return self.inner.head_dependent
+
+    @property
+    def has_dense_tensor(self) -> bool:
+        return self.inner.has_dense_tensor
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         inner = self.inner.predicate(B, H, L, S, device)

@@ -1,0 +1,66 @@
+"""Which dtype kernels run half in, GQA gradient sums in float32, the planner on tensor masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.heads import repeat_kv_exact_grad
+from attnkit.precision import OVERRIDE_ENV, kernel_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_dtype_follows_the_override_and_keeps_a_bias_in_float32(dtype, monkeypatch):
+    monkeypatch.setenv(OVERRIDE_ENV, "native")
+    assert kernel_dtype(dtype, CPU) == dtype
+    assert kernel_dtype(dtype, CPU, bias=True) == torch.float32
+    monkeypatch.setenv(OVERRIDE_ENV, "float32")
+    assert kernel_dtype(dtype, CPU) == torch.float32
+    assert kernel_dtype(torch.float64, CPU) == torch.float64
+    assert kernel_dtype(torch.float32, CPU) == torch.float32
+
+
+def test_repeat_kv_gradient_sums_the_group_in_float32():
+    """Four per-head gradients of 1 + 2^-8 each: bfloat16 addition would round the
+    partial sums (2 + 2^-7 + ... loses the low bits); float32 then one rounding keeps 4.0156."""
+    x = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16, requires_grad=True)
+    y = repeat_kv_exact_grad(x, 4)  # (1, 4, 1, 1)
+    assert y.shape == (1, 4, 1, 1)
+    y.backward(torch.full_like(y, 1 + 2**-7))
+    plain = torch.ones(1, 1, 1, 1, dtype=torch.bfloat16, requires_grad=True)
+    plain.repeat_interleave(4, dim=1).backward(torch.full((1, 4, 1, 1), 1 + 2**-7).bfloat16())
+    exact = 4 * (1 + 2**-7)
+    assert abs(x.grad.item() - exact) <= abs(plain.grad.item() - exact)
+    assert abs(x.grad.item() - exact) <= 2**-6  # one bfloat16 rounding of 4.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["native", "float32"])
+def test_half_results_keep_the_dtype_and_lse_stays_float32(dtype, mode, monkeypatch):
+    monkeypatch.setenv(OVERRIDE_ENV, mode)
+    q, k, v = (torch.randn(1, 4, 33, 16).to(dtype) for _ in range(3))
+    for backend in ("sdpa", "tiled"):
+        out, lse = ak.attention_with_lse(q, k[:, :2], v[:, :2], ak.causal(), backend=backend)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+
+
+def test_auto_runs_a_dense_tensor_mask_on_sdpa_and_structure_on_tiled():
+    q = torch.randn(2, 4, 512, 64)
+    dense = torch.rand(2, 1, 512, 512) > 0.5
+    assert ak.explain(q, q, q, dense).backend == "sdpa"
+    assert ak.explain(q, q, q, ak.causal() & dense).backend == "sdpa"
+    assert ak.explain(q, q, q, ak.sliding_window(31)).backend == "tiled"
+
+
+def test_decoding_step_runs_without_a_mask_tensor():
+    """Bottom-right causal at L = 1 sees every key: SDPA gets no mask (the decode fast path)."""
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 40, 16)
+    k[:, :, 5] = torch.nan  # a visible key holding NaN must still reach the output
+    out = ak.attention(q, k, k, ak.causal(align="bottom_right"), backend="sdpa")
+    assert torch.isnan(out).all()
+    k[:, :, 5] = 0.0
+    want = ak.attention(q, k, k, None, backend="reference")
+    torch.testing.assert_close(ak.attention(q, k, k, ak.causal(align="bottom_right")), want)
