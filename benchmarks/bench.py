@@ -36,7 +36,8 @@ import torch.nn.functional as F
 import attnkit as ak
 
 H, D = 8, 64
-PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix")
+PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix", "tensor")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PEERS = ("naive", "sdpa", "flex", "auto")
 PASSES = ("fwd", "fwd+bwd")
 NAIVE_BUDGET = 6 * 2**30  # bytes of (B, H, L, S) float32 scores the naive path may build
@@ -48,10 +49,11 @@ class Case:
     pattern: str
     S: int
     B: int
-    mask: ak.Mask | None
+    mask: ak.Mask | torch.Tensor | None
     pairs: int  # allowed query-key pairs per head, summed over the batch
     doc_ids: torch.Tensor
     lengths: torch.Tensor
+    dtype: torch.dtype = torch.float32
 
 
 def peer_recompile_limit() -> None:
@@ -66,9 +68,10 @@ def peer_recompile_limit() -> None:
     dynamo_config.recompile_limit = 256
 
 
-def make_case(pattern: str, S: int) -> Case:
-    """The mask of each pattern, as attnkit sees it."""
-    B = 4 if pattern == "padding" else 1
+def make_case(pattern: str, S: int, dtype: torch.dtype = torch.float32) -> Case:
+    """The mask of each pattern, as attnkit sees it. `tensor`: the causal padding mask as
+    the dense (B, 1, S, S) bool tensor a framework passes (transformers does)."""
+    B = 4 if pattern in ("padding", "tensor") else 1
     g = torch.Generator().manual_seed(S)
     cuts = torch.sort(torch.randperm(S - 1, generator=g)[:7] + 1).values
     doc_ids = (torch.arange(S)[:, None] >= cuts[None, :]).sum(-1)  # 8 documents, uneven
@@ -81,9 +84,12 @@ def make_case(pattern: str, S: int) -> Case:
         "padding": ak.causal() & ak.key_padding(lengths),
         "prefix": ak.prefix_lm(S // 4),
     }
-    mask = masks[pattern]
+    padding = masks["padding"]
+    assert padding is not None
+    dense = padding.dense(B, 1, S, S) if pattern == "tensor" else None  # (B, 1, S, S) bool
+    mask: ak.Mask | torch.Tensor | None = dense if dense is not None else masks[pattern]
     pairs = ak.explain(*(torch.empty(B, H, S, D),) * 3, mask).flops // (2 * 2 * D * H)
-    return Case(pattern, S, B, mask, pairs, doc_ids, lengths)
+    return Case(pattern, S, B, mask, pairs, doc_ids, lengths, dtype)
 
 
 def flex_mask_mod(case: Case) -> Callable[..., torch.Tensor] | None:
@@ -98,7 +104,7 @@ def flex_mask_mod(case: Case) -> Callable[..., torch.Tensor] | None:
     if case.pattern == "documents":
         ids = case.doc_ids
         return lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i)
-    if case.pattern == "padding":
+    if case.pattern in ("padding", "tensor"):
         lengths = case.lengths
         return lambda b, h, i, j: (j <= i) & (j < lengths[b])
     return lambda b, h, i, j: (j < S // 4) | (j <= i)
@@ -107,7 +113,8 @@ def flex_mask_mod(case: Case) -> Callable[..., torch.Tensor] | None:
 def inputs(case: Case, grad: bool) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return tuple(
-        torch.randn(case.B, H, case.S, D, generator=g).requires_grad_(grad) for _ in range(3)
+        torch.randn(case.B, H, case.S, D, generator=g).to(case.dtype).requires_grad_(grad)
+        for _ in range(3)
     )
 
 
@@ -121,7 +128,9 @@ class Peers:
 
     def dense_mask(self) -> torch.Tensor | None:
         c = self.case
-        return None if c.mask is None else c.mask.dense(c.B, 1, c.S, c.S)
+        if c.mask is None or isinstance(c.mask, torch.Tensor):
+            return c.mask
+        return c.mask.dense(c.B, 1, c.S, c.S)
 
     def call(self, peer: str, grad: bool) -> Callable[..., torch.Tensor] | str:
         c = self.case
@@ -138,7 +147,9 @@ class Peers:
             return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
         if peer == "flex":
             return self._flex_call(grad)
-        if not grad and c.mask is not None:  # like the Flex peer, compile apart: warm attnkit's
+        if not grad and isinstance(
+            c.mask, ak.Mask
+        ):  # like the Flex peer, compile apart: warm attnkit's
             start = time.perf_counter()
             ak.attention(*inputs(c, grad=False), c.mask, backend="flex")
             self.compile_s = time.perf_counter() - start
@@ -154,7 +165,12 @@ class Peers:
         block = None
         if mask_mod is not None:
             block = create_block_mask(
-                mask_mod, c.B if c.pattern == "padding" else None, None, c.S, c.S, device="cpu"
+                mask_mod,
+                c.B if c.pattern in ("padding", "tensor") else None,
+                None,
+                c.S,
+                c.S,
+                device="cpu",
             )
         if self._flex is None:
             compiled = torch.compile(flex_attention, dynamic=False)
@@ -212,16 +228,94 @@ def repeats_for(S: int, repeats: int) -> int:
     return max(3, repeats // 2) if S >= 16384 else repeats
 
 
-def roofline_gflops(repeats: int) -> float:
-    """Measured fp32 matrix-multiply throughput: the best of repeated 4096³ products."""
-    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
-    a @ b
+def roofline_gflops(repeats: int, dtype: torch.dtype = torch.float32) -> float:
+    """Measured matrix-multiply throughput in `dtype`: the best of repeated n³ products,
+    n = 4096, or less where one product is slow (bfloat16 on a CPU without bf16 units
+    runs orders of magnitude below float32)."""
+    n = 512
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
+        a @ b
+        if n >= 4096 or time.perf_counter() - start > 0.05:
+            break
+        n *= 2
     times = []
     for _ in range(2 * repeats):
         start = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - start)
-    return 2 * 4096**3 / min(times) / 1e9
+    return 2 * n**3 / min(times) / 1e9
+
+
+def cpu_description() -> dict[str, object]:
+    """The CPU's model and the units that set half precision's speed."""
+    from attnkit._compat import cpu_features
+
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {"model": model, "features": cpu_features()}
+
+
+DECODE_B = (1, 8, 32)
+DECODE_S = (512, 2048, 8192)
+
+
+def decode_table(repeats: int) -> list[dict[str, object]]:
+    """One decoding step (L = 1, GQA 8:2, D = 64, float32) over a B × S grid: plain SDPA
+    against attnkit with `causal(align="bottom_right")`, timed round-robin."""
+    rows = []
+    mask = ak.causal(align="bottom_right")
+    for B in DECODE_B:
+        for S in DECODE_S:
+            g = torch.Generator().manual_seed(S)
+            q = torch.randn(B, H, 1, D, generator=g)
+            k, v = (torch.randn(B, 2, S, D, generator=g) for _ in range(2))
+            fns = {
+                "sdpa": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q, k, v, enable_gqa=True
+                ),
+                "auto": lambda q=q, k=k, v=v: ak.attention(q, k, v, mask),
+            }
+            times: dict[str, list[float]] = {p: [] for p in fns}
+            for fn in fns.values():
+                fn()
+            for r in range(20 * repeats):
+                order = list(fns)
+                random.Random(r).shuffle(order)
+                for peer in order:
+                    start = time.perf_counter()
+                    fns[peer]()
+                    times[peer].append(time.perf_counter() - start)
+            sdpa, auto = (statistics.median(times[p]) * 1e6 for p in ("sdpa", "auto"))
+            rows.append({"B": B, "S": S, "sdpa_us": sdpa, "auto_us": auto, "ratio": sdpa / auto})
+            print(
+                f"decode B={B} S={S}: SDPA {sdpa:.0f} µs, attnkit {auto:.0f} µs "
+                f"({sdpa / auto:.2f}×)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return rows
+
+
+def decode_markdown(rows: list[dict[str, object]]) -> str:
+    lines = [
+        "Decoding (L = 1, H = 8, Hkv = 2, D = 64, float32): median µs per call; ratio = "
+        "SDPA time / attnkit time (1.0 = no overhead).",
+        "",
+        "| B | S | SDPA µs | attnkit µs | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['B']} | {r['S']} | {r['sdpa_us']:.0f} | {r['auto_us']:.0f} | {r['ratio']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _vm(field: str) -> int:
@@ -267,7 +361,8 @@ def measure_cell(
     """One record per peer for a pattern, S and pass: times, useful GFLOP/s, memory."""
     grad = pass_ == "fwd+bwd"
     flops = 4 * H * case.pairs * D * (3.5 if grad else 1.0)
-    label = f"{progress} S={case.S} {case.pattern} {pass_}"
+    dtype_name = str(case.dtype).removeprefix("torch.")
+    label = f"{progress} {dtype_name} S={case.S} {case.pattern} {pass_}"
     print(f"{label}: compiling and warming up …", file=sys.stderr, flush=True)
     peers = Peers(case)
     fns, records = {}, {}
@@ -280,6 +375,7 @@ def measure_cell(
             "H": H,
             "D": D,
             "pattern": case.pattern,
+            "dtype": dtype_name,
             "pass": pass_,
             "peer": peer,
             "useful_gflop": flops / 1e9,
@@ -302,7 +398,7 @@ def measure_cell(
             ms=seconds * 1e3, gflops=gflops, roofline_pct=100 * gflops / roof, repeats=repeats
         )
     records["auto"]["backend"] = ak.explain(*inputs(case, grad), case.mask).backend
-    for peer in [] if args.no_memory else fns:
+    for peer in [] if args.no_memory or case.dtype != torch.float32 else fns:  # float32 only
         records[peer]["peak_extra_bytes"] = measure_memory(case.pattern, case.S, peer, grad)
     summary = "  ".join(f"{p} {r['ms']:.1f} ms" for p, r in records.items() if "ms" in r)
     print(f"{label}: {summary}", file=sys.stderr, flush=True)
@@ -315,7 +411,9 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--memory-probe", nargs=4, help=argparse.SUPPRESS)
@@ -326,23 +424,37 @@ def main() -> None:
         return
     torch.manual_seed(0)
     peer_recompile_limit()
-    roof = roofline_gflops(args.repeats)
-    print(
-        f"fp32 matmul roofline: {roof:.0f} GFLOP/s ({torch.get_num_threads()} threads)",
-        file=sys.stderr,
-    )
-    cells = [(S, p, ps) for S in args.sizes for p in args.patterns for ps in PASSES]
+    cpu = cpu_description()
+    units = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())  # type: ignore[attr-defined]
+    print(f"CPU: {cpu['model']}; {units}", file=sys.stderr)
+    measured = {name: roofline_gflops(args.repeats, DTYPES[name]) for name in args.dtypes}
+    for name, value in measured.items():
+        print(
+            f"{name} matmul roofline: {value:.1f} GFLOP/s ({torch.get_num_threads()} threads)",
+            file=sys.stderr,
+        )
+    # half inputs can always be multiplied as float32: a half row's roofline is the better
+    fp32 = measured["float32"] if "float32" in measured else roofline_gflops(args.repeats)
+    rooflines = {name: max(value, fp32) for name, value in measured.items()}
+    cells = [
+        (dt, S, p, ps) for dt in args.dtypes for S in args.sizes for p in args.patterns
+        for ps in PASSES
+    ]  # fmt: skip
     records = []
-    for n, (S, pattern, pass_) in enumerate(cells, 1):
+    for n, (dt, S, pattern, pass_) in enumerate(cells, 1):
         records += measure_cell(
-            case=make_case(pattern, S),
+            case=make_case(pattern, S, DTYPES[dt]),
             pass_=pass_,
             args=args,
-            roof=roof,
+            roof=rooflines[dt],
             progress=f"[{n}/{len(cells)}]",
         )
+    decode = [] if args.no_decode else decode_table(args.repeats)
     meta = {
-        "roofline_gflops": roof,
+        "roofline_gflops": rooflines.get("float32", next(iter(rooflines.values()))),
+        "rooflines": rooflines,
+        "matmul_gflops": measured,
+        "cpu": cpu,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
@@ -350,12 +462,17 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    (args.out / "bench.json").write_text(
+        json.dumps({"meta": meta, "records": records, "decode": decode}, indent=1)
+    )
     from report import write_markdown, write_plot  # the table and plot live beside this file
 
     table = write_markdown(meta, records, args.out / "bench.md")
     write_plot(meta, records, args.out / "bench.png")
     print(table)
+    if decode:
+        (args.out / "bench_decode.md").write_text(decode_markdown(decode))
+        print(decode_markdown(decode))
 
 
 if __name__ == "__main__":

@@ -35,43 +35,58 @@ def _mib(record: dict[str, Any] | None) -> str:
 
 def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> str:
     """One row per (S, pattern, pass): median ms of each peer, auto's share of the roofline."""
-    index = {(r["S"], r["pattern"], r["pass"], r["peer"]): r for r in records}
+    index = {(_dtype(r), r["S"], r["pattern"], r["pass"], r["peer"]): r for r in records}
     keys = sorted(
-        {(r["S"], r["pattern"], r["pass"]) for r in records},
-        key=lambda k: (k[0], [*PATTERN_ORDER].index(k[1]), k[2]),
+        {(_dtype(r), r["S"], r["pattern"], r["pass"]) for r in records},
+        key=lambda k: (k[0] != "float32", k[0], k[1], [*PATTERN_ORDER].index(k[2]), k[3]),
+    )
+    rooflines = meta.get("rooflines", {"float32": meta["roofline_gflops"]})
+    roofs = ", ".join(f"{name} {value:.1f}" for name, value in rooflines.items())
+    cpu = meta.get("cpu")
+    units = (
+        f"CPU {cpu['model']} ("
+        + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
+        + "); "
+        if cpu
+        else ""
     )
     lines = [
-        f"fp32 matmul roofline {meta['roofline_gflops']:.0f} GFLOP/s, torch {meta['torch']}, "
-        f"{meta['threads']} threads, {_repeats(meta)}, peers timed round-robin, H=8, D=64, "
-        "float32; "
-        "times in ms; useful GFLOP/s count allowed pairs only; memory = peak extra MiB of one "
-        "call in a fresh process.",
+        f"{units}matmul roofline (GFLOP/s) {roofs}; torch {meta['torch']}, "
+        f"{meta['threads']} threads, {_repeats(meta)}, peers timed round-robin, H=8, D=64; "
+        "times in ms; useful GFLOP/s count allowed pairs only; % roofline against the "
+        "row's dtype (half: the better of its own and float32's, which half inputs can "
+        "always take); memory = peak extra MiB of one call in a fresh process (float32).",
         "",
-        "| S | pattern | pass | naive | SDPA | Flex | auto (backend) | auto GFLOP/s | "
+        "| dtype | S | pattern | pass | naive | SDPA | Flex | auto (backend) | auto GFLOP/s | "
         "% roofline | auto vs best peer | MiB SDPA | MiB auto |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for S, pattern, pass_ in keys:
-        row = {p: index.get((S, pattern, pass_, p)) for p in PEER_NAMES}
+    for dtype, S, pattern, pass_ in keys:
+        row = {p: index.get((dtype, S, pattern, pass_, p)) for p in PEER_NAMES}
         auto = row["auto"]
         peers = [row[p]["ms"] for p in ("naive", "sdpa", "flex") if row[p] and "ms" in row[p]]
         speedup = f"{min(peers) / auto['ms']:.2f}×" if auto and "ms" in auto and peers else "–"
         flex = _cell(row["flex"]) + _compile(row["flex"])
         lines.append(
-            f"| {S} | {pattern} | {pass_} | {_cell(row['naive'])} | {_cell(row['sdpa'])} | "
+            f"| {dtype} | {S} | {pattern} | {pass_} | {_cell(row['naive'])} | "
+            f"{_cell(row['sdpa'])} | "
             f"{flex} | {_cell(auto)} ({auto.get('backend', '?') if auto else '?'})"
             f"{_compile(auto) if auto and auto.get('backend') == 'flex' else ''} | "
             f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | {speedup} | "
             f"{_mib(row['sdpa'])} | {_mib(auto)} |"
             if auto and "ms" in auto
-            else f"| {S} | {pattern} | {pass_} | – | – | – | – | – | – | – | – | – |"
+            else f"| {dtype} | {S} | {pattern} | {pass_} | – | – | – | – | – | – | – | – | – |"
         )
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
 
 
-PATTERN_ORDER = ("none", "causal", "sliding", "documents", "padding", "prefix")
+PATTERN_ORDER = ("none", "causal", "sliding", "documents", "padding", "prefix", "tensor")
+
+
+def _dtype(record: dict[str, Any]) -> str:
+    return str(record.get("dtype", "float32"))  # results written before the dtype axis
 
 
 def write_plot(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> None:
@@ -99,6 +114,7 @@ def write_plot(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) 
                         r
                         for r in records
                         if (r["S"], r["pattern"], r["pass"], r["peer"]) == (S, pattern, pass_, peer)
+                        and _dtype(r) == "float32"
                         and "ms" in r
                     ]
                     values.append(match[0]["roofline_pct"] if match else 0.0)

@@ -20,6 +20,7 @@ def test_bench_writes_json_table_and_plot(tmp_path):
             "--patterns",
             "sliding",
             "padding",
+            "tensor",
             "--repeats",
             "1",
             "--no-memory",
@@ -40,3 +41,10 @@ def test_bench_writes_json_table_and_plot(tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert "| 256 | sliding | fwd |" in table and "| 256 | padding | fwd+bwd |" in table
     assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert "| bfloat16 | 256 | sliding | fwd |" in table  # the dtype axis
+    assert "| float32 | 256 | tensor | fwd+bwd |" in table  # the dense mask a framework passes
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert set(meta["cpu"]["features"]) >= {"AVX2", "AVX512-BF16", "AMX"}
+    assert set(meta["rooflines"]) == {"float32", "bfloat16"}
+    decode = (tmp_path / "bench_decode.md").read_text()
+    assert "| 1 | 512 |" in decode and "| 32 | 8192 |" in decode

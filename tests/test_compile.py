@@ -1,9 +1,6 @@
-"""attnkit inside `torch.compile`: same outputs and gradients as eager.
-
-Each public call runs eagerly within compiled code (a graph break around it: planning
-reads masks as data); the rest of the model compiles. Small shapes, so `make test` pays
-seconds per case.
-"""
+"""attnkit inside `torch.compile`: same outputs and gradients as eager, with
+`fullgraph=True` for every mask kind (the call is one custom op, `attnkit.compiled`),
+and `torch.library.opcheck` on both ops. Small shapes: seconds per case."""
 
 from __future__ import annotations
 
@@ -11,6 +8,8 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.compiled import attention_backward_op, attention_op
+from attnkit.masks.spec import encode
 
 
 def _grads(fn, *tensors):
@@ -52,7 +51,7 @@ def test_compiled_function_matches_eager(kind, backend):
         return out.tanh() + lse[..., None] * 0.1
 
     want, want_grads = _grads(fn, q, k, v)
-    got, got_grads = _grads(torch.compile(fn, backend="aot_eager"), q, k, v)
+    got, got_grads = _grads(torch.compile(fn, fullgraph=True), q, k, v)
     torch.testing.assert_close(got, want)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b)
@@ -80,3 +79,66 @@ def test_compiled_model_with_rope_gqa_and_cache_matches_eager():
             rtol=1e-5,
             atol=1e-5,
         )
+
+
+def test_dropout_and_trainable_float_masks_run_eagerly_inside_compiled_code():
+    """What the op cannot express breaks the graph and runs eagerly (not silently wrong)."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 8, 4)
+    bias = torch.zeros(1, 2, 8, 8, requires_grad=True)
+
+    def fn(q):
+        return ak.attention(q, q, q, bias).sum()
+
+    torch.compile(fn)(q).backward()
+    assert bias.grad is not None and bias.grad.shape == bias.shape
+    out = torch.compile(lambda q: ak.attention(q, q, q, dropout_p=0.5))(q)
+    assert out.shape == q.shape
+
+
+def test_compiled_call_raises_the_eager_errors():
+    torch._dynamo.reset()
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 5)
+    with pytest.raises(Exception, match="head dim"):
+        torch.compile(lambda q, k: ak.attention(q, k, k), fullgraph=True)(q, k)
+
+
+def _op_samples():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 7, 8, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 7, 5, generator=g, requires_grad=True)
+    lengths = torch.tensor([7, 3])
+    for mask in (None, ak.causal(align="bottom_right"), ak.key_padding(lengths)):
+        tensors = []
+        spec = encode(mask, tensors)
+        for backend, need_lse in (("auto", True), ("reference", False)):
+            yield (q, k, v, tensors, spec, backend, None, None, need_lse, True)
+
+
+@pytest.mark.parametrize("args", list(_op_samples()))
+def test_opcheck_attention_op(args):
+    torch.library.opcheck(attention_op, args)
+
+
+def test_opcheck_attention_backward_op():
+    q, k, v, tensors, spec, backend, scale, softcap, need_lse, _ = next(_op_samples())
+    dout = torch.randn(2, 4, 6, 5)
+    dlse = torch.randn(2, 4, 6)
+    args = (dout, dlse, q.detach(), k.detach(), v.detach(), tensors, spec, backend, scale,
+            softcap, need_lse)  # fmt: skip
+    torch.library.opcheck(attention_backward_op, args)
+
+
+def test_new_document_ids_reuse_the_compiled_graph():
+    """Mask tensors are op inputs, not constants: other ids, same graph, their result."""
+    torch._dynamo.reset()
+    model = ak.MultiHeadAttention(32, 4, num_kv_heads=2, rope=True)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 12, 32)
+    first = ak.document(torch.arange(12) // 5) & ak.causal()
+    torch.testing.assert_close(compiled(x, mask=first), model(x, mask=first))
+    other = ak.document(torch.arange(12) // 3) & ak.causal()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got = compiled(x, mask=other)
+    torch.testing.assert_close(got, model(x, mask=other))

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import get_backend
+from attnkit.compiled import traced_attention
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
@@ -28,16 +29,11 @@ MaskLike = Mask | Tensor | None
 
 
 def _eager(fn: Fn) -> Fn:
-    """Run `fn` eagerly inside `torch.compile`d code: a graph break around the call.
-
-    Planning reads mask tensors and shapes as data, which tracing cannot do (it failed
-    with `vr must not be None` and data-dependent guards); compiled models get the
-    eager result and gradients. Custom ops that compile into the graph: issue 10.
-    """
+    """Run `fn` eagerly inside `torch.compile`d code: a graph break around the call
+    (`attention_probs` reads mask tensors as data; `attention` compiles to a custom op)."""
     return cast(Fn, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
-@_eager
 def attention(
     q: Tensor,
     k: Tensor,
@@ -62,11 +58,15 @@ def attention(
     Returns:
         (B, H, L, Dv) in q's dtype; a query that sees no key gets 0.
     """
+    if torch.compiler.is_compiling():  # one custom op in the graph (attnkit.compiled)
+        return traced_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
+            backend=backend, need_lse=False,
+        )[0]  # fmt: skip
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    return _run(call, backend, need_lse=False)[0]
+    return run_call(call, backend, need_lse=False)[0]
 
 
-@_eager
 def attention_with_lse(
     q: Tensor,
     k: Tensor,
@@ -85,13 +85,18 @@ def attention_with_lse(
         `-inf` on rows that see nothing. Two results over disjoint key sets merge
         exactly with `attnkit.softmax.merge_partials`.
     """
+    if torch.compiler.is_compiling():
+        return traced_attention(
+            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
+            backend=backend, need_lse=True,
+        )  # fmt: skip
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    out, lse = _run(call, backend, need_lse=True)
+    out, lse = run_call(call, backend, need_lse=True)
     assert lse is not None
     return out, lse
 
 
-def _run(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+def run_call(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
     if call.is_empty:  # nothing to compute: no backend runs
         if backend != "auto":
             get_backend(backend)  # an unknown name still raises

@@ -1,0 +1,246 @@
+"""attnkit inside `torch.compile`: the kernel boundary as `torch.library` custom ops.
+
+Tracing cannot follow attnkit's planning: it reads mask tensors and sizes as data
+(tile plans, seen rows). So a compiled `attention` call becomes one opaque op,
+`attnkit::attention`, whose implementation validates, plans and runs eagerly, exactly
+as an eager call does; its fake implementation gives the result's shape and dtype from
+the inputs' alone, and its autograd formula is a second op,
+`attnkit::attention_backward`. The mask crosses the boundary as a string and its
+tensors (`masks.spec`), so masks that hold no tensors compile with `fullgraph=True`,
+and masks that do (key_padding, document) too: their tensors are op inputs.
+
+The backward op recomputes the forward with autograd (one more forward pass per
+backward) and gives its gradients. Calls the op cannot express run eagerly within the
+compiled code (a graph break): dropout (a recomputed forward would draw another mask)
+and float masks that require grad (the op gives mask tensors no gradient).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.contracts import AttentionCall, _check_shapes, normalize_call
+from attnkit.masks import Mask
+from attnkit.masks.spec import decode, encode
+from attnkit.precision import compute_dtype
+
+__all__ = ["attention_backward_op", "attention_op", "traced_attention"]
+
+
+def traced_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    dropout_p: float,
+    backend: str,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """What `attention_with_lse` does while dynamo traces: one `attnkit::attention` op."""
+    if not _op_can_express(mask, scale, softcap, dropout_p, backend):
+        result: tuple[Tensor, Tensor] = _eager(
+            q, k, v, mask, scale, softcap, dropout_p, backend, need_lse
+        )
+        return result
+    tensors: list[Tensor] = []
+    spec = encode(mask, tensors)
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    scale = None if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
+    out, lse = attention_op(
+        q, k, v, tensors, spec, backend, scale, softcap, need_lse, requires_grad
+    )
+    return out, lse
+
+
+def _is_number(x: object) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def _op_can_express(
+    mask: object, scale: object, softcap: object, dropout_p: object, backend: object
+) -> bool:
+    if not (mask is None or isinstance(mask, (Mask, Tensor))):
+        return False  # the eager call raises its TypeError
+    if isinstance(mask, Tensor) and mask.requires_grad:
+        return False
+    return (
+        _is_number(scale)
+        and _is_number(softcap)
+        and isinstance(backend, str)
+        and (dropout_p == 0 and _is_number(dropout_p))
+    )
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _eager(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Any,
+    scale: Any,
+    softcap: Any,
+    dropout_p: Any,
+    backend: Any,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    from attnkit.functional import run_call
+
+    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+    out, lse = run_call(call, backend, need_lse=need_lse)
+    return out, _lse_or_empty(lse, q)
+
+
+def _lse_or_empty(lse: Tensor | None, q: Tensor) -> Tensor:
+    return q.new_empty(0, dtype=compute_dtype(q.dtype)) if lse is None else lse
+
+
+def _call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    scale: float | None,
+    softcap: float | None,
+) -> AttentionCall:
+    mask = decode(mask_spec, mask_tensors)
+    return normalize_call(q, k, v, mask, scale=scale, softcap=softcap)
+
+
+@torch.library.custom_op("attnkit::attention", mutates_args=())
+def attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    backend: str,
+    scale: float | None,
+    softcap: float | None,
+    need_lse: bool,
+    requires_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """out (B, H, L, Dv) and lse (B, H, L), or an empty lse when `need_lse` is False.
+
+    `requires_grad` says whether the traced inputs required grad: backends are chosen
+    as for that eager call (some serve no gradient).
+    """
+    from attnkit.functional import run_call
+
+    if requires_grad:
+        q = q.detach().requires_grad_()
+    call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
+    with torch.no_grad():
+        out, lse = run_call(call, backend, need_lse=need_lse)
+    return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v))
+
+
+def _fresh(t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """`t`, contiguous and sharing no storage with the op's inputs (ops may not alias)."""
+    t = t.contiguous()
+    storages = {x.untyped_storage().data_ptr() for x in inputs if x.numel()}
+    return t.clone() if t.numel() and t.untyped_storage().data_ptr() in storages else t
+
+
+@attention_op.register_fake
+def _attention_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    backend: str,
+    scale: float | None,
+    softcap: float | None,
+    need_lse: bool,
+    requires_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    sizes = (*q.shape, *k.shape, *v.shape)
+    if all(isinstance(n, int) for n in sizes):  # symbolic sizes: checked when it runs
+        _check_shapes(q.shape, k.shape, v.shape, minimum=0)  # the eager call's errors
+    B, H, L, _ = q.shape
+    lse_shape = (B, H, L) if need_lse else (0,)
+    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(lse_shape, dtype=compute_dtype(q.dtype))
+
+
+@torch.library.custom_op("attnkit::attention_backward", mutates_args=())
+def attention_backward_op(
+    dout: Tensor,
+    dlse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    backend: str,
+    scale: float | None,
+    softcap: float | None,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of `attnkit::attention`: the eager call rerun with autograd."""
+    from attnkit.functional import run_call
+
+    def recompute() -> tuple[Tensor | None, ...]:
+        lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            call = _call(lq, lk, lv, mask_tensors, mask_spec, scale, softcap)
+            out, lse = run_call(call, backend, need_lse=need_lse)
+            outputs, grads = [out], [dout]
+            if need_lse and lse is not None and dlse.numel():
+                outputs.append(lse)
+                grads.append(dlse)
+            return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
+
+    # an op's implementation runs below autograd (its dispatch keys are excluded in this
+    # thread's state); a fresh thread starts with autograd on
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        found = pool.submit(recompute).result()
+    leaves = (q, k, v)
+    dq, dk, dv = (
+        torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)
+    )
+    return _fresh(dq, (q, k, v)), _fresh(dk, (q, k, v)), _fresh(dv, (q, k, v))
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(
+    dout: Tensor,
+    dlse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    backend: str,
+    scale: float | None,
+    softcap: float | None,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # contiguous, as the implementation returns them (whatever the inputs' strides)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, mask_tensors, mask_spec, backend, scale, softcap, need_lse, _ = inputs
+    ctx.save_for_backward(q, k, v, *mask_tensors)
+    ctx.args = (mask_spec, backend, scale, softcap, need_lse)
+
+
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
+    q, k, v, *mask_tensors = ctx.saved_tensors
+    dout = torch.zeros_like(q[..., :1]).expand(*q.shape[:-1], v.shape[-1]) if dout is None else dout
+    dlse = q.new_zeros(0, dtype=compute_dtype(q.dtype)) if dlse is None else dlse
+    dq, dk, dv = attention_backward_op(dout.contiguous(), dlse, q, k, v, mask_tensors, *ctx.args)
+    no_grads = [None] * len(mask_tensors)  # the structure of the inputs: a list there
+    return dq, dk, dv, no_grads, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
