@@ -414,6 +414,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
+    parser.add_argument(
+        "--no-compiled", action="store_true", help="skip the compiled tiny_gpt training step"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--memory-probe", nargs=4, help=argparse.SUPPRESS)
@@ -450,6 +453,9 @@ def main() -> None:
             progress=f"[{n}/{len(cells)}]",
         )
     decode = [] if args.no_decode else decode_table(args.repeats)
+    from compiled import compiled_markdown, training_steps  # beside this file
+
+    steps = [] if args.no_compiled else training_steps(args.repeats)
     meta = {
         "roofline_gflops": rooflines.get("float32", next(iter(rooflines.values()))),
         "rooflines": rooflines,
@@ -463,7 +469,10 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(
-        json.dumps({"meta": meta, "records": records, "decode": decode}, indent=1)
+        json.dumps(
+            {"meta": meta, "records": records, "decode": decode, "training_step": steps},
+            indent=1,
+        )
     )
     from report import write_markdown, write_plot  # the table and plot live beside this file
 
@@ -473,6 +482,9 @@ def main() -> None:
     if decode:
         (args.out / "bench_decode.md").write_text(decode_markdown(decode))
         print(decode_markdown(decode))
+    if steps:
+        (args.out / "bench_compiled.md").write_text(compiled_markdown(steps))
+        print(compiled_markdown(steps))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 
@@ -24,6 +26,7 @@ def test_bench_writes_json_table_and_plot(tmp_path):
             "--repeats",
             "1",
             "--no-memory",
+            "--no-compiled",
             "--out",
             str(tmp_path),
         ],
@@ -48,3 +51,16 @@ def test_bench_writes_json_table_and_plot(tmp_path):
     assert set(meta["rooflines"]) == {"float32", "bfloat16"}
     decode = (tmp_path / "bench_decode.md").read_text()
     assert "| 1 | 512 |" in decode and "| 32 | 8192 |" in decode
+
+
+@pytest.mark.slow
+def test_compiled_training_step_rows():
+    sys.path.insert(0, str(BENCH.parent))
+    from compiled import compiled_markdown, training_steps
+
+    rows = training_steps(1)
+    assert {(r["attention"], r["mode"]) for r in rows} == {
+        (a, m) for a in ("attnkit", "sdpa") for m in ("eager", "compiled")
+    }
+    assert all(r["ms"] > 0 for r in rows)
+    assert "| compiled |" in compiled_markdown(rows)

@@ -121,13 +121,27 @@ def test_opcheck_attention_op(args):
     torch.library.opcheck(attention_op, args)
 
 
-def test_opcheck_attention_backward_op():
-    q, k, v, tensors, spec, backend, scale, softcap, need_lse, _ = next(_op_samples())
-    dout = torch.randn(2, 4, 6, 5)
-    dlse = torch.randn(2, 4, 6)
-    args = (dout, dlse, q.detach(), k.detach(), v.detach(), tensors, spec, backend, scale,
-            softcap, need_lse)  # fmt: skip
+@pytest.mark.parametrize("path", ["flash", "blockwise", "recompute"])
+def test_opcheck_attention_backward_op(path):
+    """From the forward's out and lse: one flash backward (no mask needed), tiled's
+    blockwise backward (a padding mask), or (lse +inf: none kept) a recomputed forward."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, n, 6, 8, generator=g) for n in (4, 2, 2))
+    mask = ak.key_padding(torch.tensor([6, 3])) if path == "blockwise" else None
+    tensors = []
+    spec = encode(mask, tensors)
+    out, lse = attention_op(q, k, v, tensors, spec, "auto", None, None, True, True)
+    if path == "recompute":
+        lse = torch.full_like(lse, torch.inf)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    args = (dout, dlse, out, lse, q, k, v, tensors, spec, "auto", None, None, True)
     torch.library.opcheck(attention_backward_op, args)
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref, lse_ref = ak.attention_with_lse(*want, mask, backend="reference")
+    torch.autograd.backward((out_ref, lse_ref), (dout, dlse))
+    got = attention_backward_op(*args)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_new_document_ids_reuse_the_compiled_graph():

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.contracts import normalize_call
 from attnkit.heads import repeat_kv_exact_grad
+from attnkit.planner import backend_for_run
 from attnkit.precision import OVERRIDE_ENV, kernel_dtype
 
 CPU = torch.device("cpu")
@@ -64,3 +66,47 @@ def test_decoding_step_runs_without_a_mask_tensor():
     k[:, :, 5] = 0.0
     want = ak.attention(q, k, k, None, backend="reference")
     torch.testing.assert_close(ak.attention(q, k, k, ak.causal(align="bottom_right")), want)
+
+
+@pytest.mark.parametrize(
+    ("mask", "L", "S", "want"),
+    [
+        (ak.causal(align="bottom_right"), 1, 64, True),
+        (ak.causal(align="bottom_right"), 2, 64, False),
+        (ak.causal(align="top_left"), 1, 64, False),
+        (ak.causal(), 1, 1, True),
+        (ak.sliding_window(63, align="bottom_right"), 1, 64, True),
+        (ak.sliding_window(62, align="bottom_right"), 1, 64, False),
+        (ak.sliding_window(70, 70), 64, 64, True),
+        (ak.sliding_window(70, 62), 64, 64, False),
+        (ak.prefix_lm(64), 64, 64, True),
+        (ak.prefix_lm(63), 64, 64, False),
+        (
+            ak.causal(align="bottom_right") & ak.sliding_window(100, align="bottom_right"),
+            1,
+            64,
+            True,
+        ),
+        (ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([64])), 1, 64, False),
+        (ak.causal(align="top_left") | ak.prefix_lm(64, align="top_left"), 3, 64, True),
+        (~ak.causal(align="bottom_right"), 1, 64, False),
+    ],
+)
+def test_sees_all_agrees_with_the_materialized_mask(mask, L, S, want):
+    assert mask.sees_all(L, S) == want
+    if want:  # never True where some pair is hidden
+        assert bool(mask.materialize(1, 1, L, S).all())
+
+
+def test_the_run_takes_the_backend_explain_names_for_dense_calls():
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 300, 16)
+    for mask in (
+        None,
+        ak.causal(align="bottom_right"),
+        ak.sliding_window(400, align="bottom_right"),
+    ):
+        call = normalize_call(q, k, k, mask)
+        assert (
+            backend_for_run(call, "auto", need_lse=False).name == ak.explain(q, k, k, mask).backend
+        )
+        assert ak.explain(q, k, k, mask).backend == "sdpa"

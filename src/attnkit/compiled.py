@@ -18,6 +18,7 @@ and float masks that require grad (the op gives mask tensors no gradient).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -128,19 +129,46 @@ def attention_op(
     need_lse: bool,
     requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    """out (B, H, L, Dv) and lse (B, H, L), or an empty lse when `need_lse` is False.
+    """out (B, H, L, Dv) and lse (B, H, L); lse is empty when neither `need_lse` nor
+    `requires_grad` asks for it.
 
-    `requires_grad` says whether the traced inputs required grad: backends are chosen
-    as for that eager call (some serve no gradient).
+    `requires_grad` says whether the traced inputs required grad: the backend is chosen
+    as for that eager call (some serve no gradient), and the log-sum-exp is kept for the
+    backward op (+inf where the backend could not give it: the backward then recomputes).
     """
     from attnkit.functional import run_call
+    from attnkit.planner import backend_for_run
 
-    if requires_grad:
-        q = q.detach().requires_grad_()
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
-    with torch.no_grad():
+    if call.is_empty:
         out, lse = run_call(call, backend, need_lse=need_lse)
+    else:
+        # the backend an eager call of inputs requiring grad (or not) would take
+        wanted = replace(call, q=call.q.detach().requires_grad_()) if requires_grad else call
+        chosen = backend_for_run(wanted, backend, need_lse=need_lse)
+        # keep the log-sum-exp for the backward op where it can use it (no second forward)
+        keep = need_lse or (
+            requires_grad
+            and _blockwise_backward(call, scale)
+            and chosen.can_use(call, need_lse=True) is None
+        )
+        with torch.no_grad():
+            out, lse = chosen.run(call, need_lse=keep)
+        if requires_grad and not keep:
+            # none kept: +inf, which no log-sum-exp is (-inf is a row that sees nothing)
+            lse = q.new_full(q.shape[:3], torch.inf, dtype=compute_dtype(q.dtype))
     return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v))
+
+
+def _blockwise_backward(call: AttentionCall, scale: float | None) -> bool:
+    """True if the backward op can take the tiled backend's blockwise backward from the
+    forward's output and log-sum-exp (a positive scale: folding a sign into q would need
+    the chain rule outside)."""
+    from attnkit.backends import BACKENDS
+
+    if scale is not None and scale <= 0:
+        return False
+    return BACKENDS["tiled"].can_use(call, need_lse=True) is None
 
 
 def _fresh(t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -167,7 +195,7 @@ def _attention_fake(
     if all(isinstance(n, int) for n in sizes):  # symbolic sizes: checked when it runs
         _check_shapes(q.shape, k.shape, v.shape, minimum=0)  # the eager call's errors
     B, H, L, _ = q.shape
-    lse_shape = (B, H, L) if need_lse else (0,)
+    lse_shape = (B, H, L) if need_lse or requires_grad else (0,)
     return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(lse_shape, dtype=compute_dtype(q.dtype))
 
 
@@ -175,6 +203,8 @@ def _attention_fake(
 def attention_backward_op(
     dout: Tensor,
     dlse: Tensor,
+    out: Tensor,
+    lse: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -185,8 +215,28 @@ def attention_backward_op(
     softcap: float | None,
     need_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of `attnkit::attention`: the eager call rerun with autograd."""
+    """dq, dk, dv of `attnkit::attention`: blockwise from the forward's `out` and `lse`
+    (tiled's backward) where it can, else the eager call rerun with autograd."""
+    from attnkit.backends import BACKENDS
+    from attnkit.backends.sdpa import SdpaBackend
+    from attnkit.backends.tiled import TiledBackend
     from attnkit.functional import run_call
+
+    call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
+    tiled, sdpa = BACKENDS["tiled"], BACKENDS["sdpa"]
+    if (
+        lse.numel()
+        and not call.is_empty
+        and _blockwise_backward(call, scale)
+        and not bool(torch.isposinf(lse).any())
+    ):
+        assert isinstance(tiled, TiledBackend) and isinstance(sdpa, SdpaBackend)
+        lse_grad = dlse if need_lse and dlse.numel() else None
+        # one flash backward for the whole batch where no mask is needed, else blockwise
+        grads = sdpa.backward(call, out, lse, dout, lse_grad)
+        if grads is None:
+            grads = tiled.backward(call, out, lse, dout, lse_grad)
+        return _fresh(grads[0], (q, k, v)), _fresh(grads[1], (q, k, v)), _fresh(grads[2], (q, k, v))
 
     def recompute() -> tuple[Tensor | None, ...]:
         lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -214,6 +264,8 @@ def attention_backward_op(
 def _attention_backward_fake(
     dout: Tensor,
     dlse: Tensor,
+    out: Tensor,
+    lse: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -230,15 +282,18 @@ def _attention_backward_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, mask_tensors, mask_spec, backend, scale, softcap, need_lse, _ = inputs
-    ctx.save_for_backward(q, k, v, *mask_tensors)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *mask_tensors)
     ctx.args = (mask_spec, backend, scale, softcap, need_lse)
 
 
 def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, *mask_tensors = ctx.saved_tensors
+    q, k, v, out, lse, *mask_tensors = ctx.saved_tensors
     dout = torch.zeros_like(q[..., :1]).expand(*q.shape[:-1], v.shape[-1]) if dout is None else dout
     dlse = q.new_zeros(0, dtype=compute_dtype(q.dtype)) if dlse is None else dlse
-    dq, dk, dv = attention_backward_op(dout.contiguous(), dlse, q, k, v, mask_tensors, *ctx.args)
+    dq, dk, dv = attention_backward_op(
+        dout.contiguous(), dlse, out, lse, q, k, v, mask_tensors, *ctx.args
+    )
     no_grads = [None] * len(mask_tensors)  # the structure of the inputs: a list there
     return dq, dk, dv, no_grads, None, None, None, None, None, None
 

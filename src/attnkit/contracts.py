@@ -65,6 +65,12 @@ class AttentionCall:
     dims: Dims
 
     @property
+    def is_dense(self) -> bool:
+        """Every query sees every key with no bias: no mask reaches a kernel."""
+        d = self.dims
+        return not self.has_bias and (self.mask is None or self.mask.sees_all(d.L, d.S))
+
+    @property
     def has_bias(self) -> bool:
         """Something is added to the scores: a float tensor mask or a structured bias."""
         return self.bias_tensor is not None or (self.mask is not None and self.mask.has_bias)

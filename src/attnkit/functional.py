@@ -17,7 +17,7 @@ from attnkit.compiled import traced_attention
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
-from attnkit.planner import Plan, choose_backend, plan_call
+from attnkit.planner import Plan, backend_for_run, plan_call
 from attnkit.precision import compute_dtype
 from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
 
@@ -102,7 +102,7 @@ def run_call(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tens
             get_backend(backend)  # an unknown name still raises
         out, lse = _Empty.apply(call.q, call.k, call.v, call.dims.Dv)  # type: ignore[no-untyped-call]
         return out, lse
-    chosen, _ = choose_backend(call, backend, need_lse=need_lse)
+    chosen = backend_for_run(call, backend, need_lse=need_lse)
     return chosen.run(call, need_lse=need_lse)
 
 

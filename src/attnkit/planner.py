@@ -19,7 +19,7 @@ from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.masks.base import CHUNK_ELEMENTS
 
-__all__ = ["Plan", "choose_backend", "count_allowed_pairs", "plan_call"]
+__all__ = ["Plan", "backend_for_run", "choose_backend", "count_allowed_pairs", "plan_call"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,18 @@ def count_allowed_pairs(
         full = (B, H, rows.numel(), S)  # a broadcast dim counts once per position it covers
         total += int(part.sum()) * math.prod(n // m for n, m in zip(full, part.shape, strict=True))
     return total
+
+
+def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backend:
+    """`choose_backend`'s choice without its reasons. A dense call (`is_dense`: decoding
+    steps among them) goes straight to sdpa when it can serve it, as costing would
+    choose (its dense kernel is the cheapest per pair): per-call overhead matters most
+    on the smallest calls."""
+    if name == "auto" and call.is_dense and call.softcap is None:
+        sdpa = BACKENDS["sdpa"]
+        if sdpa.can_use(call, need_lse=need_lse) is None:
+            return sdpa
+    return choose_backend(call, name, need_lse=need_lse)[0]
 
 
 def choose_backend(

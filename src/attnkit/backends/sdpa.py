@@ -15,12 +15,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import cost
-from attnkit._compat import cpu_flash_attention, sdpa_zeroes_empty_rows
-from attnkit.contracts import AttentionCall
+from attnkit._compat import (
+    cpu_flash_attention,
+    cpu_flash_attention_backward,
+    sdpa_zeroes_empty_rows,
+)
+from attnkit.backends.tiled import with_lse_gradient
+from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad
 from attnkit.masks import Mask
 from attnkit.masks.base import seen_from_spans
-from attnkit.precision import HALF, kernel_dtype
+from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from attnkit.reference import effective_visibility, hide_unseen, zero_unseen
 
 __all__ = ["SdpaBackend"]
@@ -52,6 +57,8 @@ def _masked_inputs(
     could not hide what it hides by itself (`_kernel_hides_unseen`).
     """
     d, mask = call.dims, call.mask
+    if mask is not None and not call.has_bias and mask.sees_all(d.L, d.S):
+        return q, k, v, None, None  # every pair visible (a decoding step): no mask at all
     if mask is not None and not call.has_bias and not mask.head_dependent:
         spans = _spans(mask, d.B, d.L, d.S, q.device)
         if spans is not None:
@@ -127,8 +134,7 @@ class SdpaBackend:
         pairs = d.B * d.H * d.L * d.S
         if self._is_causal(call):
             return cost.SDPA_CAUSAL * pairs / 2
-        masked = call.mask is not None or call.has_bias
-        return (cost.SDPA_MASKED if masked else cost.SDPA_DENSE) * pairs
+        return (cost.SDPA_DENSE if call.is_dense else cost.SDPA_MASKED) * pairs
 
     @staticmethod
     def _is_causal(call: AttentionCall) -> bool:
@@ -144,12 +150,45 @@ class SdpaBackend:
             return batch * d.H * d.L * d.S * call.q.element_size()
         return batch * d.L * d.S  # a bool mask, broadcast over heads
 
+    def backward(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Gradients of q, k, v from the call's output and log-sum-exp in one call of the
+        CPU flash backward, for calls whose kernel needs no mask (dense, top-left causal);
+        None for others. GQA: K/V repeated, their gradients summed in float32."""
+        d = call.dims
+        backward_op = cpu_flash_attention_backward()
+        if backward_op is None or call.q.device.type != "cpu" or d.D != d.Dv:
+            return None
+        is_causal = self._is_causal(call)
+        if not (is_causal or call.is_dense) or call.softcap is not None:
+            return None
+        work = kernel_dtype(call.q.dtype, call.q.device)
+        q, k, v = (t.to(work) for t in (call.q, call.k, call.v))
+        k, v = k.repeat_interleave(d.groups, 1), v.repeat_interleave(d.groups, 1)
+        out, dout = out.to(work), unit_last_stride(dout.to(work))
+        if dlse is not None:
+            q, k, v, out, dout = with_lse_gradient(q, k, v, out, dout, dlse.to(work))
+        gq, gk, gv = backward_op(
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=None, scale=call.scale
+        )
+        B, S = d.B, d.S
+
+        def per_kv_head(g: Tensor, width: int) -> Tensor:  # (B, H, S, ·) -> (B, Hkv, S, width)
+            g = g[..., :width].reshape(B, d.Hkv, d.groups, S, width)
+            return g.sum(2, dtype=compute_dtype(g.dtype))
+
+        dq = gq[..., : d.D]
+        dk, dv = per_kv_head(gk, d.D), per_kv_head(gv, d.Dv)
+        return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)
+
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
         q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
         # half natively where the hardware is fast, except under a bias (needs float32)
         work = kernel_dtype(q.dtype, q.device, bias=call.has_bias)
-        q, k, v = q.to(work), k.to(work), v.to(work)
+        if work != q.dtype:  # (`.to` costs microseconds even when nothing changes)
+            q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
             q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse)
@@ -178,4 +217,4 @@ class SdpaBackend:
         if rows is not None:
             out = torch.where(rows.unsqueeze(-1), out, 0.0)
             lse = None if lse is None else torch.where(rows, lse, -torch.inf)
-        return out.to(call.q.dtype), lse
+        return (out if out.dtype == call.q.dtype else out.to(call.q.dtype)), lse

@@ -34,7 +34,7 @@ from attnkit.masks.base import seen_from_spans
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import zero_unseen
 
-__all__ = ["CHUNK_BYTES", "TiledBackend"]
+__all__ = ["CHUNK_BYTES", "TiledBackend", "with_lse_gradient"]
 
 CHUNK_BYTES = 2 << 20  # temporaries of one kernel call: block rows, outputs, masks, copies
 PLANS_PER_MASK = 8  # problem sizes remembered per mask object
@@ -339,41 +339,57 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        # block gradients sum in float32 (compute_dtype) whatever the kernel's dtype
-        dq, dk, dv = (torch.zeros_like(t, dtype=compute_dtype(t.dtype)) for t in (q, k, v))
-        if dout is None and dlse is None:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-        out = out.to(q.dtype)  # the op's dtype
-        dout = torch.zeros_like(out) if dout is None else unit_last_stride(dout.to(q.dtype))
-        H, D, Hkv = q.shape[1], q.shape[-1], k.shape[1]
-        backward_op = cpu_flash_attention_backward()
-        assert backward_op is not None
-        safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)  # masked scores stay -inf
-        # with the global out and lse, the blocks' key spans may be cut: smaller gradients
-        pieces = (part for g in ctx.plan.groups for part in g.pieces(BACKWARD_KEYS))
-        for group in pieces:
-            b, masks = group.batch, ctx.vis.masks(group, H // Hkv, q.dtype)
-            for g, heads in _calls(group, H, Hkv, D, ctx.vis.bias is not None):
-                kb, vb = _block_keys(k[b], g), _block_keys(v[b], g)
-                qb, go, ob, lb = (
-                    _block_rows(heads(t[b]), g, Hkv) for t in (q, dout, out, safe_lse)
-                )
-                if dlse is not None:
-                    lse_grad = _block_rows(heads(dlse[b]), g, Hkv).to(q.dtype)
-                    qb, kb, vb, ob, go = _with_lse_gradient(qb, kb, vb, ob, go, lse_grad)
-                gq, gk, gv = backward_op(
-                    go, qb, kb, vb, ob, lb, 0.0, g.causal, attn_mask=masks(g), scale=ctx.scale
-                )
-                _write_rows(heads(dq[b]), gq[..., :D], g, Hkv, add=True)
-                keys = g.index("keys").reshape(-1).to(q.device)
-                for grad, part in ((dk, gk[..., :D]), (dv, gv[..., : v.shape[-1]])):
-                    flat = part.transpose(0, 1).reshape(Hkv, -1, part.shape[-1])  # (Hkv, n·K, D)
-                    grad[b].index_add_(1, keys, flat.to(grad.dtype))
-                del gq, gk, gv  # freed before the next call allocates its gradients
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        grads = _blocks_backward(q, k, v, out, lse, dout, dlse, ctx.vis, ctx.plan, ctx.scale)
+        return (*grads, None, None, None)
 
 
-def _with_lse_gradient(
+def _blocks_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor | None,
+    dlse: Tensor | None,
+    vis: _Visibility,
+    plan: TilePlan,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv block by block from the global output and log-sum-exp (q, k, v with
+    unseen rows and keys zeroed, in the kernel's dtype)."""
+    # block gradients sum in float32 (compute_dtype) whatever the kernel's dtype
+    dq, dk, dv = (torch.zeros_like(t, dtype=compute_dtype(t.dtype)) for t in (q, k, v))
+    if dout is None and dlse is None:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    out = out.to(q.dtype)  # the op's dtype
+    dout = torch.zeros_like(out) if dout is None else unit_last_stride(dout.to(q.dtype))
+    H, D, Hkv = q.shape[1], q.shape[-1], k.shape[1]
+    backward_op = cpu_flash_attention_backward()
+    assert backward_op is not None
+    safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)  # masked scores stay -inf
+    # with the global out and lse, the blocks' key spans may be cut: smaller gradients
+    pieces = (part for g in plan.groups for part in g.pieces(BACKWARD_KEYS))
+    for group in pieces:
+        b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)
+        for g, heads in _calls(group, H, Hkv, D, vis.bias is not None):
+            kb, vb = _block_keys(k[b], g), _block_keys(v[b], g)
+            qb, go, ob, lb = (_block_rows(heads(t[b]), g, Hkv) for t in (q, dout, out, safe_lse))
+            if dlse is not None:
+                lse_grad = _block_rows(heads(dlse[b]), g, Hkv).to(q.dtype)
+                qb, kb, vb, ob, go = with_lse_gradient(qb, kb, vb, ob, go, lse_grad)
+            gq, gk, gv = backward_op(
+                go, qb, kb, vb, ob, lb, 0.0, g.causal, attn_mask=masks(g), scale=scale
+            )
+            _write_rows(heads(dq[b]), gq[..., :D], g, Hkv, add=True)
+            keys = g.index("keys").reshape(-1).to(q.device)
+            for grad, part in ((dk, gk[..., :D]), (dv, gv[..., : v.shape[-1]])):
+                flat = part.transpose(0, 1).reshape(Hkv, -1, part.shape[-1])  # (Hkv, n·K, D)
+                grad[b].index_add_(1, keys, flat.to(grad.dtype))
+            del gq, gk, gv  # freed before the next call allocates its gradients
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def with_lse_gradient(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Fold d(lse) into the op's backward with one extra feature.
@@ -457,15 +473,35 @@ class TiledBackend:
         d = call.dims
         return 4 * d.B * d.H * d.L * (d.Dv + 1) + CHUNK_BYTES
 
+    def _visibility(self, call: AttentionCall) -> tuple[_Visibility, TilePlan]:
+        prepared, d, device = self._prepared(call), call.dims, call.q.device
+        vis = prepared.visibility.get(device)
+        if vis is None:
+            vis = _Visibility(call.mask, (d.B, d.H, d.L, d.S), device)
+            prepared.visibility[device] = vis
+        return vis, prepared.plan
+
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
-        prepared, d = self._prepared(call), call.dims
-        vis = prepared.visibility.get(q.device)
-        if vis is None:
-            vis = _Visibility(call.mask, (d.B, d.H, d.L, d.S), q.device)
-            prepared.visibility[q.device] = vis
-        out, lse = _TiledAttention.apply(  # type: ignore[no-untyped-call]
-            q, k, v, vis, prepared.plan, call.scale
-        )
+        vis, plan = self._visibility(call)
+        out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale)  # type: ignore[no-untyped-call]
         return out.to(call.q.dtype), lse if need_lse else None
+
+    def backward(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of q, k, v of a call (as `normalize_call` made them) from its output
+        and log-sum-exp, whichever backend computed them (the math is one): for the
+        compiled backward op, which then needs no second forward pass."""
+        work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+        q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
+        vis, plan = self._visibility(call)
+        d = call.dims
+        seen_rows, seen_keys = vis.seen(
+            plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, vis.bias is not None)
+        )
+        q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
+        grads = _blocks_backward(q, k, v, out, lse, dout, dlse, vis, plan, call.scale)
+        dq, dk, dv = grads
+        return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)

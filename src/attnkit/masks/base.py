@@ -88,6 +88,12 @@ class Mask:
         """
         return False
 
+    def sees_all(self, L: int, S: int) -> bool:
+        """True if every query row may see every key (no mask needed), from the structure
+        alone in O(1): bottom-right causal at L = 1 (a decoding step), a window as wide as
+        the keys. False where unsure (masks holding tensors)."""
+        return False
+
     def seen(
         self, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
     ) -> tuple[Tensor, Tensor]:
@@ -411,6 +417,10 @@ class _Combine(Mask):
 
     def exact_spans(self, B: int, L: int, S: int) -> bool:
         return self.op == "&" and all(p.exact_spans(B, L, S) for p in self.parts)
+
+    def sees_all(self, L: int, S: int) -> bool:
+        found = (p.sees_all(L, S) for p in self.parts)
+        return all(found) if self.op == "&" else any(found)
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         preds = [p.predicate(B, H, L, S, device) for p in self.parts]

@@ -46,6 +46,9 @@ class _Causal(Mask):
     def exact_spans(self, B: int, L: int, S: int) -> bool:
         return True
 
+    def sees_all(self, L: int, S: int) -> bool:
+        return causal_offset(self.align, L, S) >= S - 1  # row 0 sees the last key
+
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         offset = causal_offset(self.align, L, S)
         return lambda b, h, i, j: j <= i + offset
@@ -99,6 +102,11 @@ class _SlidingWindow(Mask):
 
     def exact_spans(self, B: int, L: int, S: int) -> bool:
         return True
+
+    def sees_all(self, L: int, S: int) -> bool:
+        offset = causal_offset(self.align, L, S, who="sliding_window")
+        # the last row still sees key 0, the first row already sees key S - 1
+        return L - 1 + offset - self.left <= 0 and offset + self.right >= S - 1
 
     def describe(self) -> str:
         align = "" if self.align is None else f", align={self.align!r}"
@@ -342,6 +350,11 @@ class _PrefixLM(Mask):
 
     def exact_spans(self, B: int, L: int, S: int) -> bool:
         return True
+
+    def sees_all(self, L: int, S: int) -> bool:
+        n = self.prefix_len
+        prefix_all = isinstance(n, int) and n >= S
+        return prefix_all or causal_offset(self.align, L, S, who="prefix_lm") >= S - 1
 
     def describe(self) -> str:
         n = self.prefix_len
