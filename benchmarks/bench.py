@@ -21,8 +21,6 @@ import argparse
 import gc
 import json
 import platform
-import random
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from timing import round_robin  # beside this file
 
 import attnkit as ak
 
@@ -196,29 +195,10 @@ def run_once(
 def time_peers(
     fns: dict[str, Callable[..., torch.Tensor]], case: Case, grad: bool, repeats: int
 ) -> dict[str, float]:
-    """Median seconds of each peer, timed round-robin (in a shuffled order) on the same inputs.
-
-    Interleaving makes a slow spell of the machine (other load, frequency changes) fall
-    on every peer alike instead of on whichever peer ran during it; the garbage
-    collector stays off while timing.
-    """
+    """Median seconds of each peer on the same inputs, timed round-robin (`timing`)."""
     tensors = inputs(case, grad)
-    for fn in fns.values():  # warm-up: thread pools, allocator, caches
-        run_once(fn, tensors, grad)
-    times: dict[str, list[float]] = {peer: [] for peer in fns}
-    gc.collect()
-    gc.disable()
-    try:
-        order = list(fns)
-        for r in range(repeats):
-            random.Random(r).shuffle(order)  # no peer always runs after the same one
-            for peer in order:
-                start = time.perf_counter()
-                run_once(fns[peer], tensors, grad)
-                times[peer].append(time.perf_counter() - start)
-    finally:
-        gc.enable()
-    return {peer: statistics.median(t) for peer, t in times.items()}
+    calls = {peer: (lambda fn=fn: run_once(fn, tensors, grad)) for peer, fn in fns.items()}
+    return round_robin(calls, repeats)
 
 
 def repeats_for(S: int, repeats: int) -> int:
@@ -282,17 +262,8 @@ def decode_table(repeats: int) -> list[dict[str, object]]:
                 ),
                 "auto": lambda q=q, k=k, v=v: ak.attention(q, k, v, mask),
             }
-            times: dict[str, list[float]] = {p: [] for p in fns}
-            for fn in fns.values():
-                fn()
-            for r in range(20 * repeats):
-                order = list(fns)
-                random.Random(r).shuffle(order)
-                for peer in order:
-                    start = time.perf_counter()
-                    fns[peer]()
-                    times[peer].append(time.perf_counter() - start)
-            sdpa, auto = (statistics.median(times[p]) * 1e6 for p in ("sdpa", "auto"))
+            medians = round_robin(fns, 20 * repeats)
+            sdpa, auto = medians["sdpa"] * 1e6, medians["auto"] * 1e6
             rows.append({"B": B, "S": S, "sdpa_us": sdpa, "auto_us": auto, "ratio": sdpa / auto})
             print(
                 f"decode B={B} S={S}: SDPA {sdpa:.0f} µs, attnkit {auto:.0f} µs "

@@ -4,8 +4,6 @@ the compiled-vs-eager rows of `bench.py`."""
 
 from __future__ import annotations
 
-import random
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +16,7 @@ import torch.nn.functional as F
 import attnkit.modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from timing import round_robin
 from tiny_gpt import TinyGPT
 
 VOCAB, BATCH, BLOCK = 96, 16, 128
@@ -58,18 +57,10 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
                     attnkit.modules.attention = original
 
             start = time.perf_counter()
-            step()  # compiles
+            step()  # compiles (round_robin calls each once more before timing)
             compile_s[name] = time.perf_counter() - start
             steps[name] = step
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(repeats):
-        order = list(steps)
-        random.Random(r).shuffle(order)
-        for name in order:
-            start = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - start)
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ms = {name: seconds * 1e3 for name, seconds in round_robin(steps, repeats).items()}
     return [
         {"attention": name.split()[0], "mode": name.split()[1], "ms": value,
          "first_step_s": compile_s[name]}
