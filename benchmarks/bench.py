@@ -337,7 +337,7 @@ def measure_cell(
     print(f"{label}: compiling and warming up …", file=sys.stderr, flush=True)
     peers = Peers(case)
     fns, records = {}, {}
-    for peer in PEERS:
+    for peer in args.peers:
         peers.compile_s = None
         fn = peers.call(peer, grad)
         records[peer] = {
@@ -384,6 +384,9 @@ def main() -> None:
     parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (median)")
+    parser.add_argument(
+        "--peers", nargs="+", default=list(PEERS), choices=PEERS, help="auto is always run"
+    )
     parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
     parser.add_argument(
         "--no-compiled", action="store_true", help="skip the compiled tiny_gpt training step"
@@ -392,6 +395,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--memory-probe", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.peers = [p for p in PEERS if p in args.peers or p == "auto"]
     if args.memory_probe:
         pattern, S, peer, grad = args.memory_probe
         memory_probe(pattern, int(S), peer, bool(int(grad)))
