@@ -46,7 +46,7 @@ def traced_attention(
 ) -> tuple[Tensor, Tensor]:
     """What `attention_with_lse` does while dynamo traces: one `attnkit::attention` op."""
     if not _op_can_express(mask, scale, softcap, dropout_p, backend):
-        result: tuple[Tensor, Tensor] = _eager(
+        result: tuple[Tensor, Tensor] = _run_eagerly(
             q, k, v, mask, scale, softcap, dropout_p, backend, need_lse
         )
         return result
@@ -81,7 +81,7 @@ def _op_can_express(
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _eager(
+def _run_eagerly(
     q: Tensor,
     k: Tensor,
     v: Tensor,
