@@ -7,7 +7,7 @@ import torch
 
 import attnkit as ak
 from attnkit.contracts import normalize_call
-from attnkit.heads import repeat_kv_exact_grad
+from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.planner import backend_for_run
 from attnkit.precision import OVERRIDE_ENV, kernel_dtype
 
@@ -110,3 +110,12 @@ def test_the_run_takes_the_backend_explain_names_for_dense_calls():
             backend_for_run(call, "auto", need_lse=False).name == ak.explain(q, k, k, mask).backend
         )
         assert ak.explain(q, k, k, mask).backend == "sdpa"
+
+
+def test_sum_groups_keeps_float64_and_sums_half_in_float32():
+    g = torch.randn(2, 6, 5, 4, dtype=torch.float64)
+    got = sum_groups(g, 3)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, g.view(2, 2, 3, 5, 4).sum(2), rtol=0, atol=0)
+    half = torch.full((1, 4, 1, 1), 1 + 2**-7).bfloat16()
+    assert abs(sum_groups(half, 4).item() - 4 * (1 + 2**-7)) <= 2**-6

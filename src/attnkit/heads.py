@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from attnkit.errors import ShapeContractError
+from attnkit.precision import compute_dtype
 
-__all__ = ["merge_heads", "repeat_kv", "repeat_kv_exact_grad", "split_heads"]
+__all__ = ["merge_heads", "repeat_kv", "repeat_kv_exact_grad", "split_heads", "sum_groups"]
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
@@ -47,7 +48,8 @@ def repeat_kv(x: Tensor, groups: int) -> Tensor:
 
 
 def repeat_kv_exact_grad(x: Tensor, groups: int) -> Tensor:
-    """`repeat_kv` whose backward sums the G heads' gradients in float32 (then rounds once).
+    """`repeat_kv` whose backward sums the G heads' gradients in float32 for half (then
+    rounds once; `sum_groups`).
 
     For half K/V given to a kernel without GQA: autograd's own sum would add G half
     gradients in half precision, one rounding per head.
@@ -65,6 +67,13 @@ class _RepeatKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        B, H, S, D = grad.shape
-        per_head = grad.reshape(B, H // ctx.groups, ctx.groups, S, D)
-        return per_head.sum(2, dtype=torch.float32).to(grad.dtype), None
+        return sum_groups(grad, ctx.groups), None
+
+
+def sum_groups(grad: Tensor, groups: int) -> Tensor:
+    """(B, Hkv·G, S, D) per-query-head gradients -> (B, Hkv, S, D): each group of G summed
+    in the compute dtype (float32 for half; float64 stays float64), rounded once to
+    `grad`'s dtype (the backward of `repeat_kv`)."""
+    B, H, S, D = grad.shape
+    per_head = grad.reshape(B, H // groups, groups, S, D)
+    return per_head.sum(2, dtype=compute_dtype(grad.dtype)).to(grad.dtype)

@@ -22,10 +22,10 @@ from attnkit._compat import (
 )
 from attnkit.backends.tiled import with_lse_gradient
 from attnkit.contracts import AttentionCall, unit_last_stride
-from attnkit.heads import repeat_kv_exact_grad
+from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask
 from attnkit.masks.base import seen_from_spans
-from attnkit.precision import HALF, compute_dtype, kernel_dtype
+from attnkit.precision import HALF, kernel_dtype
 from attnkit.reference import effective_visibility, hide_unseen, zero_unseen
 
 __all__ = ["SdpaBackend"]
@@ -172,14 +172,8 @@ class SdpaBackend:
         gq, gk, gv = backward_op(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=None, scale=call.scale
         )
-        B, S = d.B, d.S
-
-        def per_kv_head(g: Tensor, width: int) -> Tensor:  # (B, H, S, ·) -> (B, Hkv, S, width)
-            g = g[..., :width].reshape(B, d.Hkv, d.groups, S, width)
-            return g.sum(2, dtype=compute_dtype(g.dtype))
-
         dq = gq[..., : d.D]
-        dk, dv = per_kv_head(gk, d.D), per_kv_head(gv, d.Dv)
+        dk, dv = sum_groups(gk[..., : d.D], d.groups), sum_groups(gv[..., : d.Dv], d.groups)
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
