@@ -11,7 +11,7 @@ for the backward, flash-attention's convention), the share of the fp32 matrix-mu
 roofline measured in the same run, and the peak extra memory of one call measured in
 a fresh subprocess. Results go to JSON, a markdown table and a PNG plot.
 
-    python benchmarks/bench.py                      # S in 1024 4096 16384 (tens of minutes)
+    python benchmarks/bench.py                      # S in 1024 4096 16384 (about an hour)
     python benchmarks/bench.py --sizes 1024 --repeats 3 --no-memory   # a quick look
 """
 
@@ -193,12 +193,53 @@ def run_once(
 
 
 def time_peers(
-    fns: dict[str, Callable[..., torch.Tensor]], case: Case, grad: bool, repeats: int
+    fns: dict[str, Callable[..., torch.Tensor]],
+    case: Case,
+    grad: bool,
+    repeats: int,
+    warmup: bool = True,
 ) -> dict[str, float]:
     """Median seconds of each peer on the same inputs, timed round-robin (`timing`)."""
     tensors = inputs(case, grad)
     calls = {peer: (lambda fn=fn: run_once(fn, tensors, grad)) for peer, fn in fns.items()}
-    return round_robin(calls, repeats)
+    return round_robin(calls, repeats, warmup=warmup)
+
+
+LONG_ROUND = 20.0  # seconds: a round of the peers predicted longer is run twice, unwarmed
+MEMORY_CALL_MAX = 25.0  # seconds: a call this long is not run again to probe its memory
+
+
+class Budget:
+    """Predicts a peer's call from its time at the last smaller S (same dtype, pattern and
+    pass), scaled by S²: an upper bound for sparse patterns, exact for dense ones. Keeps
+    `make bench` within hours on a CPU whose bfloat16 products are 100× slower than
+    float32's, where SDPA's bfloat16 backward at S=16384 takes minutes a call."""
+
+    def __init__(self, call_limit: float) -> None:
+        self.call_limit = call_limit
+        self.seen: dict[tuple[str, str, str, str], tuple[int, float]] = {}
+
+    @staticmethod
+    def _key(case: Case, pass_: str, peer: str) -> tuple[str, str, str, str]:
+        return (str(case.dtype), case.pattern, pass_, peer)
+
+    def record(self, case: Case, pass_: str, peer: str, seconds: float) -> None:
+        self.seen[self._key(case, pass_, peer)] = (case.S, seconds)
+
+    def predict(self, case: Case, pass_: str, peer: str) -> float | None:
+        last = self.seen.get(self._key(case, pass_, peer))
+        return None if last is None else last[1] * (case.S / last[0]) ** 2
+
+    def refusal(self, case: Case, pass_: str, peer: str) -> str | None:
+        """Why `peer` is not run at this cell, or None (auto always runs)."""
+        guess = self.predict(case, pass_, peer)
+        if peer == "auto" or guess is None or guess <= self.call_limit:
+            return None
+        S0 = self.seen[self._key(case, pass_, peer)][0]
+        return (
+            f"skipped: about {guess:.0f} s a call (S² from S={S0}), "
+            f"over --call-budget {self.call_limit:.0f} s"
+        )
 
 
 def repeats_for(S: int, repeats: int) -> int:
@@ -337,9 +378,10 @@ def measure_cell(
     print(f"{label}: compiling and warming up …", file=sys.stderr, flush=True)
     peers = Peers(case)
     fns, records = {}, {}
+    budget: Budget = args.budget
     for peer in args.peers:
         peers.compile_s = None
-        fn = peers.call(peer, grad)
+        fn = budget.refusal(case, pass_, peer) or peers.call(peer, grad)
         records[peer] = {
             "S": case.S,
             "B": case.B,
@@ -357,20 +399,25 @@ def measure_cell(
         fns[peer] = fn
         if peer in ("flex", "auto"):
             records[peer]["compile_s"] = peers.compile_s
-    repeats = repeats_for(case.S, args.repeats)
+    repeats, warmup = repeats_for(case.S, args.repeats), True
+    if sum(budget.predict(case, pass_, peer) or 0.0 for peer in fns) > LONG_ROUND:
+        repeats, warmup = 2, False
     print(
-        f"{label}: timing {', '.join(fns)} round-robin, {repeats} runs …",
+        f"{label}: timing {', '.join(fns)} round-robin, {repeats} runs"
+        f"{'' if warmup else ' (no warm-up: long calls)'} …",
         file=sys.stderr,
         flush=True,
     )
-    for peer, seconds in time_peers(fns, case, grad, repeats).items():
+    for peer, seconds in time_peers(fns, case, grad, repeats, warmup).items():
+        budget.record(case, pass_, peer, seconds)
         gflops = flops / seconds / 1e9
         records[peer].update(
             ms=seconds * 1e3, gflops=gflops, roofline_pct=100 * gflops / roof, repeats=repeats
         )
     records["auto"]["backend"] = ak.explain(*inputs(case, grad), case.mask).backend
     for peer in [] if args.no_memory or case.dtype != torch.float32 else fns:  # float32 only
-        records[peer]["peak_extra_bytes"] = measure_memory(case.pattern, case.S, peer, grad)
+        if records[peer]["ms"] <= 1e3 * MEMORY_CALL_MAX:  # type: ignore[operator]
+            records[peer]["peak_extra_bytes"] = measure_memory(case.pattern, case.S, peer, grad)
     summary = "  ".join(f"{p} {r['ms']:.1f} ms" for p, r in records.items() if "ms" in r)
     print(f"{label}: {summary}", file=sys.stderr, flush=True)
     return list(records.values())
@@ -392,10 +439,17 @@ def main() -> None:
         "--no-compiled", action="store_true", help="skip the compiled tiny_gpt training step"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory probes")
+    parser.add_argument(
+        "--call-budget",
+        type=float,
+        default=60.0,
+        help="seconds: skip a peer whose call, predicted from the smaller S, takes longer",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--memory-probe", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.peers = [p for p in PEERS if p in args.peers or p == "auto"]
+    args.budget = Budget(args.call_budget)
     if args.memory_probe:
         pattern, S, peer, grad = args.memory_probe
         memory_probe(pattern, int(S), peer, bool(int(grad)))
@@ -440,6 +494,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "repeats": {S: repeats_for(S, args.repeats) for S in args.sizes},
+        "long_round_s": LONG_ROUND,
+        "call_budget_s": args.call_budget,
         "date": time.strftime("%Y-%m-%d"),
     }
     args.out.mkdir(parents=True, exist_ok=True)

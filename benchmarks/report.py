@@ -9,6 +9,8 @@ PEER_NAMES = {"naive": "naive", "sdpa": "SDPA", "flex": "Flex (compiled)", "auto
 
 
 def _cell(record: dict[str, Any] | None) -> str:
+    if record is not None and "call-budget" in record.get("skipped", ""):
+        return "skip"
     if record is None or "ms" not in record:
         return "–"
     return f"{record['ms']:.1f}"
@@ -24,7 +26,14 @@ def _repeats(meta: dict[str, Any]) -> str:
     repeats = meta["repeats"]
     if isinstance(repeats, int):  # results written before repeats depended on S
         return f"median of {repeats} runs"
-    return "median of " + ", ".join(f"{n} runs at S={S}" for S, n in repeats.items())
+    text = "median of " + ", ".join(f"{n} runs at S={S}" for S, n in repeats.items())
+    if "long_round_s" in meta:
+        text += (
+            f" (2 runs without warm-up where a round of the peers was predicted over "
+            f"{meta['long_round_s']:.0f} s; peers predicted over {meta['call_budget_s']:.0f} s "
+            "a call skipped: 'skip')"
+        )
+    return text
 
 
 def _mib(record: dict[str, Any] | None) -> str:

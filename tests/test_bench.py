@@ -64,3 +64,19 @@ def test_compiled_training_step_rows():
     }
     assert all(r["ms"] > 0 for r in rows)
     assert "| compiled |" in compiled_markdown(rows)
+
+
+def test_budget_predicts_by_s_squared_and_skips_only_peers():
+    sys.path.insert(0, str(BENCH.parent))
+    from bench import Budget, make_case
+
+    budget = Budget(call_limit=10.0)
+    small, big = make_case("causal", 256), make_case("causal", 1024)
+    assert budget.refusal(big, "fwd", "sdpa") is None  # nothing measured yet: run it
+    budget.record(small, "fwd", "sdpa", 1.0)
+    budget.record(small, "fwd", "auto", 1.0)
+    assert budget.predict(big, "fwd", "sdpa") == pytest.approx(16.0)
+    assert budget.predict(big, "fwd+bwd", "sdpa") is None  # another pass: no prediction
+    reason = budget.refusal(big, "fwd", "sdpa")
+    assert reason is not None and "16 s" in reason and "S=256" in reason
+    assert budget.refusal(big, "fwd", "auto") is None  # auto always runs
