@@ -130,11 +130,20 @@ def _ids(draw: Draw, n: int, kind: str) -> Callable[[torch.Generator], torch.Ten
 
 def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
     kind = draw.choice(
-        ("causal", "sliding", "lengths", "valid", "document", "prefix", "prefix_lengths", "bool")
-    )
+        (
+            "causal", "sliding", "lengths", "valid", "document", "prefix", "prefix_lengths",
+            "bool", "offset", "chunked",
+        )
+    )  # fmt: skip
     align = _align(draw, L, S)
     if kind == "causal":
         return MaskSpec(f"causal({align})", lambda c, g: ak.causal(align=align))
+    if kind == "offset":  # a static cache's diagonal, rows with no key among them
+        n = draw.int(-3, S + 1)
+        return MaskSpec(f"causal(offset={n})", lambda c, g: ak.causal(offset=n))
+    if kind == "chunked":
+        size = draw.int(1, S + 2)
+        return MaskSpec(f"chunked({size}, {align})", lambda c, g: ak.chunked(size, align))
     if kind == "sliding":
         left, right = draw.int(0, S + 2), draw.int(0, 3)  # windows wider than S too
         return MaskSpec(

@@ -29,7 +29,9 @@ FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.b
 # Fused kernels recompute the weights in the backward pass as exp(s - lse) with lse kept
 # in the compute dtype: its rounding, about eps·max|s|, becomes a relative error of the
 # gradients (DESIGN.md, "Precision at extreme logits"). The promise: at most this many
-# times eps·max|s| of the gradient's magnitude, on top of the rule.
+# times eps·max|s| of the gradient's magnitude, on top of the rule. |s| is taken as
+# Σ|q_d·k_d|·|scale| (+|bias|): the size of a score's own rounding, which exceeds eps·|s|
+# where the products cancel (a score of -3 from terms of 1000 is known to about 1e-4).
 LSE_ROUNDING = 4.0
 _EPS64 = 4 * torch.finfo(torch.float64).eps
 
@@ -74,8 +76,12 @@ def oracle(case: Case, b: Built, work: torch.dtype) -> Truth:
     if b.bias is not None:
         s = s + b.bias.to(work)
     s = s.masked_fill(~b.visible, -torch.inf)
-    finite = s.detach()[torch.isfinite(s.detach())]
-    max_logit = float(finite.abs().max()) if finite.numel() else 0.0
+    with torch.no_grad():  # a score's rounding: eps·Σ|q_d·k_d|·|scale| (+ |bias|), not eps·|s|
+        size = q.abs() @ kk.abs().transpose(-1, -2) * abs(scale)  # (B, H, L, S)
+        if b.bias is not None:
+            size = size + b.bias.to(work).abs()
+        size = size[torch.isfinite(s) & torch.isfinite(size)]
+    max_logit = float(size.max()) if size.numel() else 0.0
     m = s.amax(-1, keepdim=True).detach() if s.shape[-1] else s.new_zeros(*s.shape[:-1], 1)
     m = torch.where(torch.isfinite(m), m, 0.0)
     e = torch.exp(s - m)

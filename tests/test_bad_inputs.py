@@ -105,7 +105,11 @@ BAD = [
     ("combine-float", lambda: ak.causal() & torch.zeros(5, 5), ME, r"float tensor is an additive bias.*from_additive_mask"),
     ("combine-int", lambda: ak.causal() & ones(5, 5, dtype=torch.long), ME, r"integer masks are ambiguous"),
     ("combine-list", lambda: ak.causal() & [1], TypeError, r"mask must be a Mask or a bool tensor, got list"),
-    ("draw-ambiguous", lambda: ak.causal().draw(2, 5), SCE, r"alignment is ambiguous"),
+    ("draw-ambiguous", lambda: ak.causal().draw(2, 5), SCE, r"alignment is ambiguous.*causal\(offset=n\)"),
+    ("offset-and-align", lambda: ak.causal("bottom_right", offset=2), ME, r"give align='bottom_right' or offset=2, not both"),
+    ("offset-float", lambda: ak.sliding_window(2, offset=1.5), TypeError, r"offset must be an int"),
+    ("chunked-zero", lambda: ak.chunked(0), ME, r"size=0"),
+    ("chunked-l-ne-s", lambda: ak.attention(t(2, 4, 3, 8), k, v, ak.chunked(2)), SCE, r"chunked\(align='top_left'\)"),
     # converters
     ("from-kp-float", lambda: ak.from_key_padding_mask(torch.zeros(2, 5)), ME, r"\(B, S\) bool mask \(True = ignore\)"),
     ("from-kp-3d", lambda: ak.from_key_padding_mask(torch.zeros(2, 1, 5, dtype=torch.bool)), ME, r"shape \(2, 1, 5\)"),

@@ -24,6 +24,7 @@ MASKS = {
     "causal": lambda: ak.causal(),
     "sliding": lambda: ak.sliding_window(5),
     "prefix": lambda: ak.prefix_lm(3),
+    "chunked_offset": lambda: ak.chunked(4) & ak.causal(offset=1),
     "alibi": lambda: ak.causal() & ak.alibi(4),
     "padding": lambda: ak.key_padding(torch.tensor([16, 9])),
     "documents": lambda: ak.document(torch.arange(16) // 5) & ak.causal(),

@@ -22,6 +22,32 @@ def test_docstring_drawings_are_the_real_masks():
     assert result.attempted >= 8 and result.failed == 0
 
 
+@pytest.mark.parametrize(("L", "S"), [(3, 3), (2, 5), (5, 2), (1, 4)])
+def test_offset_names_each_alignment_and_any_other_diagonal(L, S):
+    for make in (
+        lambda **kw: ak.causal(**kw),
+        lambda **kw: ak.sliding_window(1, 1, **kw),
+        lambda **kw: ak.prefix_lm(1, **kw),
+        lambda **kw: ak.chunked(2, **kw),
+    ):
+        assert grid(make(offset=0), L, S) == grid(make(align="top_left"), L, S)
+        assert grid(make(offset=S - L), L, S) == grid(make(align="bottom_right"), L, S)
+    for n in (-2, 1, 3):  # j <= i + n, wherever that falls
+        expected = [[int(j <= i + n) for j in range(S)] for i in range(L)]
+        assert grid(ak.causal(offset=n), L, S) == expected
+
+
+def test_chunked_literal_and_with_causal():
+    assert grid(ak.chunked(3), 5) == [
+        [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]
+    ]  # fmt: skip
+    # a static cache: 2 queries at positions 4 and 5 of 8 slots, chunks of 3
+    got = grid(ak.chunked(3, offset=4) & ak.causal(offset=4), 2, 8)
+    assert got == [[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
+    assert str(ak.chunked(3, offset=4)) == "chunked(3, offset=4)"
+    assert str(ak.causal(offset=-1)) == "causal(offset=-1)"
+
+
 def test_causal_literal():
     assert grid(ak.causal(), 3) == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
 

@@ -90,6 +90,13 @@ def test_decoding_step_runs_without_a_mask_tensor():
         (ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([64])), 1, 64, False),
         (ak.causal(align="top_left") | ak.prefix_lm(64, align="top_left"), 3, 64, True),
         (~ak.causal(align="bottom_right"), 1, 64, False),
+        (ak.causal(offset=63), 5, 64, True),
+        (ak.causal(offset=62), 1, 64, False),
+        (ak.chunked(64), 64, 64, True),
+        (ak.chunked(64, offset=60), 4, 64, True),
+        (ak.chunked(64, offset=61), 4, 64, False),
+        (ak.chunked(64, offset=-1), 4, 64, False),
+        (ak.chunked(62), 63, 63, False),
     ],
 )
 def test_sees_all_agrees_with_the_materialized_mask(mask, L, S, want):

@@ -54,6 +54,9 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
         "sliding_two_sided": lambda: ak.sliding_window(8, 4, align=align),
         "documents_causal": lambda: ak.document(q_ids, kv_ids) & ak.causal(align=align),
         "prefix_lm": lambda: ak.prefix_lm(max(1, S // 4), align=align),
+        "chunked_causal_offset": lambda: (
+            ak.chunked(16, offset=S - L + 3) & ak.causal(offset=S - L + 3)
+        ),
         "window_or_prefix_padded": lambda: (
             (ak.sliding_window(4, align=align) | ak.prefix_lm(3, align=align))
             & ak.key_padding(lengths)
@@ -71,7 +74,8 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
 
 MASKS = [
     "none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
-    "sliding_two_sided", "documents_causal", "prefix_lm", "window_or_prefix_padded",
+    "sliding_two_sided", "documents_causal", "prefix_lm", "chunked_causal_offset",
+    "window_or_prefix_padded",
     "documents_alibi", "bool_tensor", "float_bias",
 ]  # fmt: skip
 FAST_LARGE = {"causal", "causal_left_padding", "documents_causal", "float_bias"}

@@ -29,6 +29,8 @@ def structured_masks(draw, B, L, S):
         ak.sliding_window(draw(st.integers(0, 40)), draw(st.integers(0, 8)), align=align),
         ak.key_padding(torch.tensor([draw(st.integers(0, S)) for _ in range(B)])),
         ak.prefix_lm(draw(st.integers(0, S)), align=align),
+        ak.causal(offset=draw(st.integers(-5, S + 2))),
+        ak.chunked(draw(st.integers(1, 80)), offset=draw(st.integers(-3, S))),
     ]
     if L == S:
         ids = torch.sort(torch.randint(0, 4, (B, S))).values

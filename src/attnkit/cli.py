@@ -12,13 +12,17 @@ import attnkit as ak
 
 
 def _mask_from_args(args: argparse.Namespace) -> ak.Mask:
-    align = args.align
+    align, offset = args.align, args.offset
     kinds = {
-        "causal": lambda: ak.causal(align=align),
-        "sliding": lambda: ak.sliding_window(args.window, args.right, align=align),
-        "prefix": lambda: ak.prefix_lm(args.prefix, align=align),
+        "causal": lambda: ak.causal(align, offset=offset),
+        "sliding": lambda: ak.sliding_window(args.window, args.right, align, offset=offset),
+        "chunked": lambda: (
+            ak.chunked(args.chunk, align, offset=offset) & ak.causal(align, offset=offset)
+        ),
+        "prefix": lambda: ak.prefix_lm(args.prefix, align, offset=offset),
         "documents": lambda: (
-            ak.document(torch.arange(args.S) * args.documents // args.S) & ak.causal(align=align)
+            ak.document(torch.arange(args.S) * args.documents // args.S)
+            & ak.causal(align, offset=offset)
         ),
         "padding": lambda: ak.key_padding(torch.tensor([args.length])),
     }
@@ -53,12 +57,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("tour", help="walk the attention mechanism step by step, with live checks")
     for name, helptext in (("mask", "draw a mask"), ("explain", "show the plan for a call")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("kind", choices=["causal", "sliding", "prefix", "documents", "padding"])
+        p.add_argument(
+            "kind", choices=["causal", "sliding", "chunked", "prefix", "documents", "padding"]
+        )
         p.add_argument("-L", type=int, default=8 if name == "mask" else 4096, help="queries")
         p.add_argument("-S", type=int, default=None, help="keys (default: L)")
         p.add_argument("--align", choices=["top_left", "bottom_right"], default=None)
+        p.add_argument("--offset", type=int, default=None, help="key j visible iff j <= i + n")
         p.add_argument("--window", type=int, default=2, help="sliding: keys left of the diagonal")
         p.add_argument("--right", type=int, default=0, help="sliding: keys right of it")
+        p.add_argument("--chunk", type=int, default=3, help="chunked: positions per chunk")
         p.add_argument("--prefix", type=int, default=3, help="prefix: prefix length")
         p.add_argument("--documents", type=int, default=2, help="documents: how many")
         p.add_argument("--length", type=int, default=5, help="padding: real keys")

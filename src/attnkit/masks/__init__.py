@@ -25,7 +25,14 @@ from attnkit.masks.base import (
     or_masks,
 )
 from attnkit.masks.convert import from_additive_mask, from_hf_attention_mask, from_key_padding_mask
-from attnkit.masks.kinds import causal, document, key_padding, prefix_lm, sliding_window
+from attnkit.masks.kinds import (
+    causal,
+    chunked,
+    document,
+    key_padding,
+    prefix_lm,
+    sliding_window,
+)
 
 __all__ = [
     "Align",
@@ -36,6 +43,7 @@ __all__ = [
     "causal",
     "causal_offset",
     "check_broadcastable",
+    "chunked",
     "document",
     "from_additive_mask",
     "from_hf_attention_mask",

@@ -262,14 +262,39 @@ def _check_align(align: str | None) -> None:
         raise MaskError(f"align={align!r} is not a causal alignment; use one of {_ALIGNS}.")
 
 
-def causal_offset(align: str | None, L: int, S: int, who: str = "causal") -> int:
-    """How far the diagonal of query `i` shifts right: key `i + offset` is the last visible."""
+def _check_offset(align: str | None, offset: object) -> int | None:
+    """An explicit diagonal offset (any int), exclusive with `align`."""
+    if offset is None:
+        return None
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(
+            f"offset must be an int (key j visible iff j <= i + offset), got "
+            f"{type(offset).__name__}."
+        )
+    if align is not None:
+        raise MaskError(
+            f"give align={align!r} or offset={offset}, not both: an offset fixes the "
+            "alignment itself (top_left is offset=0, bottom_right is offset=S-L)."
+        )
+    return offset
+
+
+def causal_offset(
+    align: str | None, L: int, S: int, who: str = "causal", offset: int | None = None
+) -> int:
+    """How far the diagonal of query `i` shifts right: key `i + offset` is the last visible.
+
+    An explicit `offset` wins (the mask was built with one); else the alignment decides.
+    """
+    if offset is not None:
+        return offset
     if align is None and L != S:
         raise ShapeContractError(
             f"{who} mask with L={L} queries and S={S} keys: the alignment is ambiguous. "
             f"Choose {who}(align='top_left') (key j visible to query i iff j <= i, as SDPA's "
-            f"is_causal) or {who}(align='bottom_right') (iff j <= i + S - L, as flash-attention "
-            "and KV-cache decoding)."
+            f"is_causal), {who}(align='bottom_right') (iff j <= i + S - L, as flash-attention "
+            f"and KV-cache decoding) or {who}(offset=n) (iff j <= i + n, for a cache whose "
+            "offset is neither)."
         )
     return S - L if align == "bottom_right" else 0
 

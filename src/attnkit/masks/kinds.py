@@ -1,9 +1,10 @@
-"""The kinds of mask: causal, sliding window, key padding, documents, prefix-LM.
+"""The kinds of mask: causal, sliding window, chunked, key padding, documents, prefix-LM.
 
 Each constructor draws its matrix (■ may attend, · hidden) and states its alignment.
 Conventions (DESIGN.md §2): causal alignment `top_left` is `j <= i`, `bottom_right` is
 `j <= i + (S - L)`; they agree when L == S and must be chosen when L != S, attnkit never
-guesses. `sliding_window(left, right)` is inclusive: a query sees `left + 1 + right` keys.
+guesses; `offset=n` (`j <= i + n`) places the queries anywhere else (a static cache).
+`sliding_window(left, right)` is inclusive: a query sees `left + 1 + right` keys.
 """
 
 from __future__ import annotations
@@ -20,48 +21,74 @@ from attnkit.masks.base import (
     _check_align,
     _check_batch,
     _check_int,
+    _check_offset,
     causal_offset,
 )
 
-__all__ = ["causal", "document", "key_padding", "prefix_lm", "sliding_window"]
+__all__ = ["causal", "chunked", "document", "key_padding", "prefix_lm", "sliding_window"]
 
 
-class _Causal(Mask):
-    def __init__(self, align: str | None) -> None:
+class _Positional(Mask):
+    """A mask over positions whose queries sit at `i + shift` among the keys: the shift
+    is 0 (top_left), S - L (bottom_right) or an explicit offset; with L != S and neither
+    given it raises (attnkit never guesses)."""
+
+    who = "causal"
+    align: str | None
+    offset: int | None
+
+    def _place(self, align: str | None, offset: int | None) -> None:
         _check_align(align)
+        self.offset = _check_offset(align, offset)
         self.align = align
 
+    def shift(self, L: int, S: int) -> int:
+        return causal_offset(self.align, L, S, who=self.who, offset=self.offset)
+
     def check(self, B: int, H: int, L: int, S: int) -> None:
-        causal_offset(self.align, L, S)
+        self.shift(L, S)
+
+    def _placement(self) -> str:
+        """`, align=...` / `, offset=...` for `describe` (empty when neither was given)."""
+        if self.offset is not None:
+            return f", offset={self.offset}"
+        return "" if self.align is None else f", align={self.align!r}"
+
+
+class _Causal(_Positional):
+    def __init__(self, align: str | None, offset: int | None = None) -> None:
+        self._place(align, offset)
 
     def is_sdpa_causal(self, L: int, S: int) -> bool:
-        return L >= S and (L == S or self.align == "top_left")
+        return L >= S and self.shift(L, S) == 0
 
     def key_bounds(
         self, B: int, L: int, S: int, first: Tensor, last: Tensor
     ) -> tuple[Tensor, Tensor]:
-        offset = causal_offset(self.align, L, S)
-        return torch.zeros_like(first)[None], (last + offset + 1).clamp(0, S)[None]
+        hi = (last + self.shift(L, S) + 1).clamp(0, S)[None]
+        return torch.zeros_like(hi), hi
 
     def exact_spans(self, B: int, L: int, S: int) -> bool:
         return True
 
     def sees_all(self, L: int, S: int) -> bool:
-        return causal_offset(self.align, L, S) >= S - 1  # row 0 sees the last key
+        return self.shift(L, S) >= S - 1  # row 0 sees the last key
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        offset = causal_offset(self.align, L, S)
+        offset = self.shift(L, S)
         return lambda b, h, i, j: j <= i + offset
 
     def describe(self) -> str:
-        return "causal()" if self.align is None else f"causal(align={self.align!r})"
+        return f"causal({self._placement().removeprefix(', ')})"
 
 
-def causal(align: Align | None = None) -> Mask:
+def causal(align: Align | None = None, *, offset: int | None = None) -> Mask:
     """Query `i` may attend to keys up to its own (aligned) position.
 
     `top_left`: `j <= i`; `bottom_right`: `j <= i + (S - L)`. With L == S both agree and
-    `align` may be left out; with L != S it must be given (see DESIGN.md §2).
+    `align` may be left out; with L != S it must be given (see DESIGN.md §2). `offset=n`
+    instead: `j <= i + n` for any L and S (a static cache's prefill: the queries start at
+    position n among S cache slots; a negative n hides the first rows' keys entirely).
 
     >>> print(causal().draw(4))
     ■ · · ·
@@ -74,29 +101,29 @@ def causal(align: Align | None = None) -> Mask:
     >>> print(causal(align="top_left").draw(2, 4))
     ■ · · ·
     ■ ■ · ·
+    >>> print(causal(offset=1).draw(2, 4))
+    ■ ■ · ·
+    ■ ■ ■ ·
     """
-    return _Causal(align)
+    return _Causal(align, offset)
 
 
-class _SlidingWindow(Mask):
-    def __init__(self, left: int, right: int, align: str | None) -> None:
+class _SlidingWindow(_Positional):
+    who = "sliding_window"
+
+    def __init__(self, left: int, right: int, align: str | None, offset: int | None) -> None:
         self.left = _check_int("left", left)
         self.right = _check_int("right", right)
-        _check_align(align)
-        self.align = align
-
-    def check(self, B: int, H: int, L: int, S: int) -> None:
-        causal_offset(self.align, L, S, who="sliding_window")
+        self._place(align, offset)
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        offset = causal_offset(self.align, L, S, who="sliding_window")
-        left, right = self.left, self.right
+        offset, left, right = self.shift(L, S), self.left, self.right
         return lambda b, h, i, j: (j >= i + offset - left) & (j <= i + offset + right)
 
     def key_bounds(
         self, B: int, L: int, S: int, first: Tensor, last: Tensor
     ) -> tuple[Tensor, Tensor]:
-        offset = causal_offset(self.align, L, S, who="sliding_window")
+        offset = self.shift(L, S)
         lo = (first + offset - self.left).clamp(0, S)
         return lo[None], (last + offset + self.right + 1).clamp(0, S)[None]
 
@@ -104,20 +131,22 @@ class _SlidingWindow(Mask):
         return True
 
     def sees_all(self, L: int, S: int) -> bool:
-        offset = causal_offset(self.align, L, S, who="sliding_window")
+        offset = self.shift(L, S)
         # the last row still sees key 0, the first row already sees key S - 1
         return L - 1 + offset - self.left <= 0 and offset + self.right >= S - 1
 
     def describe(self) -> str:
-        align = "" if self.align is None else f", align={self.align!r}"
-        return f"sliding_window(left={self.left}, right={self.right}{align})"
+        return f"sliding_window(left={self.left}, right={self.right}{self._placement()})"
 
 
-def sliding_window(left: int, right: int = 0, align: Align | None = None) -> Mask:
+def sliding_window(
+    left: int, right: int = 0, align: Align | None = None, *, offset: int | None = None
+) -> Mask:
     """Query `i` sees keys `[i' - left, i' + right]`, `i'` its aligned position (inclusive).
 
     A window holds `left + 1 + right` keys (flash-attention's `window_size=(left, right)`;
-    transformers' `sliding_window=W` is `left = W - 1`). Alignment as in `causal`.
+    transformers' `sliding_window=W` is `left = W - 1`). Alignment and `offset` (`i' = i +
+    offset`) as in `causal`.
 
     >>> print(sliding_window(1).draw(4))
     ■ · · ·
@@ -130,7 +159,57 @@ def sliding_window(left: int, right: int = 0, align: Align | None = None) -> Mas
     · ■ ■ ■
     · · ■ ■
     """
-    return _SlidingWindow(left, right, align)
+    return _SlidingWindow(left, right, align, offset)
+
+
+class _Chunked(_Positional):
+    who = "chunked"
+
+    def __init__(self, size: int, align: str | None, offset: int | None) -> None:
+        self.size = _check_int("size", size, minimum=1)
+        self._place(align, offset)
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        offset, size = self.shift(L, S), self.size
+        return lambda b, h, i, j: torch.div(i + offset, size, rounding_mode="floor") == (j // size)
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        offset, size = self.shift(L, S), self.size
+        lo = torch.div(first + offset, size, rounding_mode="floor") * size
+        hi = (torch.div(last + offset, size, rounding_mode="floor") + 1) * size
+        return lo.clamp(0, S)[None], hi.clamp(0, S)[None]
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return True
+
+    def sees_all(self, L: int, S: int) -> bool:
+        offset = self.shift(L, S)  # every query in chunk 0, and chunk 0 holds every key
+        return offset >= 0 and L - 1 + offset < self.size and S <= self.size
+
+    def describe(self) -> str:
+        return f"chunked({self.size}{self._placement()})"
+
+
+def chunked(size: int, align: Align | None = None, *, offset: int | None = None) -> Mask:
+    """Chunked attention: query `i` sees the keys of its own chunk of `size` positions,
+    `j // size == i' // size` (`i'` its aligned position, as in `causal`).
+
+    Combine with `causal()` for chunked causal attention (Llama 4's local layers):
+
+    >>> print(chunked(2).draw(4))
+    ■ ■ · ·
+    ■ ■ · ·
+    · · ■ ■
+    · · ■ ■
+    >>> print((chunked(2) & causal()).draw(4))
+    ■ · · ·
+    ■ ■ · ·
+    · · ■ ·
+    · · ■ ■
+    """
+    return _Chunked(size, align, offset)
 
 
 class _KeyPadding(Mask):
@@ -306,8 +385,12 @@ def document(ids: Tensor, kv_ids: Tensor | None = None) -> Mask:
     return _Document(ids, kv_ids)
 
 
-class _PrefixLM(Mask):
-    def __init__(self, prefix_len: int | Tensor, align: str | None) -> None:
+class _PrefixLM(_Positional):
+    who = "prefix_lm"
+
+    def __init__(
+        self, prefix_len: int | Tensor, align: str | None, offset: int | None = None
+    ) -> None:
         if isinstance(prefix_len, Tensor):
             if prefix_len.is_floating_point() or prefix_len.dim() != 1:
                 raise MaskError(
@@ -318,21 +401,20 @@ class _PrefixLM(Mask):
                 raise MaskError(f"prefix_lm lengths must be >= 0, got {prefix_len.tolist()}.")
         else:
             _check_int("prefix_len", prefix_len)
-        _check_align(align)
+        self._place(align, offset)
         self.prefix_len = prefix_len
-        self.align = align
 
     @property
     def batch_size(self) -> int | None:
         return self.prefix_len.shape[0] if isinstance(self.prefix_len, Tensor) else None
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
-        causal_offset(self.align, L, S, who="prefix_lm")
+        self.shift(L, S)
         if isinstance(self.prefix_len, Tensor):
             _check_batch("prefix_lm lengths", self.prefix_len.shape[0], B)
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        offset = causal_offset(self.align, L, S, who="prefix_lm")
+        offset = self.shift(L, S)
         n = self.prefix_len
         if isinstance(n, Tensor):
             prefix = n.to(device).expand(B)  # (B,)
@@ -342,7 +424,7 @@ class _PrefixLM(Mask):
     def key_bounds(
         self, B: int, L: int, S: int, first: Tensor, last: Tensor
     ) -> tuple[Tensor, Tensor]:
-        offset = causal_offset(self.align, L, S, who="prefix_lm")
+        offset = self.shift(L, S)
         n = self.prefix_len
         prefix = n.to(first.device).view(-1, 1) if isinstance(n, Tensor) else torch.tensor([[n]])
         hi = torch.maximum(prefix.to(first.device), (last + offset + 1)[None]).clamp(0, S)
@@ -354,17 +436,20 @@ class _PrefixLM(Mask):
     def sees_all(self, L: int, S: int) -> bool:
         n = self.prefix_len
         prefix_all = isinstance(n, int) and n >= S
-        return prefix_all or causal_offset(self.align, L, S, who="prefix_lm") >= S - 1
+        return prefix_all or self.shift(L, S) >= S - 1
 
     def describe(self) -> str:
         n = self.prefix_len
-        return f"prefix_lm({n if isinstance(n, int) else f'lengths, B={n.shape[0]}'})"
+        size = n if isinstance(n, int) else f"lengths, B={n.shape[0]}"
+        return f"prefix_lm({size}{self._placement()})"
 
 
-def prefix_lm(prefix_len: int | Tensor, align: Align | None = None) -> Mask:
+def prefix_lm(
+    prefix_len: int | Tensor, align: Align | None = None, *, offset: int | None = None
+) -> Mask:
     """Prefix-LM: every query sees the first `prefix_len` keys, and the rest causally.
 
-    `prefix_len` is an int or (B,) lengths; alignment as in `causal`.
+    `prefix_len` is an int or (B,) lengths; alignment and `offset` as in `causal`.
 
     >>> print(prefix_lm(2).draw(4))
     ■ ■ · ·
@@ -372,4 +457,4 @@ def prefix_lm(prefix_len: int | Tensor, align: Align | None = None) -> Mask:
     ■ ■ ■ ·
     ■ ■ ■ ■
     """
-    return _PrefixLM(prefix_len, align)
+    return _PrefixLM(prefix_len, align, offset)
