@@ -132,7 +132,7 @@ def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
     kind = draw.choice(
         (
             "causal", "sliding", "lengths", "valid", "document", "prefix", "prefix_lengths",
-            "bool", "offset", "chunked",
+            "bool", "offset", "chunked", "mod",
         )
     )  # fmt: skip
     align = _align(draw, L, S)
@@ -141,6 +141,14 @@ def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
     if kind == "offset":  # a static cache's diagonal, rows with no key among them
         n = draw.int(-3, S + 1)
         return MaskSpec(f"causal(offset={n})", lambda c, g: ak.causal(offset=n))
+    if kind == "mod":  # a mask_mod function: no structure, may differ between heads
+        period, per_head = draw.int(2, 5), chance(draw, 50)
+
+        def mod(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return (i * 7 + j * 3 + (h if per_head else 0)) % period != 0
+
+        return MaskSpec(f"from_mod(period {period}, per_head={per_head})",
+                        lambda c, g: ak.Mask.from_mod(mod))  # fmt: skip
     if kind == "chunked":
         size = draw.int(1, S + 2)
         return MaskSpec(f"chunked({size}, {align})", lambda c, g: ak.chunked(size, align))

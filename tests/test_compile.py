@@ -58,6 +58,23 @@ def test_compiled_function_matches_eager(kind, backend):
         torch.testing.assert_close(a, b)
 
 
+def test_a_from_mod_mask_runs_eagerly_inside_compiled_code():
+    """A mask_mod is a Python function: it cannot cross the op as a string (graph break)."""
+    torch._dynamo.reset()
+    mask = ak.Mask.from_mod(lambda b, h, q, kv: (kv <= q) & ((q - kv) % 3 != 1))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 12, 8, generator=g) for _ in range(3))
+
+    def fn(q, k, v):
+        return ak.attention(q * 2, k, v, mask).tanh()
+
+    want, want_grads = _grads(fn, q, k, v)
+    got, got_grads = _grads(torch.compile(fn), q, k, v)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_compiled_model_with_rope_gqa_and_cache_matches_eager():
     """The model of issue 10's report: it failed in Inductor (`vr must not be None`)."""
     torch._dynamo.reset()

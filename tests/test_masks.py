@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnkit as ak
+import attnkit.masks.base
 import attnkit.masks.kinds
 
 
@@ -20,6 +21,8 @@ def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[li
 def test_docstring_drawings_are_the_real_masks():
     result = doctest.testmod(attnkit.masks.kinds, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted >= 8 and result.failed == 0
+    result = doctest.testmod(attnkit.masks.base, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 1 and result.failed == 0
 
 
 @pytest.mark.parametrize(("L", "S"), [(3, 3), (2, 5), (5, 2), (1, 4)])
@@ -46,6 +49,37 @@ def test_chunked_literal_and_with_causal():
     assert got == [[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0, 0]]
     assert str(ak.chunked(3, offset=4)) == "chunked(3, offset=4)"
     assert str(ak.causal(offset=-1)) == "causal(offset=-1)"
+
+
+def test_from_mod_equals_the_built_in_kinds_it_spells():
+    ids = torch.tensor([0, 0, 1, 1, 1, 2])
+    pairs = [
+        (ak.Mask.from_mod(lambda b, h, q, kv: kv <= q), ak.causal()),
+        (
+            ak.Mask.from_mod(lambda b, h, q, kv: (ids[q] == ids[kv]) & (kv <= q)),
+            ak.document(ids) & ak.causal(),
+        ),
+    ]
+    for mod, built_in in pairs:
+        assert not mod.head_dependent
+        assert torch.equal(mod.materialize(2, 3, 6, 6), built_in.materialize(2, 3, 6, 6))
+    assert str(pairs[0][0]) == "from_mod(<lambda>)"
+
+
+def test_from_mod_per_head_and_per_batch():
+    mod = ak.Mask.from_mod(lambda b, h, q, kv: kv <= q + h - b, name="shifted")
+    assert mod.head_dependent and str(mod) == "from_mod(shifted)"
+    dense = mod.materialize(2, 3, 4, 4)
+    for b in range(2):
+        for h in range(3):
+            assert grid(ak.causal(offset=h - b), 4) == dense[b, h].int().tolist()
+
+
+def test_from_mod_refuses_what_is_not_a_bool_mask():
+    with pytest.raises(TypeError, match="from_mod takes a function"):
+        ak.Mask.from_mod(3)  # type: ignore[arg-type]
+    with pytest.raises(ak.MaskError, match=r"must return a bool tensor.*got torch.int64"):
+        ak.Mask.from_mod(lambda b, h, q, kv: kv - q).materialize(1, 1, 3, 3)
 
 
 def test_causal_literal():

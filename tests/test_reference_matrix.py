@@ -54,6 +54,9 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
         "sliding_two_sided": lambda: ak.sliding_window(8, 4, align=align),
         "documents_causal": lambda: ak.document(q_ids, kv_ids) & ak.causal(align=align),
         "prefix_lm": lambda: ak.prefix_lm(max(1, S // 4), align=align),
+        "from_mod_per_head": lambda: ak.Mask.from_mod(
+            lambda b, h, i, j: (j <= i + S - L + h) & ((i + 2 * j + b) % 3 != 0)
+        ),
         "chunked_causal_offset": lambda: (
             ak.chunked(16, offset=S - L + 3) & ak.causal(offset=S - L + 3)
         ),
@@ -75,6 +78,7 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
 MASKS = [
     "none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
     "sliding_two_sided", "documents_causal", "prefix_lm", "chunked_causal_offset",
+    "from_mod_per_head",
     "window_or_prefix_padded",
     "documents_alibi", "bool_tensor", "float_bias",
 ]  # fmt: skip
@@ -153,6 +157,10 @@ def test_backend_matches_float64_reference(backend, dtype, heads, mask_kind, siz
     (q, k, v, mask, dout), truth, ref = truth_and_reference(dtype, heads, mask_kind, size, D)
     if backend == "tiled" and mask_kind == "float_bias":
         with pytest.raises(ValueError, match="additive float bias tensor has no structure"):
+            run(q, k, v, mask, dout, backend)
+        return
+    if backend == "tiled" and mask_kind == "from_mod_per_head":
+        with pytest.raises(ValueError, match="the mask differs between heads"):
             run(q, k, v, mask, dout, backend)
         return
     # half: both kernel paths, whichever this machine's hardware would pick

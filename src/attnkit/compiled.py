@@ -11,8 +11,9 @@ and masks that do (key_padding, document) too: their tensors are op inputs.
 
 The backward op recomputes the forward with autograd (one more forward pass per
 backward) and gives its gradients. Calls the op cannot express run eagerly within the
-compiled code (a graph break): dropout (a recomputed forward would draw another mask)
-and float masks that require grad (the op gives mask tensors no gradient).
+compiled code (a graph break): dropout (a recomputed forward would draw another mask),
+float masks that require grad (the op gives mask tensors no gradient) and masks built by
+`Mask.from_mod` (a Python function cannot cross as a string).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from attnkit.contracts import AttentionCall, _check_shapes, normalize_call
 from attnkit.masks import Mask
-from attnkit.masks.spec import decode, encode
+from attnkit.masks.spec import decode, encodable, encode
 from attnkit.precision import compute_dtype
 
 __all__ = ["attention_backward_op", "attention_op", "traced_attention"]
@@ -71,6 +72,8 @@ def _op_can_express(
     if not (mask is None or isinstance(mask, (Mask, Tensor))):
         return False  # the eager call raises its TypeError
     if isinstance(mask, Tensor) and mask.requires_grad:
+        return False
+    if not encodable(mask):  # a from_mod function cannot cross as a string
         return False
     return (
         _is_number(scale)

@@ -204,6 +204,23 @@ class Mask:
     def describe(self) -> str:
         raise NotImplementedError
 
+    @staticmethod
+    def from_mod(fn: Predicate, name: str | None = None) -> Mask:
+        """A mask from any `fn(b, h, q_idx, kv_idx) -> bool` (FlexAttention's `mask_mod`).
+
+        `fn` is called with broadcast index tensors (b: (B,1,1,1), h: (1,H,1,1), q_idx:
+        (1,1,L,1), kv_idx: (1,1,1,S), or row/column subsets of them), so it must use
+        tensor operations only, as a mask_mod for FlexAttention must. It has no structure
+        attnkit can read: backends evaluate it (flex natively, the others block by block
+        or as a dense mask). Prefer a built-in kind where one fits.
+
+        >>> print(Mask.from_mod(lambda b, h, i, j: (j <= i) & ((i - j) % 2 == 0)).draw(3))
+        ■ · ·
+        · ■ ·
+        ■ · ■
+        """
+        return _ModMask(fn, name)
+
     def __str__(self) -> str:
         return self.describe()
 
@@ -390,6 +407,50 @@ class _TensorMask(Mask):
 
     def describe(self) -> str:
         return f"tensor{tuple(self.tensor.shape)}"
+
+
+class _ModMask(Mask):
+    def __init__(self, fn: Predicate, name: str | None) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"Mask.from_mod takes a function (b, h, q_idx, kv_idx) -> bool, "
+                f"got {type(fn).__name__}."
+            )
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._per_head: bool | None = None
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        fn, name = self.fn, self.name
+
+        def checked(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            out = fn(b, h, i, j)
+            if not isinstance(out, Tensor) or out.dtype != torch.bool:
+                got = out.dtype if isinstance(out, Tensor) else type(out).__name__
+                raise MaskError(
+                    f"mask_mod {name} must return a bool tensor (True = may attend), got "
+                    f"{got}; compare indices, e.g. lambda b, h, q, kv: kv <= q."
+                )
+            return out
+
+        return checked
+
+    @property
+    def head_dependent(self) -> bool:
+        """Probed once on two heads: an output without a head dim cannot depend on h."""
+        if self._per_head is None:
+            zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+            heads = torch.arange(2).view(1, 2, 1, 1)
+            try:
+                out = self.fn(zero, heads, zero, zero)
+                self._per_head = not (isinstance(out, Tensor) and out.dim() == 4
+                                      and out.shape[1] == 1)  # fmt: skip
+            except Exception:  # the real call raises its own error; be safe here
+                self._per_head = True
+        return self._per_head
+
+    def describe(self) -> str:
+        return f"from_mod({self.name})"
 
 
 class _Combine(Mask):

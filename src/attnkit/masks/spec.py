@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnkit.masks.base import Mask
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encodable", "encode"]
 
 # decoded masks with the tensors whose ids key them (held: an id is not reused meanwhile)
 _DECODED: OrderedDict[tuple[Any, ...], tuple[Mask | Tensor | None, list[Tensor]]] = OrderedDict()
@@ -38,6 +38,16 @@ def encode(mask: Mask | Tensor | None, tensors: list[Tensor]) -> str:
     if isinstance(mask, tuple):
         return "(" + "".join(encode(part, tensors) + ", " for part in mask) + ")"
     return repr(mask)
+
+
+def encodable(mask: object) -> bool:
+    """True if `encode` can write `mask`: its fields are numbers, strings, tensors and
+    masks, not functions (`Mask.from_mod` holds one: such calls run eagerly)."""
+    if isinstance(mask, Mask):
+        return all(encodable(value) for value in vars(mask).values())
+    if isinstance(mask, tuple):
+        return all(encodable(part) for part in mask)
+    return mask is None or isinstance(mask, (Tensor, bool, int, float, str))
 
 
 def decode(spec: str, tensors: list[Tensor]) -> Mask | Tensor | None:
