@@ -24,18 +24,37 @@ def from_key_padding_mask(key_padding_mask: Tensor) -> Mask:
 
 
 def from_hf_attention_mask(attention_mask: Tensor) -> Mask:
-    """From a Hugging Face `attention_mask`: (B, S) of 1 = real token, 0 = padding."""
+    """From a Hugging Face mask: the tokenizer's or the one an attention function gets.
+
+    2-D `(B, S)`, 1 = real token, 0 = padding: `key_padding`. 4-D `(B, 1|H, L, S)`, as
+    transformers passes to attention implementations: bool (`True` = may attend), 0/1
+    integers (1 = may attend), or additive floats (0 keeps; the dtype's minimum or `-inf`
+    removes, see `from_additive_mask`). A 4-D mask stays a dense tensor: where the
+    structure is known, build the `Mask` itself (`attnkit.integrations.transformers`).
+    """
+    shape, dtype = tuple(attention_mask.shape), attention_mask.dtype
+    if attention_mask.dim() == 4:
+        if attention_mask.is_floating_point():
+            return from_additive_mask(attention_mask)
+        if dtype != torch.bool:
+            _only_zero_and_one(attention_mask, "1 = may attend")
+        return _TensorMask(attention_mask != 0 if dtype != torch.bool else attention_mask)
     if attention_mask.dim() != 2 or attention_mask.is_floating_point():
         raise MaskError(
             "from_hf_attention_mask takes a (B, S) integer or bool tensor of 1 = real token, "
-            f"got dtype {attention_mask.dtype} and shape {tuple(attention_mask.shape)}."
+            "or a 4-D (B, 1|H, L, S) bool, 0/1 or additive float mask, got dtype "
+            f"{dtype} and shape {shape}."
         )
-    if not ((attention_mask == 0) | (attention_mask == 1)).all():
+    _only_zero_and_one(attention_mask, "1 = real token")
+    return _KeyPadding(attention_mask != 0)
+
+
+def _only_zero_and_one(mask: Tensor, meaning: str) -> None:
+    if not ((mask == 0) | (mask == 1)).all():
         raise MaskError(
-            "from_hf_attention_mask expects only 0 and 1 values (1 = real token); for "
+            f"from_hf_attention_mask expects only 0 and 1 values ({meaning}); for "
             "other values build the visibility yourself, e.g. key_padding(m > 0)."
         )
-    return _KeyPadding(attention_mask != 0)
 
 
 def from_additive_mask(additive_mask: Tensor) -> Mask:
