@@ -249,6 +249,27 @@ def normalize_mask(
     return checked, None
 
 
+def check_sinks(sinks: object, q: Tensor) -> Tensor:
+    """`sinks=`: one finite float logit per query head, (H,), on q's device."""
+    H = q.shape[1] if q.dim() == 4 else None
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
+        raise TypeError(f"sinks must be a float tensor of shape (H,), one logit per query "
+                        f"head, got {got}.")  # fmt: skip
+    if sinks.dim() != 1 or (H is not None and sinks.shape[0] != H):
+        raise ShapeContractError(
+            f"sinks has shape {tuple(sinks.shape)} but q has H={H} heads; give one logit "
+            f"per query head, shape ({H},)."
+        )
+    _check_device("sinks", sinks, q.device)
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks).all()):
+        raise ValueError(
+            f"sinks must be finite logits, got {sinks.tolist()[:8]}; for no sink on a head "
+            "leave sinks=None (a -inf sink is no sink)."
+        )
+    return sinks
+
+
 def unit_last_stride(t: Tensor) -> Tensor:
     """`t`, copied only if its last dim is not contiguous.
 

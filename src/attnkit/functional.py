@@ -14,12 +14,13 @@ from torch import Tensor
 
 from attnkit.backends import get_backend
 from attnkit.compiled import traced_attention
-from attnkit.contracts import AttentionCall, normalize_call
+from attnkit.contracts import AttentionCall, check_sinks, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
 from attnkit.planner import Plan, backend_for_run, plan_call
 from attnkit.precision import compute_dtype
 from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
+from attnkit.softmax import add_sinks
 
 __all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
 
@@ -42,6 +43,7 @@ def attention(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> Tensor:
@@ -53,11 +55,18 @@ def attention(
             attend), or a float tensor added to the scores (0 keeps, `-inf` removes).
         scale: multiplies q·kᵀ; default 1/√D.
         softcap: if set, scores become `c·tanh(s/c)` before masks and bias.
+        sinks: (H,) attention sinks: a logit per head added to each row's softmax
+            denominator, with no value (`attnkit.softmax.add_sinks`).
         dropout_p: dropout on the weights (applied whenever > 0).
         backend: "auto", "reference", "sdpa", "tiled" or "flex".
     Returns:
         (B, H, L, Dv) in q's dtype; a query that sees no key gets 0.
     """
+    if sinks is not None:  # the sinks merge in through the log-sum-exp
+        return attention_with_lse(
+            q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
+            backend=backend,
+        )[0]  # fmt: skip
     if torch.compiler.is_compiling():  # one custom op in the graph (attnkit.compiled)
         return traced_attention(
             q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
@@ -75,6 +84,7 @@ def attention_with_lse(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
@@ -82,18 +92,23 @@ def attention_with_lse(
 
     Returns:
         out (B, H, L, Dv) and lse (B, H, L), natural log, float32 for half inputs,
-        `-inf` on rows that see nothing. Two results over disjoint key sets merge
+        `-inf` on rows that see nothing (with `sinks`: the sink's logit included, so
+        such a row's lse is its sink). Two results over disjoint key sets merge
         exactly with `attnkit.softmax.merge_partials`.
     """
+    if sinks is not None:
+        sinks = check_sinks(sinks, q)
     if torch.compiler.is_compiling():
-        return traced_attention(
+        out, lse = traced_attention(
             q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
             backend=backend, need_lse=True,
         )  # fmt: skip
-    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    out, lse = run_call(call, backend, need_lse=True)
-    assert lse is not None
-    return out, lse
+    else:
+        call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+        out, maybe_lse = run_call(call, backend, need_lse=True)
+        assert maybe_lse is not None
+        lse = maybe_lse
+    return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 
 def run_call(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
@@ -149,6 +164,7 @@ def attention_probs(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     rows: int | Sequence[int] | slice | Tensor | None = None,
 ) -> Tensor:
     """The exact attention weights, for all query rows or just `rows`.
@@ -158,8 +174,10 @@ def attention_probs(
 
     Returns:
         (B, H, R, S) in q's dtype, R = L or the number of rows asked for; masked entries
-        exactly 0, rows that see nothing all 0.
+        exactly 0, rows that see nothing all 0. With `sinks` a row sums to less than 1:
+        the sink takes the rest.
     """
+    sinks = None if sinks is None else check_sinks(sinks, q)
     call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
     d = call.dims
     index = _row_index(rows, d.L, q.device)
@@ -171,9 +189,11 @@ def attention_probs(
     bias = call.bias_rows(index)  # (B|1, H|1, R|1, S|1) or None
     q_rows = call.q[:, :, index]  # (B, H, R, D)
     q_rows, k_seen, _, _ = hide_unseen(q_rows, call.k, call.k, effective_visibility(visible, bias))
-    weights, _ = weights_and_lse(
+    weights, lse = weights_and_lse(
         q_rows, k_seen, visible, bias, scale=call.scale, softcap=call.softcap
-    )
+    )  # (B, H, R, S), (B, H, R)
+    if sinks is not None:
+        weights = add_sinks(weights, lse, sinks)[0]
     return weights.to(q.dtype)
 
 
@@ -185,13 +205,17 @@ def explain(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
     need_lse: bool = False,
 ) -> Plan:
     """What `attention(...)` with these arguments would run, and why; runs nothing.
 
-    `print(plan)` shows the choice, the reasons and the cost.
+    `print(plan)` shows the choice, the reasons and the cost. Sinks need the backend's
+    log-sum-exp (with its gradient), as `need_lse=True` does.
     """
+    if sinks is not None:
+        check_sinks(sinks, q)
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    return plan_call(call, backend, need_lse=need_lse)
+    return plan_call(call, backend, need_lse=need_lse or sinks is not None)

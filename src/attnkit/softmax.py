@@ -16,7 +16,7 @@ from attnkit.errors import ShapeContractError
 from attnkit.masks import integer_mask_error
 from attnkit.precision import compute_dtype
 
-__all__ = ["compute_dtype", "masked_softmax", "merge_partials", "softmax_with_lse"]
+__all__ = ["add_sinks", "compute_dtype", "masked_softmax", "merge_partials", "softmax_with_lse"]
 
 
 def softmax_with_lse(scores: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
@@ -84,3 +84,18 @@ def merge_partials(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tens
     out = sum(s.unsqueeze(-1) * o.to(s.dtype) for s, o in zip(scale, outs, strict=True))
     assert isinstance(out, Tensor)
     return out.to(outs[0].dtype), lse
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks: one more logit per head in every row's softmax denominator, with
+    no value (GPT-OSS's `s_aux`).
+
+    It is a merge (`merge_partials`) with a part of no value whose log-sum-exp is the
+    sink: the real keys keep the share `exp(lse - lse')`, `lse' = logaddexp(lse, sink)`.
+    `out` (B, H, L, Dv), `lse` (B, H, L), `sinks` (H,) finite. A row that sees no key
+    gives 0 and lse' = its sink. Gradients reach `sinks` and, through `lse`, q and k.
+    """
+    sink = sinks.to(lse.dtype).view(1, -1, 1)  # (1, H, 1)
+    total = torch.logaddexp(lse, sink)  # (B, H, L), finite: the sink is
+    keep = torch.exp(lse - total)  # (B, H, L); 0 where lse = -inf
+    return (out.to(keep.dtype) * keep.unsqueeze(-1)).to(out.dtype), total
