@@ -20,7 +20,7 @@ import attnkit as ak
 from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from fuzz_cases import Built, Case, build
 
-BACKENDS = ("reference", "sdpa", "tiled", "auto")
+BACKENDS = ("reference", "sdpa", "tiled", "blockwise", "auto")
 FUSED = ("sdpa", "tiled", "flex", "auto")
 # Floors relative to each tensor's magnitude: about 100 ulps for float32 and float64, and
 # two ulps of the largest entry for the half types (results and the float64 truth are both

@@ -151,8 +151,20 @@ def _cases():
                         )
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa", "tiled"])
-@pytest.mark.parametrize(("dtype", "heads", "mask_kind", "size", "D"), list(_cases()))
+def _backend_cases():
+    """Every backend on every case; `blockwise` (the reference's math, as slow) only on
+    sizes under 1000 in `make test`, on all in `make test-slow`."""
+    for backend in ("reference", "sdpa", "tiled", "blockwise"):
+        for case in _cases():
+            size = case.values[3]
+            slow = backend == "blockwise" and max(size) > 1000
+            marks = [*case.marks, pytest.mark.slow] if slow else list(case.marks)
+            yield pytest.param(backend, *case.values, marks=marks, id=f"{case.id}-{backend}")
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype", "heads", "mask_kind", "size", "D"), list(_backend_cases())
+)
 def test_backend_matches_float64_reference(backend, dtype, heads, mask_kind, size, D):
     (q, k, v, mask, dout), truth, ref = truth_and_reference(dtype, heads, mask_kind, size, D)
     if backend == "tiled" and mask_kind == "float_bias":

@@ -19,6 +19,7 @@ TILED_PREDICATE = 2.2  # tiled, factor on masks holding an L×S tensor (`has_den
 # bool mask, fp32, H=4: tiled 276 ms, sdpa 134 ms, plain SDPA 130 ms; 2026-11-30)
 TILED_CALL = 50_000.0  # tiled, per group of blocks (masks, copies, Python)
 FLEX_PAIR = 2.4  # compiled FlexAttention, per pair inside its 128×128 blocks (warm)
+BLOCKWISE = 4.0  # the reference's math in row blocks over key spans (checkpointed)
 REFERENCE = 6.0  # the readable loop materializes (B, H, L, S) scores several times
 
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.backends.flex import FlexBackend
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
@@ -35,9 +36,16 @@ class Backend(Protocol):
 
 
 BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (ReferenceBackend(), SdpaBackend(), TiledBackend(), FlexBackend())
+    b.name: b
+    for b in (ReferenceBackend(), SdpaBackend(), TiledBackend(), FlexBackend(), BlockwiseBackend())
 }
-AUTO_ORDER: tuple[str, ...] = ("sdpa", "tiled", "flex", "reference")  # ties: earlier wins
+AUTO_ORDER: tuple[str, ...] = (
+    "sdpa",
+    "tiled",
+    "flex",
+    "blockwise",
+    "reference",
+)  # ties: earlier wins
 
 
 def backend_names() -> tuple[str, ...]:

@@ -1,0 +1,131 @@
+"""Backend `blockwise`: the reference's math in blocks of query rows, in bounded memory.
+
+What the fused kernels cannot take (softcap, a bias with softcap, a mask that differs
+between heads with D != Dv, dropout with a mask) `reference` serves by building the
+whole (B, H, L, S) score tensor. Here each block of query rows computes its scores only
+over the span of keys it may see (`Mask.key_bounds`), so memory is O(rows · S) and
+masked-out key blocks cost nothing; every block runs under activation checkpointing, so
+the backward pass recomputes one block at a time instead of keeping L×S weights. The
+result is exact and the log-sum-exp carries its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from attnkit import cost
+from attnkit.contracts import AttentionCall
+from attnkit.heads import repeat_kv
+from attnkit.precision import compute_dtype
+from attnkit.reference import weights_and_lse, zero_unseen
+
+__all__ = ["BlockwiseBackend"]
+
+BLOCK_BYTES = 1 << 25  # one block's float32 scores (B, H, R, K): the memory bound
+MIN_ROWS = 16
+
+
+class BlockwiseBackend:
+    """Serves every call on any device, like `reference`, without an L×S tensor."""
+
+    name = "blockwise"
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        return None
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        d = call.dims
+        rows = _rows(call)
+        pairs = sum((hi - lo) * (r1 - r0) for r0, r1, lo, hi in _blocks(call, rows))
+        return cost.BLOCKWISE * d.B * d.H * pairs + cost.TILED_CALL * math.ceil(d.L / rows)
+
+    def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
+        d = call.dims
+        return 3 * d.B * d.H * _rows(call) * d.S * 4  # scores, their exp, the weights
+
+    def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+        d = call.dims
+        q, k, v = _cleaned(call)
+        work = compute_dtype(q.dtype)
+        outs, lses = [], []
+        for r0, r1, lo, hi in _blocks(call, _rows(call)):
+            if hi <= lo:  # no row of the block sees a key: zeros, lse -inf
+                outs.append(q.new_zeros(d.B, d.H, r1 - r0, d.Dv))
+                lses.append(q.new_full((d.B, d.H, r1 - r0), -torch.inf, dtype=work))
+                continue
+            block = _Block(call, r0, r1, lo, hi)
+            qb, kb, vb = q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi]
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (qb, kb, vb)):
+                out, lse = checkpoint(block, qb, kb, vb, use_reentrant=False)
+            else:
+                out, lse = block(qb, kb, vb)
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs, 2), torch.cat(lses, 2) if need_lse else None
+
+
+class _Block:
+    """One block: query rows [r0, r1) over keys [lo, hi), the reference's loop."""
+
+    def __init__(self, call: AttentionCall, r0: int, r1: int, lo: int, hi: int) -> None:
+        self.call, self.r0, self.r1, self.lo, self.hi = call, r0, r1, lo, hi
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        call, d = self.call, self.call.dims
+        rows = torch.arange(self.r0, self.r1, device=q.device)
+        cols = torch.arange(self.lo, self.hi, device=q.device)
+        visible = None
+        if call.mask is not None:  # (B|1, H|1, R, K)
+            visible = call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=rows, cols=cols)
+        bias = call.bias_rows(rows)  # (B|1, H|1, R|1, S|1)
+        if bias is not None and bias.shape[-1] > 1:
+            bias = bias[..., self.lo : self.hi]
+        weights, lse = weights_and_lse(q, k, visible, bias, scale=call.scale, softcap=call.softcap)
+        if call.dropout_p > 0:  # checkpoint replays the RNG: the backward sees the same mask
+            weights = F.dropout(weights, call.dropout_p)
+        out = weights @ repeat_kv(v.to(weights.dtype), d.H // d.Hkv)  # (B, H, R, Dv)
+        return out.to(q.dtype), lse
+
+
+def _rows(call: AttentionCall) -> int:
+    """Query rows a block holds: its (B, H, rows, S) float32 scores fit `BLOCK_BYTES`."""
+    d = call.dims
+    rows = BLOCK_BYTES // max(1, 4 * d.B * d.H * d.S)
+    return max(MIN_ROWS, min(d.L, rows))
+
+
+def _blocks(call: AttentionCall, rows: int) -> list[tuple[int, int, int, int]]:
+    """(r0, r1, lo, hi) of each block: its rows and the keys any batch row's may see."""
+    d = call.dims
+    first = torch.arange(0, d.L, rows)
+    last = (first + rows).clamp(max=d.L) - 1
+    if call.mask is None:
+        lo, hi = torch.zeros_like(first), torch.full_like(first, d.S)
+    else:
+        lo_b, hi_b = call.mask.key_bounds(d.B, d.L, d.S, first, last)  # (B|1, T)
+        lo, hi = lo_b.amin(0), hi_b.amax(0)
+    return [
+        (int(f), int(t) + 1, int(a), int(b)) for f, t, a, b in zip(first, last, lo, hi, strict=True)
+    ]
+
+
+def _cleaned(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v with the rows that see nothing and the keys no one sees zeroed (they may
+    hold NaN or Inf, and a masked weight of 0 times NaN is NaN)."""
+    d, q, k, v = call.dims, call.q, call.k, call.v
+    if call.bias_tensor is not None:  # its -inf entries hide too: the pairs, exactly
+        bias = call.bias_tensor
+        visible = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) > -torch.inf
+        if call.mask is not None:
+            visible = visible & call.mask.dense(d.B, d.H, d.L, d.S, q.device)
+        rows, keys = visible.any(-1), visible.any(-2)  # (B|1, H|1, L|1), (B|1, H|1, S|1)
+    elif call.mask is not None:
+        rows, keys = call.mask.seen(d.B, d.H, d.L, d.S, q.device)  # (B, H|1, L), (B, H|1, S)
+    else:
+        return q, k, v
+    return zero_unseen(q, k, v, rows, keys)
