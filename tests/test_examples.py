@@ -6,11 +6,13 @@ import importlib.util
 import math
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "tiny_gpt.py"
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("tiny_gpt", EXAMPLE)
+def load_example(name: str = "tiny_gpt"):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -45,3 +47,13 @@ def test_tiny_gpt_trains_generates_with_the_cache_and_plots(tmp_path, capsys):
 def test_the_training_text_ships_with_python():
     text = load_example().python_docs()
     assert len(text) > 100_000 and "Return" in text
+
+
+def test_transformers_example_trains_with_both_implementations(capsys):
+    pytest.importorskip("transformers")
+    rows = load_example("transformers_train").main(
+        ["--tokens", "256", "--steps", "1", "--layers", "1"]
+    )
+    assert [r["batch"] for r in rows] == ["packed", "padded", "unpadded"]
+    assert all(r["loss_diff"] < 1e-4 and r["attnkit_tokens_s"] > 0 for r in rows)
+    assert "| packed |" in capsys.readouterr().out
