@@ -225,3 +225,15 @@ def test_static_cache_offsets_become_causal_offsets():
     assert str(mask) == "causal(offset=5) & key_padding(valid, B=1)"
     dense = mask.materialize(1, 1, 3, 16)[0, 0]
     assert dense[:, 8:].sum() == 0 and dense[0, :6].all() and not dense[0, 6]
+
+
+@pytest.mark.slow
+def test_a_compiled_model_gives_the_eager_logits():
+    model = _model("mistral")
+    batch = _batch()
+    model.set_attn_implementation("attnkit")
+    with torch.no_grad():
+        want = model(**batch).logits
+        got = torch.compile(model)(**batch).logits  # the mask function runs eagerly
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)

@@ -89,6 +89,7 @@ def register(name: str = "attnkit") -> str:
 # ----------------------------------------------------------------------- the mask function
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # reads masks as data: eager
 def mask_function(
     batch_size: int,
     q_length: int,
