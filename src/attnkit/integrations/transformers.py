@@ -207,8 +207,12 @@ def _first_equal(
     b = torch.arange(B).view(B, 1, 1, 1)
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
     j = torch.arange(S).view(1, 1, 1, S)
-    for start in range(0, L, rows_at_once):
-        rows = torch.arange(start, min(L, start + rows_at_once))
+    # a first short chunk from the end (where windows, chunks and documents all show)
+    # rules out most candidates cheaply; then the rest in chunks of bounded memory
+    tail = max(0, L - 32)
+    chunks = [(tail, L)] + [(a, min(tail, a + rows_at_once)) for a in range(0, tail, rows_at_once)]
+    for start, end in chunks:
+        rows = torch.arange(start, end)
         want = fn(b, h, rows.view(1, 1, -1, 1), j).expand(B, 1, len(rows), S)  # (B, 1, R, S)
         alive = [n for n in alive if _agrees(candidates[n], want, rows, L)]
         if not alive:
@@ -217,10 +221,16 @@ def _first_equal(
 
 
 def _agrees(mask: Mask | None, want: Tensor, rows: Tensor, L: int) -> bool:
-    """`mask` on `rows` equals `want` (B, 1, R, S); None means every pair is visible."""
+    """`mask` on `rows` equals `want` (B, 1, R, S); None means every pair is visible.
+    One key interval per row (`exact_spans`) compares against the spans directly."""
     if mask is None:
         return bool(want.all())
     B, _, _, S = want.shape
+    if mask.exact_spans(B, L, S):
+        lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, R)
+        j = torch.arange(S)
+        spans = (j >= lo[..., None]) & (j < hi[..., None])  # (B|1, R, S)
+        return torch.equal(spans[:, None].expand_as(want), want)
     return torch.equal(mask.dense(B, 1, L, S, rows=rows).expand_as(want), want)
 
 
