@@ -237,3 +237,15 @@ def test_a_compiled_model_gives_the_eager_logits():
         got = torch.compile(model)(**batch).logits  # the mask function runs eagerly
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+
+
+def test_a_mask_function_transformers_runs_under_vmap_becomes_its_dense_mask():
+    def overlay(b, h, q, kv):  # a user's overlay: transformers evaluates such ones by vmap
+        return (kv <= q) | ((q < 3) & (kv < 3))
+
+    mask = akt.mask_function(2, 6, 6, mask_function=overlay, use_vmap=True)
+    assert str(mask).startswith("tensor(")  # dense, as transformers builds it
+    want = (ak.causal() | ak.Mask.from_mod(lambda b, h, q, kv: (q < 3) & (kv < 3))).materialize(
+        2, 1, 6, 6
+    )
+    assert torch.equal(mask.materialize(2, 1, 6, 6), want)

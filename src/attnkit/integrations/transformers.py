@@ -39,7 +39,7 @@ from attnkit.masks import (
     key_padding,
     sliding_window,
 )
-from attnkit.masks.base import _Combine
+from attnkit.masks.base import _Combine, as_mask
 
 __all__ = ["TESTED_VERSIONS", "attention_forward", "mask_function", "register", "structure"]
 
@@ -111,6 +111,9 @@ def mask_function(
     if isinstance(attention_mask, Mask):  # ours, built ahead by `generate`: use it as is
         return attention_mask
     q_offset, kv_offset = int(q_offset), int(kv_offset)
+    shape = (batch_size, q_length, kv_length)
+    if kwargs.get("use_vmap", False) and mask_function is not None:
+        return _dense(shape, q_offset, kv_offset, mask_function, attention_mask, device)
     fn = mask_function
 
     def local(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
@@ -118,7 +121,6 @@ def mask_function(
             return j + kv_offset <= i + q_offset
         return fn(b, h, i + q_offset, j + kv_offset)
 
-    shape = (batch_size, q_length, kv_length)
     found, visible = structure(local, *shape, shift=q_offset - kv_offset, local_size=local_size)
     if not found:  # exact all the same: the function itself, evaluated by the backends
         visible = Mask.from_mod(local, name="transformers mask_function")
@@ -140,6 +142,25 @@ class PreparedMask(_Combine):
 
     def describe(self) -> str:
         return " & ".join(part.describe() for part in self.parts)
+
+
+def _dense(
+    shape: tuple[int, int, int],
+    q_offset: int,
+    kv_offset: int,
+    fn: ModFn,
+    attention_mask: Tensor | None,
+    device: torch.device | str,
+) -> Mask | None:
+    """transformers' own dense mask (vmap): for a user's mask function (an image-token
+    overlay, say) that transformers itself does not trust to be index-based."""
+    from transformers.masking_utils import sdpa_mask
+
+    dense = sdpa_mask(
+        *shape, q_offset, kv_offset, fn, attention_mask, allow_is_causal_skip=False,
+        use_vmap=True, device=device,
+    )  # fmt: skip  # (B, 1, L, S) bool or None
+    return None if dense is None else PreparedMask([as_mask(dense)], shape)
 
 
 def _padding(attention_mask: Tensor | None, B: int, S: int, kv_offset: int) -> Mask | None:
