@@ -11,7 +11,7 @@ for the backward, flash-attention's convention), the share of the fp32 matrix-mu
 roofline measured in the same run, and the peak extra memory of one call measured in
 a fresh subprocess. Results go to JSON, a markdown table and a PNG plot.
 
-    python benchmarks/bench.py                      # S in 1024 4096 16384 (about an hour)
+    python benchmarks/bench.py           # S in 1024 4096 16384 (about two hours on 2 cores)
     python benchmarks/bench.py --sizes 1024 --repeats 3 --no-memory   # a quick look
 """
 
@@ -212,7 +212,7 @@ MEMORY_CALL_MAX = 25.0  # seconds: a call this long is not run again to probe it
 class Budget:
     """Predicts a peer's call from its time at the last smaller S (same dtype, pattern and
     pass), scaled by S²: an upper bound for sparse patterns, exact for dense ones. Keeps
-    `make bench` within hours on a CPU whose bfloat16 products are 100× slower than
+    `make bench` to about two hours on a CPU whose bfloat16 products are 100× slower than
     float32's, where SDPA's bfloat16 backward at S=16384 takes minutes a call."""
 
     def __init__(self, call_limit: float) -> None:
