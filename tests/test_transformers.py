@@ -249,3 +249,12 @@ def test_a_mask_function_transformers_runs_under_vmap_becomes_its_dense_mask():
         2, 1, 6, 6
     )
     assert torch.equal(mask.materialize(2, 1, 6, 6), want)
+
+
+def test_a_plain_causal_batch_runs_sdpas_causal_kernel():
+    """The mask of an unpadded batch is SDPA's is_causal: no mask tensor, no tiles."""
+    mask = akt.mask_function(2, 64, 64)
+    assert mask.is_sdpa_causal(64, 64)
+    q, k = torch.randn(2, 4, 64, 16), torch.randn(2, 2, 64, 16)
+    assert ak.explain(q, k, k, mask).backend == "sdpa"
+    assert not (ak.causal() & ak.key_padding(torch.tensor([64, 9]))).is_sdpa_causal(64, 64)

@@ -508,6 +508,14 @@ class _Combine(Mask):
         found = (p.sees_all(L, S) for p in self.parts)
         return all(found) if self.op == "&" else any(found)
 
+    def is_sdpa_causal(self, L: int, S: int) -> bool:
+        """`&` of SDPA's causal mask with masks that hide nothing is that mask."""
+        if self.op != "&" or self.has_bias:
+            return False
+        causal = [p.is_sdpa_causal(L, S) for p in self.parts]
+        rest = all(c or p.sees_all(L, S) for c, p in zip(causal, self.parts, strict=True))
+        return any(causal) and rest
+
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         preds = [p.predicate(B, H, L, S, device) for p in self.parts]
         combine = torch.logical_and if self.op == "&" else torch.logical_or
