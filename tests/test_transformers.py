@@ -258,3 +258,17 @@ def test_a_plain_causal_batch_runs_sdpas_causal_kernel():
     q, k = torch.randn(2, 4, 64, 16), torch.randn(2, 2, 64, 16)
     assert ak.explain(q, k, k, mask).backend == "sdpa"
     assert not (ak.causal() & ak.key_padding(torch.tensor([64, 9]))).is_sdpa_causal(64, 64)
+
+
+def test_flash_style_cu_seq_lens_keep_packed_documents_apart():
+    """Packed rows described only by cu_seq_lens (flash kwargs): no cross-document leak."""
+    model = _model("llama")
+    ids = _batch()["input_ids"][:1]
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1]])
+    want = _logits(model, "sdpa", input_ids=ids, position_ids=positions, use_cache=False)
+    cu = torch.tensor([0, 6, 9, 11], dtype=torch.int32)
+    flash = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 6, "max_length_k": 6}
+    got = _logits(model, "attnkit", input_ids=ids, position_ids=positions, use_cache=False, **flash)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    mask = akt._from_cu_seq_lens(flash, 11, 11)
+    assert mask is not None and mask.materialize(1, 1, 11, 11)[0, 0, 6, :6].sum() == 0

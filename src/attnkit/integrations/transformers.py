@@ -274,6 +274,9 @@ def attention_forward(
     """transformers' attention interface: q (B, H, L, D), k/v (B, Hkv, S, D) unrepeated;
     returns (B, L, H, Dv) and the weights when `output_attentions` asks for them."""
     mask = _as_mask(attention_mask, module, is_causal, query.shape[2], key.shape[2])
+    packed = _from_cu_seq_lens(kwargs, query.shape[2], key.shape[2])
+    if packed is not None:  # flash-style packing: documents, never a cross-document leak
+        mask = packed if mask is None else as_mask(mask) & packed
     out = attention(
         query, key, value, mask, scale=scaling, softcap=softcap, sinks=s_aux,
         dropout_p=dropout if module.training else 0.0,
@@ -282,6 +285,23 @@ def attention_forward(
     if kwargs.get("output_attentions", False):  # exact weights, (B, H, L, S): asked for
         weights = attention_probs(query, key, mask, scale=scaling, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _from_cu_seq_lens(kwargs: dict[str, Any], L: int, S: int) -> Mask | None:
+    """`document` ids from `cu_seq_lens_q` / `cu_seq_lens_k` (cumulative sequence lengths of
+    a packed row, as flash-attention kwargs carry them), or None when not given."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu_q = cu_q if isinstance(cu_q, Tensor) else cu_k
+    cu_k = cu_k if isinstance(cu_k, Tensor) else cu_q
+    if not isinstance(cu_q, Tensor) or not isinstance(cu_k, Tensor):
+        return None
+
+    def ids(cu: Tensor, n: int) -> Tensor:  # (n,): the sequence each position belongs to
+        return torch.searchsorted(
+            cu[1:].to(torch.long), torch.arange(n, device=cu.device), right=True
+        )
+
+    return document(ids(cu_q, L), ids(cu_k, S))
 
 
 def _as_mask(
