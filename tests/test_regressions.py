@@ -244,3 +244,41 @@ def test_gqa_key_gradients_of_half_inputs_sum_in_float32_on_the_reference():
     assert case.dtype == torch.bfloat16 and case.H > case.Hkv
     failures = [o for o in run_case(case) if o.failed]
     assert not failures, failures
+
+
+# ------------------- 6. a mask built for H heads (alibi) asked about every head's rows
+
+
+def test_alibi_in_a_mask_that_needs_its_seen_rows_runs_on_blockwise_and_auto():
+    # fuzz seed 12 case 590: `seen` evaluated the mask for one head and alibi refused it
+    q, k, v = qkv(H=3, Hkv=3, L=70, S=70, D=4, Dv=3)
+    mask = ak.alibi(3) & (ak.causal(offset=5) | ak.key_padding(torch.tensor([50])))
+    want = ak.attention(q, k, v, mask, softcap=5.0, backend="reference")
+    for backend in ("blockwise", "auto"):
+        got = ak.attention(q, k, v, mask, softcap=5.0, backend=backend)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_seed_functions_add_the_alibi_bias_over_the_heads_of_q():
+    q, k, _ = qkv(B=2, H=4, Hkv=4, L=5, S=5)
+    mask = ak.alibi(4) & ak.causal()
+    weights = ak.attention_weights(q, k, mask)
+    torch.testing.assert_close(weights, ak.attention_probs(q, k, mask), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(weights, ak.attention_weights(q, k, ak.causal()))
+    one = ak.attention_weights(q[:, :1], k[:, :1], ak.alibi(1))  # was silently bias-free
+    assert not torch.allclose(one, ak.attention_weights(q[:, :1], k[:, :1]))
+
+
+def test_seed_functions_put_a_batch_mask_on_the_batch_of_three_dim_inputs():
+    q, k, _ = qkv(B=1, H=2, Hkv=2, L=5, S=5)
+    q3, k3 = q[0], k[0]  # (B=2, L, D)
+    docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    weights = ak.attention_weights(q3, k3, ak.document(docs))
+    for b in range(2):
+        visible = docs[b][:, None] == docs[b][None, :]
+        want = ak.attention_weights(q3[b], k3[b], visible)
+        torch.testing.assert_close(weights[b], want)
+
+
+def test_draw_of_a_mask_with_alibi_shows_its_visibility():
+    assert (ak.alibi(4) & ak.causal()).draw(2) == "■ ·\n■ ■"

@@ -112,6 +112,10 @@ class _ALiBi(Mask):
         self.slopes = slopes
         self.align = align
 
+    @property
+    def num_heads(self) -> int:
+        return int(self.slopes.shape[0])
+
     def check(self, B: int, H: int, L: int, S: int) -> None:
         causal_offset(self.align, L, S, who="alibi")
         if H != self.slopes.shape[0]:

@@ -166,17 +166,6 @@ def attend(
     return out.to(q.dtype), weights.to(q.dtype), lse
 
 
-def _dense_mask(mask: Mask | Tensor | None, q: Tensor, k: Tensor) -> Tensor | None:
-    """A tensor mask for the seed functions, which take q of shape (..., L, D)."""
-    if mask is None or isinstance(mask, Tensor):
-        if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
-            raise integer_mask_error("mask", mask.dtype)
-        return mask
-    B = q.shape[0] if q.dim() >= 3 else 1
-    dense = mask.dense(B, 1, q.shape[-2], k.shape[-2], q.device)  # (B|1, 1, L, S)
-    return dense[:, 0] if q.dim() == 3 else dense if q.dim() == 4 else dense[0, 0]
-
-
 def _as_4d(t: Tensor) -> Tensor:
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
 
@@ -184,12 +173,28 @@ def _as_4d(t: Tensor) -> Tensor:
 def _seed_inputs(
     mask: Mask | Tensor | None, q: Tensor, k: Tensor, scale: float | None
 ) -> tuple[Tensor | None, Tensor | None, float]:
-    """(visible, bias, scale) for the seed functions, masks lifted to 4 dims."""
-    dense = _dense_mask(mask, q, k)
-    is_bias = dense is not None and dense.is_floating_point()
-    visible = None if dense is None or is_bias else _as_4d(dense)
-    bias = _as_4d(dense) if dense is not None and is_bias else None
-    return visible, bias, 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    """(visible, bias, scale) for the seed functions, 4-D as `_as_4d(q)` is.
+
+    A tensor mask is bool (visibility) or float (added to the scores); a `Mask` gives its
+    visibility and, for a bias kind such as `alibi`, its bias over q's heads.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if mask is None:
+        return None, None, scale
+    if isinstance(mask, Tensor):
+        if not (mask.dtype == torch.bool or mask.is_floating_point()):
+            raise integer_mask_error("mask", mask.dtype)
+        lifted = _as_4d(mask)
+        return (None, lifted, scale) if mask.is_floating_point() else (lifted, None, scale)
+    B = q.shape[0] if q.dim() >= 3 else 1
+    H = q.shape[1] if q.dim() == 4 else 1
+    L, S = q.shape[-2], k.shape[-2]
+    visible = mask.dense(B, H, L, S, q.device)  # (B|1, H|1, L, S)
+    bias = mask.dense_bias(B, H, L, S, q.device)
+    if q.dim() == 3:  # q is lifted to (1, B, L, D): the batch takes the head's place
+        visible = visible.transpose(0, 1)
+        bias = None if bias is None else bias.transpose(0, 1)
+    return visible, bias, scale
 
 
 def _check_seed_shapes(q: Tensor, k: Tensor, v: Tensor | None = None) -> None:

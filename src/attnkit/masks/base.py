@@ -55,6 +55,11 @@ class Mask:
         """The batch size this mask carries data for, or None if it holds for any batch."""
         return None
 
+    @property
+    def num_heads(self) -> int | None:
+        """The query-head count this mask is built for (`alibi`'s slopes), or None if any."""
+        return None
+
     def is_sdpa_causal(self, L: int, S: int) -> bool:
         """True if this mask is exactly SDPA's `is_causal=True` with every key seen.
 
@@ -115,7 +120,7 @@ class Mask:
         chunk = max(1, CHUNK_ELEMENTS // max(1, B * heads * S))
         for start in range(0, L, chunk):
             index = torch.arange(start, min(L, start + chunk), device=dev)
-            part = self.dense(B, heads, L, S, dev, rows=index)  # (B|1, H|1, R|1, S|1)
+            part = self.dense(B, H, L, S, dev, rows=index)[:, :heads]  # (B|1, H|1, R|1, S|1)
             rows[:, :, index] = part.any(-1)
             keys |= part.any(-2)
         return rows, keys
@@ -198,7 +203,7 @@ class Mask:
         """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden."""
         S = L if S is None else S
         B = self.batch_size or 1
-        grid = self.materialize(B, head + 1, L, S)[batch, head]  # (L, S)
+        grid = self.materialize(B, self.num_heads or head + 1, L, S)[batch, head]  # (L, S)
         return "\n".join(" ".join(ALLOWED if x else HIDDEN for x in row) for row in grid.tolist())
 
     def describe(self) -> str:
@@ -477,6 +482,10 @@ class _Combine(Mask):
     def batch_size(self) -> int | None:
         return _batch_of(*(p.batch_size for p in self.parts))
 
+    @property
+    def num_heads(self) -> int | None:
+        return next((n for p in self.parts if (n := p.num_heads) is not None), None)
+
     def check(self, B: int, H: int, L: int, S: int) -> None:
         for part in self.parts:
             part.check(B, H, L, S)
@@ -541,6 +550,10 @@ class _Not(Mask):
     @property
     def batch_size(self) -> int | None:
         return self.inner.batch_size
+
+    @property
+    def num_heads(self) -> int | None:
+        return self.inner.num_heads
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
         self.inner.check(B, H, L, S)
