@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -100,8 +102,12 @@ class MultiHeadAttention(nn.Module):
 
     `num_kv_heads` < `num_heads` shares each K/V head among H / Hkv query heads (GQA;
     1 is MQA). `rope=True` (or a `RotaryEmbedding`) rotates q and k by position, offset
-    by the cache length. Every call goes through `attnkit.attention(..., backend=)`.
+    by the cache length. Every call goes through `attnkit.attention(..., backend=)`, or,
+    with `context` set (`attnkit.distributed.parallelize`), through context-parallel
+    attention over a sequence sharded across processes (self-attention, no cache).
     """
+
+    context: Any = None  # an attnkit.distributed.ContextParallel, or None
 
     def __init__(
         self,
@@ -135,7 +141,7 @@ class MultiHeadAttention(nn.Module):
         self.rope = RotaryEmbedding(self.head_dim) if rope is True else (rope or None)
 
     def project(
-        self, query: Tensor, key: Tensor, value: Tensor, offset: int = 0
+        self, query: Tensor, key: Tensor, value: Tensor, offset: int | Tensor = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, H, L, hd), k and v (B, Hkv, S, hd): projected, split and rotated."""
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, L, hd)
@@ -159,6 +165,8 @@ class MultiHeadAttention(nn.Module):
         With a `cache`, the new keys/values are appended and attended with the cached
         ones: pass `causal(align="bottom_right")` so query i sees keys up to its position.
         """
+        if self.context is not None:
+            return self._context_forward(query, key, value, mask, cache)
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
@@ -170,6 +178,32 @@ class MultiHeadAttention(nn.Module):
             q, k, v, mask, dropout_p=self.dropout if self.training else 0.0, backend=self.backend
         )  # (B, H, L, hd)
         projected: Tensor = self.out_proj(merge_heads(out))  # (B, L, E)
+        return projected
+
+    def _context_forward(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        mask: Mask | Tensor | None,
+        cache: KVCache | None,
+    ) -> Tensor:
+        """This rank's rows (B, L/P, E) of a sequence sharded by `self.context`."""
+        if key is not None or value is not None or cache is not None:
+            raise ValueError(
+                "context parallelism shards one sequence for self-attention: call the module "
+                "with the query rows only (no key, value or cache), or set .context = None."
+            )
+        if self.training and self.dropout > 0:
+            raise ValueError(
+                f"context-parallel attention has no dropout; build the module with dropout=0 "
+                f"(it has {self.dropout}) or call .eval()."
+            )
+        self._check_inputs(query, query, query)
+        positions = self.context.positions(query.shape[1]).to(query.device)
+        q, k, v = self.project(query, query, query, positions)
+        out = self.context.attention(q, k, v, mask)  # (B, H, L/P, hd)
+        projected: Tensor = self.out_proj(merge_heads(out))  # (B, L/P, E)
         return projected
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:

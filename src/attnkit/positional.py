@@ -24,7 +24,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding of q and k (the "rotate half" layout of GPT-NeoX/LLaMA).
 
     `rope(q, k, offset=0)` rotates both (B, H, L, head_dim) tensors by positions
-    `offset ... offset + L - 1` (a module passes its KV-cache length as `offset`).
+    `offset ... offset + L - 1` (a module passes its KV-cache length as `offset`), or by
+    the (L,) tensor of positions `offset` (a context-parallel shard's global positions).
     """
 
     inv_freq: Tensor
@@ -45,20 +46,29 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # (L, head_dim)
         return emb.cos(), emb.sin()
 
-    def rotate(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate (..., L, head_dim) by positions offset .. offset + L - 1."""
+    def rotate(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """Rotate (..., L, head_dim) by positions offset .. offset + L - 1, or by the (L,)
+        positions `offset`."""
         if x.shape[-1] != self.head_dim:
             raise ShapeContractError(
                 f"RotaryEmbedding was built for head_dim={self.head_dim}, got x with last dim "
                 f"{x.shape[-1]}."
             )
-        positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
+        if isinstance(offset, Tensor):
+            if offset.shape != (x.shape[-2],):
+                raise ShapeContractError(
+                    f"RotaryEmbedding: positions of shape {tuple(offset.shape)} for x with "
+                    f"L={x.shape[-2]} rows; pass one position per row, ({x.shape[-2]},)."
+                )
+            positions = offset.to(x.device)
+        else:
+            positions = torch.arange(offset, offset + x.shape[-2], device=x.device)
         cos, sin = self.angles(positions)  # (L, head_dim)
         half = self.head_dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
-    def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
         return self.rotate(q, offset), self.rotate(k, offset)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,58 @@
+"""`ContextParallel`: run a model's `MultiHeadAttention` modules over a sharded sequence.
+
+    cp = akd.ContextParallel(layout="zigzag")
+    akd.parallelize(model, cp)                  # every MultiHeadAttention in it
+    logits_local = model(akd.shard(tokens, cp.layout, dim=1))
+
+Each rank feeds its rows of the sequence (`shard(..., dim=1)` of (B, L) tokens); the
+modules rotate q and k by the rows' global positions (RoPE) and attend over the whole
+sequence with `attnkit.distributed.attention`. Everything outside attention works per
+token, so it needs no change; sum the parameter gradients over the group after the
+backward pass (each rank's loss is its rows' share of the global loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from attnkit.distributed.comm import group_of
+from attnkit.distributed.layout import Layout
+from attnkit.masks import Mask
+
+__all__ = ["ContextParallel", "parallelize"]
+
+
+class ContextParallel:
+    """Where a module's rows lie (group, layout) and how to attend (strategy)."""
+
+    def __init__(self, group: Any = None, layout: str = "zigzag", strategy: str = "auto") -> None:
+        self.group, self.layout, self.strategy = group, layout, strategy
+
+    def positions(self, rows: int) -> Tensor:
+        """Global positions of this rank's `rows` local rows: (rows,)."""
+        g = group_of(self.group)
+        return Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None) -> Tensor:
+        from attnkit.distributed import attention
+
+        return attention(
+            q, k, v, mask, group=self.group, layout=self.layout, strategy=self.strategy
+        )
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(layout={self.layout!r}, strategy={self.strategy!r})"
+
+
+def parallelize(model: nn.Module, context: ContextParallel | None = None) -> nn.Module:
+    """Set `context` (a default `ContextParallel()` if None) on every `MultiHeadAttention`
+    in `model` (set a module's `.context = None` to undo). Returns `model`."""
+    from attnkit.modules import MultiHeadAttention
+
+    context = ContextParallel() if context is None else context
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.context = context
+    return model

@@ -1,0 +1,127 @@
+"""One rank's queries against one rank's keys: the piece every strategy computes.
+
+A rank's rows are one or two chunks of the global sequence (`Layout`), so a piece is at
+most four rectangles of the global problem, each an ordinary `attnkit` call with the
+global mask seen through a `window`. A rectangle no query of which sees a key (from the
+mask's key spans) is skipped, and a pair of ranks with no such rectangle exchanges
+nothing. Partial results merge exactly through their log-sum-exp (`Accumulator`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.distributed.layout import Layout, Span
+from attnkit.functional import attention_with_lse
+from attnkit.masks import Mask
+from attnkit.masks.window import window
+from attnkit.precision import compute_dtype
+
+__all__ = ["Accumulator", "Problem"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The global problem every rank shares: sizes, mask, layout and score options."""
+
+    mask: Mask | None
+    B: int
+    H: int
+    Hkv: int
+    D: int
+    Dv: int
+    layout: Layout
+    scale: float | None
+    softcap: float | None
+
+    @property
+    def P(self) -> int:
+        return self.layout.P
+
+    @property
+    def L(self) -> int:
+        return self.layout.L
+
+    def rectangles(self, r: int, s: int) -> list[tuple[Span, Span, Mask | None]]:
+        """(local rows of r, local keys of s, mask) of each rectangle where some query of
+        rank r may see some key of rank s."""
+        found = []
+        for lq, gq in self.layout.local_chunks(r):
+            for lk, gk in self.layout.local_chunks(s):
+                part = self._window(gq, gk)
+                if part is None or _sees_some(part, self.B, gq[1] - gq[0], gk[1] - gk[0]):
+                    found.append((lq, lk, part))
+        return found
+
+    def _window(self, rows: Span, cols: Span) -> Mask | None:
+        if self.mask is None:
+            return None
+        return window(self.mask, H=self.H, L=self.L, S=self.L, rows=rows, cols=cols)
+
+    def needs(self) -> list[list[bool]]:
+        """`needs[r][s]`: some query of rank r may see some key of rank s."""
+        return [[bool(self.rectangles(r, s)) for s in range(self.P)] for r in range(self.P)]
+
+    def pairs(self, r: int, s: int) -> int:
+        """Query-key pairs (per batch row and head, the most of any batch row) rank r's
+        queries may see among rank s's keys, from the key spans: the work of a piece."""
+        total = 0
+        for (q0, q1), (k0, k1), part in self.rectangles(r, s):
+            if part is None:
+                total += (q1 - q0) * (k1 - k0)
+                continue
+            index = torch.arange(q1 - q0)
+            lo, hi = part.key_bounds(self.B, q1 - q0, k1 - k0, index, index)  # (B|1, n)
+            total += int((hi - lo).clamp(min=0).sum(-1).max())
+        return total
+
+    def piece(self, r: int, s: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Rank r's queries `q` (B, H, n, D) against rank s's `k`, `v` (B, Hkv, n, D|Dv):
+        out (B, H, n, Dv) in the compute dtype and lse (B, H, n), `-inf` where unseen."""
+        outs, lses = [], []
+        for lq, _ in self.layout.local_chunks(r):  # each chunk of rows merges its rectangles
+            acc = Accumulator(q.shape[0], self.H, lq[1] - lq[0], self.Dv, q)
+            for (q0, q1), (k0, k1), part in self.rectangles(r, s):
+                if (q0, q1) == lq:
+                    acc.add(*attention_with_lse(
+                        q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], part,
+                        scale=self.scale, softcap=self.softcap,
+                    ))  # fmt: skip
+            outs.append(acc.out)
+            lses.append(acc.lse)
+        return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def _sees_some(mask: Mask, B: int, L: int, S: int) -> bool:
+    """Some row of the rectangle may see some key, from the key spans (loose: a span
+    may hold only hidden keys, then the piece computes zeros)."""
+    zero = torch.zeros(1, dtype=torch.long)
+    lo, hi = mask.key_bounds(B, L, S, zero, zero + L - 1)  # (B|1, 1)
+    return bool((hi > lo).any())
+
+
+class Accumulator:
+    """Attention over disjoint key sets merged as they come: a running output and
+    log-sum-exp in the compute dtype (float32 for half inputs), exact at every step."""
+
+    def __init__(self, B: int, H: int, n: int, Dv: int, like: Tensor) -> None:
+        dtype = compute_dtype(like.dtype)
+        self.out = like.new_zeros(B, H, n, Dv, dtype=dtype)  # (B, H, n, Dv)
+        self.lse = like.new_full((B, H, n), -math.inf, dtype=dtype)  # (B, H, n)
+
+    def add(self, out: Tensor, lse: Tensor) -> None:
+        """Merge attention over more keys: `out` (B, H, n, Dv), `lse` (B, H, n)."""
+        lse = lse.to(self.lse.dtype)
+        empty = (self.lse == -math.inf) & (lse == -math.inf)  # (B, H, n): nothing seen yet
+        zero = torch.zeros_like(lse)
+        # logaddexp on safe inputs where both are -inf: its gradient there is NaN otherwise
+        both = torch.logaddexp(torch.where(empty, zero, self.lse), torch.where(empty, zero, lse))
+        new = torch.where(empty, -math.inf, both)
+        safe = torch.where(empty, zero, new)
+        keep, take = torch.exp(self.lse - safe), torch.exp(lse - safe)  # 0 at -inf
+        self.out = self.out * keep[..., None] + out.to(safe.dtype) * take[..., None]
+        self.lse = new

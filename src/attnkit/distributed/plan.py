@@ -1,0 +1,117 @@
+"""Which strategy serves a context-parallel call, what each would send, and why.
+
+Estimates are per rank, forward pass, from sizes and the mask's key spans alone:
+- `ring` sends this rank's K/V shard to each rank whose queries see some of its keys;
+- `allgather` sends it to every other rank (and holds every shard: O(S) memory);
+- `ulysses` sends (P-1)/P of its q, k, v, output and lse through two all-to-alls; it
+  needs the K/V heads to split over the ranks.
+`auto` takes the fewest bytes from the busiest rank (every rank must choose the same);
+on a tie the ring (it overlaps transfers with compute and holds O(S/P) memory), then
+allgather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attnkit.distributed.pieces import Problem
+from attnkit.distributed.strategies import STRATEGIES
+
+__all__ = ["ContextPlan", "plan_context"]
+
+
+@dataclass
+class ContextPlan:
+    """What `attnkit.distributed.attention` would do on this rank, computed without
+    running it."""
+
+    strategy: str
+    rank: int
+    world_size: int
+    layout: str
+    bytes_sent: dict[str, int | None]  # per strategy; None where it cannot serve
+    reasons: dict[str, str | None]  # per strategy: why not chosen (None: chosen)
+    needs: list[list[bool]]  # needs[r][s]: rank r's queries see some of rank s's keys
+    pairs: list[int] = field(default_factory=list)  # query-key pairs against each shard
+
+    @property
+    def skipped(self) -> int:
+        """(rank, shard) pairs that exchange and compute nothing."""
+        return sum(not n for row in self.needs for n in row)
+
+    @property
+    def peers(self) -> list[int]:
+        """Ranks this rank's K/V shard goes to under the ring."""
+        return [d for d in range(self.world_size) if d != self.rank and self.needs[d][self.rank]]
+
+    def __str__(self) -> str:
+        lines = [
+            f"context parallel: strategy {self.strategy!r}, rank {self.rank} of "
+            f"{self.world_size}, layout {self.layout!r}",
+            f"  skipped (rank, shard) pairs: {self.skipped} of {self.world_size**2}; "
+            f"this rank's K/V goes to ranks {self.peers or 'none'}",
+            "  work against each shard (query-key pairs per batch row and head): "
+            + ", ".join(f"{s}: {p}" for s, p in enumerate(self.pairs)),
+        ]
+        for name in STRATEGIES:
+            sent = self.bytes_sent[name]
+            amount = "cannot serve" if sent is None else f"{sent / 2**20:.2f} MiB sent"
+            why = self.reasons[name]
+            lines.append(
+                f"  {'*' if why is None else ' '} {name:<9} {amount:<16} {why or 'chosen'}"
+            )
+        return "\n".join(lines)
+
+
+def plan_context(
+    problem: Problem, rank: int, strategy: str, kv_bytes: int, q_bytes: int, out_bytes: int
+) -> ContextPlan:
+    """The plan for `strategy` ("auto" or a name): `kv_bytes` is one rank's packed K/V
+    shard, `q_bytes` its queries, `out_bytes` its output and lse."""
+    if strategy not in (*STRATEGIES, "auto"):
+        raise ValueError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}.")
+    P = problem.P
+    needs = problem.needs()
+
+    def ring_bytes(rank: int) -> int:
+        return kv_bytes * sum(needs[d][rank] for d in range(P) if d != rank)
+
+    sent: dict[str, int | None] = {
+        "ring": ring_bytes(rank),
+        "allgather": kv_bytes * (P - 1),
+        "ulysses": (q_bytes + kv_bytes + out_bytes) * (P - 1) // P,
+    }
+    # every rank must choose alike (or they wait on each other forever): by the busiest
+    # rank's bytes, which every rank computes the same
+    busiest = {**sent, "ring": max(ring_bytes(s) for s in range(P))}
+    refused: dict[str, str] = {}
+    if problem.Hkv % P:
+        sent["ulysses"] = None
+        refused["ulysses"] = (
+            f"shards heads: Hkv={problem.Hkv} K/V heads do not split over P={P} ranks "
+            "(use ring or allgather, or a group whose size divides Hkv)"
+        )
+    if strategy != "auto" and strategy in refused:
+        raise ValueError(f"strategy {strategy!r} cannot serve this call: it {refused[strategy]}.")
+    chosen = strategy
+    if strategy == "auto":
+        chosen = min(
+            (n for n in STRATEGIES if sent[n] is not None),
+            key=lambda n: (busiest[n], STRATEGIES.index(n)),
+        )
+    reasons: dict[str, str | None] = {}
+    for name in STRATEGIES:
+        if name == chosen:
+            reasons[name] = None
+        elif name in refused:
+            reasons[name] = refused[name]
+        elif strategy != "auto":
+            reasons[name] = f"strategy={strategy!r} was asked for"
+        else:
+            reasons[name] = (
+                f"sends more than {chosen} (from the busiest rank)"
+                if busiest[name] != busiest[chosen]
+                else f"sends as much as {chosen}, which comes first: ring, allgather, ulysses"
+            )
+    pairs = [problem.pairs(rank, s) for s in range(P)]
+    return ContextPlan(chosen, rank, P, problem.layout.name, sent, reasons, needs, pairs)
