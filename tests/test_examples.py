@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,13 @@ def test_transformers_example_trains_with_both_implementations(capsys):
     assert [r["batch"] for r in rows] == ["packed", "padded", "unpadded"]
     assert all(r["loss_diff"] < 1e-4 and r["attnkit_tokens_s"] > 0 for r in rows)
     assert "| packed |" in capsys.readouterr().out
+
+
+def test_context_parallel_example_matches_one_process():
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "context_parallel.py"), "--steps", "2", "--block", "32",
+         "--batch", "2", "--world", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "losses match" in run.stdout and "strategy 'ring'" in run.stdout
