@@ -152,12 +152,15 @@ def _cases():
 
 
 def _backend_cases():
-    """Every backend on every case; `blockwise` (the reference's math, as slow) only on
-    sizes under 1000 in `make test`, on all in `make test-slow`."""
+    """Every backend on every case. In `make test`, sizes over 1000 skip `blockwise` (the
+    reference's math, as slow) and `reference` in half precision (its half path is the
+    same code at every size; the small sizes check it); `make test-slow` runs them all."""
     for backend in ("reference", "sdpa", "tiled", "blockwise"):
         for case in _cases():
-            size = case.values[3]
-            slow = backend == "blockwise" and max(size) > 1000
+            size, half = case.values[3], case.values[0] in (torch.float16, torch.bfloat16)
+            slow = max(size) > 1000 and (
+                backend == "blockwise" or (backend == "reference" and half)
+            )
             marks = [*case.marks, pytest.mark.slow] if slow else list(case.marks)
             yield pytest.param(backend, *case.values, marks=marks, id=f"{case.id}-{backend}")
 
