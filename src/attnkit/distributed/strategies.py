@@ -69,8 +69,9 @@ class _KeysToQueries(torch.autograd.Function):
         r = group.rank
         acc = Accumulator(q.shape[0], problem.H, q.shape[2], problem.Dv, q)
         kept: dict[int, _Piece] = {}
+        grad = any(ctx.needs_input_grad[:3])
         for s, kv in _fetch(strategy, group, needs, _pack(k, v), _FORWARD):
-            if s == r or strategy == "allgather":
+            if grad and (s == r or strategy == "allgather"):
                 kept[s] = piece = _Piece(problem, r, s, q, kv)
                 acc.add(piece.out.detach(), piece.lse.detach())
             else:
