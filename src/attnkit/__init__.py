@@ -11,7 +11,7 @@ from attnkit.contracts import (
     attention_score_elements,
     check_attention_contract,
 )
-from attnkit.errors import MaskError, ShapeContractError
+from attnkit.errors import MaskError, OutOfBlocksError, ShapeContractError
 from attnkit.functional import attention, attention_probs, attention_with_lse, explain
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import (
@@ -29,6 +29,7 @@ from attnkit.masks import (
     sliding_window,
 )
 from attnkit.modules import MultiHeadAttention, SingleHeadAttention
+from attnkit.paged import PagedKVCache, PagedLayer, Step, paged_attention
 from attnkit.planner import Plan
 from attnkit.positional import RotaryEmbedding, alibi, alibi_bias, alibi_slopes
 from attnkit.reference import (
@@ -46,10 +47,14 @@ __all__ = [
     "Mask",
     "MaskError",
     "MultiHeadAttention",
+    "OutOfBlocksError",
+    "PagedKVCache",
+    "PagedLayer",
     "Plan",
     "RotaryEmbedding",
     "ShapeContractError",
     "SingleHeadAttention",
+    "Step",
     "alibi",
     "alibi_bias",
     "alibi_slopes",
@@ -74,6 +79,7 @@ __all__ = [
     "masked_softmax",
     "merge_heads",
     "or_masks",
+    "paged_attention",
     "prefix_lm",
     "scaled_dot_product_attention",
     "sliding_window",

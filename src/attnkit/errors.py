@@ -1,12 +1,14 @@
-"""The two error types of attnkit.
+"""The error types of attnkit.
 
-Both subclass `ValueError`, so code that already catches `ValueError` keeps working.
-Every message names the argument, what was expected, what was given, and the fix.
+The two about arguments subclass `ValueError`, so code that already catches `ValueError`
+keeps working; `OutOfBlocksError` is a `RuntimeError` (the arguments are fine, the pool
+is full). Every message names the argument, what was expected, what was given, and the
+fix.
 """
 
 from __future__ import annotations
 
-__all__ = ["MaskError", "ShapeContractError"]
+__all__ = ["MaskError", "OutOfBlocksError", "ShapeContractError"]
 
 
 class ShapeContractError(ValueError):
@@ -15,3 +17,7 @@ class ShapeContractError(ValueError):
 
 class MaskError(ValueError):
     """A mask is malformed: wrong dtype, ambiguous convention, bad lengths or windows."""
+
+
+class OutOfBlocksError(RuntimeError):
+    """A `PagedKVCache` step needs more free blocks than the pool has; nothing changed."""

@@ -13,6 +13,7 @@ from attnkit.errors import MaskError, ShapeContractError
 from attnkit.functional import attention
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import Mask
+from attnkit.paged import PagedLayer
 from attnkit.positional import RotaryEmbedding
 from attnkit.reference import build_attention_mask, build_causal_mask, scaled_dot_product_attention
 
@@ -158,15 +159,20 @@ class MultiHeadAttention(nn.Module):
         value: Tensor | None = None,
         *,
         mask: Mask | Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedLayer | None = None,
     ) -> Tensor:
         """query (B, L, E); key (B, S, kdim) and value (B, S, vdim) default to query.
 
         With a `cache`, the new keys/values are appended and attended with the cached
         ones: pass `causal(align="bottom_right")` so query i sees keys up to its position.
+        With `cache=pages.layer(step, i)` (a `PagedKVCache`), query is the step's new
+        tokens of many sequences packed as (1, T, E); each attends causally to its own
+        sequence (mask None or `sliding_window(left)`), RoPE by position in its sequence.
         """
         if self.context is not None:
             return self._context_forward(query, key, value, mask, cache)
+        if isinstance(cache, PagedLayer):
+            return self._paged_forward(query, key, value, mask, cache)
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
@@ -180,13 +186,38 @@ class MultiHeadAttention(nn.Module):
         projected: Tensor = self.out_proj(merge_heads(out))  # (B, L, E)
         return projected
 
+    def _paged_forward(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        mask: Mask | Tensor | None,
+        cache: PagedLayer,
+    ) -> Tensor:
+        """A step's new tokens of many sequences, packed as (1, T, E), on a paged cache."""
+        if key is not None or value is not None:
+            raise ValueError("a paged cache serves self-attention: call with the query only.")
+        self._check_inputs(query, query, query)
+        if query.shape[0] != 1:
+            raise ShapeContractError(
+                f"with a paged cache, query holds the step's tokens packed as (1, T, E); "
+                f"got {tuple(query.shape)}."
+            )
+        if mask is not None and not isinstance(mask, Mask):
+            raise MaskError("with a paged cache, mask is None or sliding_window(left).")
+        positions = cache.step.positions().to(query.device)  # (T,): RoPE by sequence position
+        q, k, v = (t[0].transpose(0, 1) for t in self.project(query, query, query, positions))
+        out = cache.attend(q, k, v, mask)  # (T, H, hd)
+        projected: Tensor = self.out_proj(merge_heads(out.transpose(0, 1)[None]))  # (1, T, E)
+        return projected
+
     def _context_forward(
         self,
         query: Tensor,
         key: Tensor | None,
         value: Tensor | None,
         mask: Mask | Tensor | None,
-        cache: KVCache | None,
+        cache: KVCache | PagedLayer | None,
     ) -> Tensor:
         """This rank's rows (B, L/P, E) of a sequence sharded by `self.context`."""
         if key is not None or value is not None or cache is not None:

@@ -1,0 +1,283 @@
+"""PagedKVCache and paged_attention against a float64 dense reference: every new token
+attends to its own sequence's history (causal, bottom-right; optionally a window),
+whatever the step mix, the physical block order, forks and reuse."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit as ak
+
+D, DV, HKV = 8, 6, 2
+
+
+def dense(q, keys, values, start, left=None, scale=None):
+    """q (n, H, D) at positions start.. over keys (S, Hkv, D): the float64 formula."""
+    n, H, _ = q.shape
+    G = H // keys.shape[1]
+    k = keys.double().repeat_interleave(G, 1).transpose(0, 1)  # (H, S, D)
+    v = values.double().repeat_interleave(G, 1).transpose(0, 1)  # (H, S, Dv)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q.double().transpose(0, 1) @ k.mT * scale  # (H, n, S)
+    i = torch.arange(n)[:, None] + start
+    j = torch.arange(keys.shape[0])[None, :]
+    visible = (j <= i) & (j >= i - left if left is not None else True)
+    weights = torch.softmax(scores.masked_fill(~visible, -torch.inf), -1)
+    return (weights @ v).transpose(0, 1)  # (n, H, Dv)
+
+
+class World:
+    """A PagedKVCache beside dense histories of every sequence; runs steps on both."""
+
+    def __init__(self, H=4, layers=2, num_blocks=64, block_size=4, dtype=torch.float64, seed=0):
+        self.pages = ak.PagedKVCache(
+            layers, HKV, D, num_blocks=num_blocks, block_size=block_size, value_dim=DV, dtype=dtype
+        )
+        self.H, self.layers, self.dtype = H, layers, dtype
+        self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.g = torch.Generator().manual_seed(seed)
+
+    def add(self):
+        seq = self.pages.add()
+        self.history[seq] = [(torch.zeros(0, HKV, D), torch.zeros(0, HKV, DV))] * self.layers
+        return seq
+
+    def fork(self, seq):
+        child = self.pages.fork(seq)
+        self.history[child] = list(self.history[seq])
+        return child
+
+    def run(self, ids, counts, left=None, tol=1e-12):
+        """One step: random new tokens, paged_attention on every layer, compared."""
+        step = self.pages.step(ids, counts)
+        T = sum(counts)
+        mask = None if left is None else ak.sliding_window(left)
+        outs = []
+        for layer in range(self.layers):
+            q, k, v = (torch.randn(T, h, d, generator=self.g, dtype=torch.float64)
+                       for h, d in ((self.H, D), (HKV, D), (HKV, DV)))  # fmt: skip
+            out = ak.paged_attention(
+                *(t.to(self.dtype) for t in (q, k, v)), self.pages, step, layer, mask
+            )
+            assert out.shape == (T, self.H, DV) and out.dtype == self.dtype
+            t = 0
+            for seq, n in zip(ids, counts, strict=True):
+                keys, values = self.history[seq][layer]
+                keys, values = torch.cat([keys, k[t : t + n]]), torch.cat([values, v[t : t + n]])
+                self.history[seq] = [
+                    *self.history[seq][:layer],
+                    (keys, values),
+                    *self.history[seq][layer + 1 :],
+                ]
+                want = dense(q[t : t + n], keys, values, keys.shape[0] - n, left)
+                torch.testing.assert_close(out[t : t + n].double(), want, atol=tol, rtol=tol)
+                t += n
+            outs.append(out)
+        for seq in ids:
+            assert self.pages.length(seq) == self.history[seq][0][0].shape[0]
+        return outs
+
+
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("n", [1, 4, 5, 13])  # 1, block_size, block_size + 1, several blocks
+def test_prefill_with_no_history_then_decode(G, n):
+    world = World(H=HKV * G)
+    s = world.add()
+    world.run([s], [n])
+    for _ in range(3):
+        world.run([s], [1])
+
+
+def test_a_step_mixes_prefill_chunked_prefill_and_decode_of_many_sequences():
+    world = World()
+    a, b, c = world.add(), world.add(), world.add()
+    world.run([a, b], [7, 1])
+    world.run([a, b, c], [1, 6, 11])  # decode, chunked prefill (unaligned), prefill
+    world.run([c, a, b], [3, 1, 1])  # any order of sequences in a step
+    world.run([b], [0])  # a sequence with nothing new
+
+
+def test_chunked_prefill_at_unaligned_points_equals_one_shot_prefill():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(23, h, d, generator=g, dtype=torch.float64)
+        for h, d in ((4, D), (HKV, D), (HKV, DV))
+    )
+    outs = {}
+    for split in ([23], [5, 13, 5], [1, 3, 9, 10]):
+        pages = ak.PagedKVCache(
+            1, HKV, D, num_blocks=16, block_size=4, value_dim=DV, dtype=torch.float64
+        )
+        s, parts, t = pages.add(), [], 0
+        for n in split:
+            step = pages.step([s], [n])
+            parts.append(
+                ak.paged_attention(q[t : t + n], k[t : t + n], v[t : t + n], pages, step, 0)
+            )
+            t += n
+        outs[tuple(split)] = torch.cat(parts)
+    first = outs[(23,)]
+    for out in outs.values():
+        torch.testing.assert_close(out, first, atol=1e-13, rtol=0)
+
+
+@pytest.mark.parametrize("left", [0, 3, 5, 9])
+def test_sliding_windows_crossing_block_boundaries(left):
+    world = World(block_size=4)
+    a, b = world.add(), world.add()
+    world.run([a, b], [10, 3], left=left)
+    for _ in range(6):
+        world.run([a, b], [1, 2], left=left)
+
+
+def test_the_physical_order_of_blocks_changes_nothing():
+    results = []
+    for shuffle in (False, True):
+        world = World(num_blocks=40, seed=5)
+        if shuffle:
+            random.Random(1).shuffle(world.pages._free)
+        a, b = world.add(), world.add()
+        outs = world.run([a, b], [9, 14]) + world.run([a, b], [1, 3])
+        results.append(outs)
+        if shuffle:
+            assert world.pages.block_table(a) != sorted(world.pages.block_table(a))
+    for x, y in zip(*results, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-13, rtol=0)
+
+
+def test_fork_shares_blocks_and_divergent_appends_leave_the_sibling_unchanged():
+    world = World(block_size=4)
+    pages = world.pages
+    s = world.add()
+    world.run([s], [6])  # blocks: one full, one half full
+    used = pages.num_blocks - pages.free_blocks
+    c = world.fork(s)
+    assert pages.num_blocks - pages.free_blocks == used  # no memory until they diverge
+    assert pages.block_table(c) == pages.block_table(s) and pages.length(c) == 6
+    assert all(pages.ref_count(b) == 2 for b in pages.block_table(s))
+    shared_full, shared_partial = pages.block_table(s)
+    world.run([c], [1])  # the child writes: its partial block is copied first
+    assert pages.block_table(c)[0] == shared_full and pages.block_table(c)[1] != shared_partial
+    assert pages.ref_count(shared_partial) == 1 and pages.ref_count(shared_full) == 2
+    world.run([s, c], [3, 2])  # both go on: each sees only its own tokens (checked in run)
+    world.run([s], [1])
+    pages.remove(c)
+    assert pages.ref_count(shared_full) == 1
+
+
+def test_remove_and_reuse_never_leave_stale_lengths_or_keys():
+    world = World(num_blocks=6, block_size=4)
+    a = world.add()
+    world.run([a], [20])
+    assert world.pages.free_blocks == 1
+    world.pages.remove(a)
+    assert world.pages.free_blocks == 6
+    with pytest.raises(KeyError, match="no sequence"):
+        world.pages.length(a)
+    b = world.add()
+    assert world.pages.length(b) == 0 and world.pages.block_table(b) == []
+    world.run([b], [3])  # reuses a's blocks: sees only its own 3 tokens (checked in run)
+    world.run([b], [1])
+
+
+def test_out_of_blocks_is_a_typed_error_that_changes_nothing():
+    world = World(num_blocks=5, block_size=4)
+    pages = world.pages
+    a, b = world.add(), world.add()
+    world.run([a, b], [6, 4])
+    c, d = world.fork(a), world.fork(a)  # three share a's partial block: a and c copy it
+    before = {s: (pages.length(s), pages.block_table(s)) for s in pages.sequences}
+    refs = [pages.ref_count(i) for i in range(pages.num_blocks)]
+    free, version = pages.free_blocks, pages.version
+    with pytest.raises(ak.OutOfBlocksError, match=r"needs 3 free blocks .* 2 are free"):
+        pages.step([a, b, c, d], [1, 1, 1, 1])  # and b grows
+    assert {s: (pages.length(s), pages.block_table(s)) for s in pages.sequences} == before
+    assert [pages.ref_count(i) for i in range(pages.num_blocks)] == refs
+    assert pages.free_blocks == free and pages.version == version
+    world.run([a, c, d], [1, 1, 1])  # a and c copy, d writes in place: 2 blocks, they fit
+    assert pages.free_blocks == 0
+
+
+def test_bfloat16_pages_follow_the_float64_formula_within_half_precision():
+    world = World(dtype=torch.bfloat16)
+    a, b = world.add(), world.add()
+    world.run([a, b], [9, 2], tol=3e-2)
+    world.run([a, b], [1, 1], tol=3e-2)
+
+
+def test_bad_calls_are_refused_with_a_reason():
+    pages = ak.PagedKVCache(1, HKV, D, num_blocks=4, value_dim=DV)
+    s = pages.add()
+    step = pages.step([s], [2])
+    q, k, v = torch.randn(2, 4, D), torch.randn(2, HKV, D), torch.randn(2, HKV, DV)
+    with pytest.raises(ak.ShapeContractError, match=r"k must be \(2, 2, 8\)"):
+        ak.paged_attention(q, k[:, :1], v, pages, step, 0)
+    with pytest.raises(TypeError, match=r"cache holds torch\.float32"):
+        ak.paged_attention(q.double(), k, v, pages, step, 0)
+    with pytest.raises(ak.MaskError, match="sliding_window\\(left\\)"):
+        ak.paged_attention(q, k, v, pages, step, 0, ak.causal())
+    with pytest.raises(IndexError, match="layer 1"):
+        ak.paged_attention(q, k, v, pages, step, 1)
+    pages.add()
+    with pytest.raises(ValueError, match="stale"):
+        ak.paged_attention(q, k, v, pages, step, 0)
+    with pytest.raises(ValueError, match="repeat a sequence"):
+        pages.step([s, s], [1, 1])
+    with pytest.raises(ValueError, match="positive int"):
+        ak.PagedKVCache(1, HKV, D, num_blocks=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from("afrs"), st.integers(0, 9), st.integers(0, 7)), max_size=40)
+)
+def test_allocator_invariants_hold_after_any_sequence_of_operations(ops):
+    pages = ak.PagedKVCache(1, 1, 2, num_blocks=12, block_size=3)
+    for op, pick, n in ops:
+        live = pages.sequences
+        try:
+            if op == "a" or not live:
+                pages.add()
+            elif op == "f":
+                pages.fork(live[pick % len(live)])
+            elif op == "r":
+                pages.remove(live[pick % len(live)])
+            else:
+                pages.step([live[pick % len(live)]], [n])
+        except ak.OutOfBlocksError:
+            pass
+        held = [b for s in pages.sequences for b in pages.block_table(s)]
+        for block in range(pages.num_blocks):
+            assert pages.ref_count(block) == held.count(block)  # counts are exact
+        used = sum(pages.ref_count(b) > 0 for b in range(pages.num_blocks))
+        assert used + pages.free_blocks == pages.num_blocks  # free + used = total
+        assert not set(pages._free) & set(held) and len(set(pages._free)) == len(pages._free)
+        for s in pages.sequences:
+            assert len(pages.block_table(s)) == math.ceil(pages.length(s) / pages.block_size)
+
+
+def test_multi_head_attention_on_pages_equals_one_kv_cache_per_sequence():
+    torch.manual_seed(0)
+    mha = ak.MultiHeadAttention(16, 4, num_kv_heads=2, rope=True).double()
+    pages = ak.PagedKVCache(1, 2, 4, num_blocks=16, block_size=4, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randn(1, n, 16, generator=g, dtype=torch.float64) for n in (5, 9, 1)]
+    caches = [ak.KVCache() for _ in prompts]
+    ids = [pages.add() for _ in prompts]
+    want = [mha(p, mask=ak.causal(), cache=c) for p, c in zip(prompts, caches, strict=True)]
+    step = pages.step(ids, [p.shape[1] for p in prompts])
+    got = mha(torch.cat(prompts, 1), cache=pages.layer(step, 0))
+    torch.testing.assert_close(got, torch.cat(want, 1), atol=1e-12, rtol=0)
+    for _ in range(3):  # decode: one token each, and a chunk for the last sequence
+        new = [torch.randn(1, n, 16, generator=g, dtype=torch.float64) for n in (1, 1, 3)]
+        bottom_right = ak.causal(align="bottom_right")
+        want = [mha(x, mask=bottom_right, cache=c) for x, c in zip(new, caches, strict=True)]
+        step = pages.step(ids, [x.shape[1] for x in new])
+        got = mha(torch.cat(new, 1), cache=pages.layer(step, 0))
+        torch.testing.assert_close(got, torch.cat(want, 1), atol=1e-12, rtol=0)
