@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gpt import TinyGPT, python_docs
+from tiny_gpt import TinyGPT, encode, python_docs
 
 import attnkit as ak
 import attnkit.distributed as akd
@@ -37,10 +37,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 def batches(args: argparse.Namespace) -> tuple[list[tuple[Tensor, Tensor]], int]:
     """The training batches every run sees: (tokens, targets), each (batch, block)."""
-    text = python_docs()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text])
+    data, chars = encode(python_docs())
     g = torch.Generator().manual_seed(0)
     out = []
     for _ in range(args.steps):

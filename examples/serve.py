@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gpt import TinyGPT, python_docs
+from tiny_gpt import TinyGPT, encode, python_docs
 
 import attnkit as ak
 
@@ -145,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-steps", type=int, default=150)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    text = python_docs()
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text])
+    data, chars = encode(python_docs())
     model = TinyGPT(len(chars), dim=64, layers=2).double()
     train(model, data, args.train_steps)
     model.eval()

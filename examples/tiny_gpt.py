@@ -64,6 +64,13 @@ def python_docs() -> str:
     return "\n\n".join(dict.fromkeys(parts))  # unique, in order
 
 
+def encode(text: str) -> tuple[Tensor, list[str]]:
+    """The text as a tensor of character ids, and the characters (sorted)."""
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([stoi[c] for c in text]), chars
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
         super().__init__()
@@ -161,9 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(0)
 
     text = python_docs()
-    chars = sorted(set(text))
+    data, chars = encode(text)
     stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text])
     chunks = data[: len(data) // 1000 * 1000].view(-1, 1000)  # every 10th chunk validates
     held_out = torch.arange(len(chunks)) % 10 == 0
     train, val = chunks[~held_out].flatten(), chunks[held_out].flatten()
