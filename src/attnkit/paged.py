@@ -22,12 +22,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.errors import MaskError, OutOfBlocksError, ShapeContractError
 from attnkit.functional import attention
 from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.kinds import _SlidingWindow
+from attnkit.precision import compute_dtype
 
 __all__ = ["PagedKVCache", "PagedLayer", "Step", "paged_attention"]
 
@@ -280,14 +282,58 @@ def paged_attention(
     left = _window_of(mask)
     _check_paged(q, k, v, pages, step, layer)
     _write(pages, step, layer, k, v)
-    outs, t = [], 0
-    for n, start, table in zip(step.counts, step.starts, step.tables, strict=True):
-        if n:
-            outs.append(_attend(q[t : t + n], pages, layer, table, start, n, left, scale, softcap))
-        t += n
+    firsts = [0, *torch.tensor(step.counts).cumsum(0).tolist()]  # each sequence's first row
+    outs: dict[int, Tensor] = {}
+    if softcap is None:  # decode tokens: one gather, one fused call each (no planning)
+        rows = [i for i, n in enumerate(step.counts) if n == 1]
+        outs.update(
+            zip(rows, _decode(q, pages, step, layer, rows, firsts, left, scale), strict=True)
+        )
+    for i, (n, start, table) in enumerate(zip(step.counts, step.starts, step.tables, strict=True)):
+        if n and i not in outs:
+            t = firsts[i]
+            outs[i] = _attend(q[t : t + n], pages, layer, table, start, n, left, scale, softcap)
     if not outs:
         return q.new_zeros(0, q.shape[1], pages.value_dim)
-    return torch.cat(outs)  # (T, H, Dv)
+    return torch.cat([outs[i] for i in sorted(outs)])  # (T, H, Dv)
+
+
+def _decode(
+    q: Tensor,
+    pages: PagedKVCache,
+    step: Step,
+    layer: int,
+    rows: list[int],
+    firsts: list[int],
+    left: int | None,
+    scale: float | None,
+) -> list[Tensor]:
+    """One new token of each sequence `rows`: (1, H, Dv) each. Their keys are gathered in
+    one `index_select`; every token sees all of its gathered keys, so each is one SDPA
+    call without a mask, its G query heads as G rows against their shared K/V head (GQA
+    reads each K/V head once)."""
+    if not rows:
+        return []
+    spans = []
+    for i in rows:
+        start = step.starts[i]
+        spans.append((0 if left is None else max(0, start - left), start + 1))
+    slots = torch.cat(
+        [pages.slots(step.tables[i], lo, hi) for i, (lo, hi) in zip(rows, spans, strict=True)]
+    )
+    work = compute_dtype(q.dtype)
+    keys = pages.keys[layer].index_select(0, slots).to(work)  # (N, Hkv, D)
+    values = pages.values[layer].index_select(0, slots).to(work)  # (N, Hkv, Dv)
+    Hkv, G = pages.num_kv_heads, q.shape[1] // pages.num_kv_heads
+    outs, at = [], 0
+    for i, (lo, hi) in zip(rows, spans, strict=True):
+        k_i = keys[at : at + hi - lo].permute(1, 0, 2)[None]  # (1, Hkv, S_i, D)
+        v_i = values[at : at + hi - lo].permute(1, 0, 2)[None]  # (1, Hkv, S_i, Dv)
+        q_i = q[firsts[i]].to(work).view(1, Hkv, G, -1)  # (1, Hkv, G, D): heads as rows
+        out = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale)  # (1, Hkv, G, Dv)
+        outs.append(out.reshape(1, Hkv * G, -1).to(q.dtype))
+        at += hi - lo
+    return outs
 
 
 def _attend(
