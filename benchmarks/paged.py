@@ -31,13 +31,13 @@ from timing import round_robin
 import attnkit as ak
 from attnkit.paged import _write
 
-B, H, HKV, D, BLOCK = 32, 8, 2, 64, 16
+H, HKV, D, BLOCK = 8, 2, 64, 16
 RESULTS = Path(__file__).parent / "results"
 
 
-def workload(dtype: torch.dtype, steps: int, seed: int = 0) -> dict[str, object]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(128, 4097, (B,), generator=g).tolist()
+def workload(dtype: torch.dtype, steps: int, B: int, longest: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(min(128, longest), longest + 1, (B,), generator=g).tolist()
     keys = [torch.randn(n, HKV, D, generator=g).to(dtype) for n in lengths]
     values = [torch.randn(n, HKV, D, generator=g).to(dtype) for n in lengths]
     q = torch.randn(B, H, D, generator=g).to(dtype)
@@ -45,7 +45,7 @@ def workload(dtype: torch.dtype, steps: int, seed: int = 0) -> dict[str, object]
 
 
 def padded(w: dict) -> tuple:  # type: ignore[type-arg]
-    S = max(w["lengths"])
+    S, B = max(w["lengths"]), len(w["lengths"])
     k = torch.zeros(B, HKV, S, D, dtype=w["q"].dtype)
     v = torch.zeros_like(k)
     for b, (kb, vb) in enumerate(zip(w["keys"], w["values"], strict=True)):
@@ -62,7 +62,7 @@ def padded(w: dict) -> tuple:  # type: ignore[type-arg]
 def per_sequence(w: dict) -> tuple:  # type: ignore[type-arg]
     caches = [(kb.transpose(0, 1)[None].contiguous(), vb.transpose(0, 1)[None].contiguous())
               for kb, vb in zip(w["keys"], w["values"], strict=True)]  # fmt: skip
-    qs = [w["q"][b][None, :, None] for b in range(B)]  # (1, H, 1, D) each
+    qs = [w["q"][b][None, :, None] for b in range(len(w["lengths"]))]  # (1, H, 1, D) each
     mask = ak.causal(align="bottom_right")
 
     def call() -> None:
@@ -76,6 +76,7 @@ def paged(w: dict) -> tuple:  # type: ignore[type-arg]
     need = sum(-(-(n + w["steps"] + 8) // BLOCK) for n in w["lengths"])
     pages = ak.PagedKVCache(1, HKV, D, num_blocks=need, block_size=BLOCK, dtype=w["q"].dtype)
     random.Random(0).shuffle(pages._free)  # blocks of a sequence scattered over the pool
+    B = len(w["lengths"])
     ids = [pages.add() for _ in range(B)]
     step = pages.step(ids, w["lengths"])
     _write(pages, step, 0, torch.cat(w["keys"]), torch.cat(w["values"]))
@@ -89,16 +90,17 @@ def paged(w: dict) -> tuple:  # type: ignore[type-arg]
     return call, held
 
 
-def measure(dtype: torch.dtype, repeats: int) -> dict[str, object]:
-    w = workload(dtype, steps=repeats + 2)
+def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, object]:
+    w = workload(dtype, args.repeats + 2, args.sequences, args.longest)
     tokens = sum(w["lengths"])
     stored = tokens * HKV * 2 * D * w["q"].element_size()
     calls, memory = {}, {}
     for name, make in (("padded sdpa", padded), ("kvcache", per_sequence), ("paged", paged)):
         calls[name], memory[name] = make(w)
-    times = round_robin(calls, repeats)
+    times = round_robin(calls, args.repeats)
     return {
-        "dtype": str(dtype)[6:], "tokens_stored": tokens, "bytes_stored": stored,
+        "dtype": str(dtype)[6:], "sequences": args.sequences, "longest": args.longest,
+        "tokens_stored": tokens, "bytes_stored": stored,
         "seconds": times, "held_bytes": memory,
     }  # fmt: skip
 
@@ -106,7 +108,8 @@ def measure(dtype: torch.dtype, repeats: int) -> dict[str, object]:
 def markdown(cpu: dict, rows: list[dict]) -> str:  # type: ignore[type-arg]
     units = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
     lines = [
-        f"CPU: {cpu['model']} ({units}); {B} sequences, lengths 128-4096, H={H}, Hkv={HKV}, "
+        f"CPU: {cpu['model']} ({units}); {rows[0]['sequences']} sequences, lengths 128 to "
+        f"{rows[0]['longest']}, H={H}, Hkv={HKV}, "
         f"D={D}, blocks of {BLOCK}; median decode step.",
         "",
         "| dtype | peer | step (ms) | tokens/s | × padded sdpa | K/V held / stored |",
@@ -117,7 +120,8 @@ def markdown(cpu: dict, rows: list[dict]) -> str:  # type: ignore[type-arg]
         for name, t in r["seconds"].items():
             held = r["held_bytes"][name] / r["bytes_stored"]
             lines.append(
-                f"| {r['dtype']} | {name} | {t * 1e3:.2f} | {B / t:.0f} | {base / t:.2f} | "
+                f"| {r['dtype']} | {name} | {t * 1e3:.2f} | {r['sequences'] / t:.0f} | "
+                f"{base / t:.2f} | "
                 f"{held:.2f} |"
             )
     return "\n".join(lines) + "\n"
@@ -128,10 +132,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--longest", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     cpu = cpu_description()
-    rows = [measure(dtype, args.repeats) for dtype in (torch.float32, torch.bfloat16)]
+    rows = [measure(dtype, args) for dtype in (torch.float32, torch.bfloat16)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "paged.json").write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))
     table = markdown(cpu, rows)

@@ -80,3 +80,32 @@ def test_budget_predicts_by_s_squared_and_skips_only_peers():
     reason = budget.refusal(big, "fwd", "sdpa")
     assert reason is not None and "16 s" in reason and "S=256" in reason
     assert budget.refusal(big, "fwd", "auto") is None  # auto always runs
+
+
+def test_paged_bench_compares_three_ways_of_decoding(tmp_path):
+    script = BENCH.parent / "paged.py"
+    args = ["--repeats", "2", "--sequences", "4", "--longest", "64", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    assert all(set(r["seconds"]) == {"padded sdpa", "kvcache", "paged"} for r in rows)
+    assert "| float32 | paged |" in (tmp_path / "paged.md").read_text()
+
+
+def test_context_parallel_bench_runs_every_strategy(tmp_path):
+    script = BENCH.parent / "context_parallel.py"
+    args = ["--sizes", "256", "--worlds", "1", "2", "--patterns", "causal", "documents",
+            "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "context_parallel.json").read_text())["rows"]
+    assert {(r["world"], r["strategy"]) for r in rows} >= {
+        (1, "single"),
+        (2, "ring"),
+        (2, "ulysses"),
+    }
+    aligned = [r for r in rows if r["world"] == 2 and r["pattern"] == "documents"]
+    assert all(r["bytes_sent"] == 0 for r in aligned if r["strategy"] == "ring")
