@@ -69,6 +69,11 @@ def test_the_plan_skips_pairs_the_mask_never_connects_and_auto_takes_the_fewest_
     assert plan.reasons["ring"] is None and "sends more" in plan.reasons["allgather"]
     everyone = _problem(None, Hkv=4)  # no mask: every pair; ulysses sends the least here
     assert plan_context(everyone, 0, "auto", 100, 10, 10).strategy == "ulysses"
+    # ulysses where it can serve, unless the ring sends less than half of its bytes
+    assert plan_context(_problem(None, P=2, Hkv=4), 0, "auto", 100, 100, 100).strategy == "ulysses"
+    narrow = _problem(ak.sliding_window(3), Hkv=4)  # the ring: 100 bytes from the busiest rank
+    assert plan_context(narrow, 0, "auto", 100, 300, 300).strategy == "ring"  # ulysses 525
+    assert plan_context(narrow, 0, "auto", 100, 50, 50).strategy == "ulysses"  # ulysses 150
 
 
 def test_ulysses_refuses_heads_that_do_not_split_and_unknown_strategies_are_named():

@@ -104,6 +104,7 @@ class PagedKVCache:
         self._lengths: dict[int, int] = {}
         self._next_id = 0
         self.version = 0
+        self._scratch: dict[tuple[str, torch.dtype], Tensor] = {}  # gather buffers, reused
 
     @property
     def dtype(self) -> torch.dtype:
@@ -184,6 +185,33 @@ class PagedKVCache:
         self.version += 1
         tables = tuple(tuple(self._tables[seq]) for seq in ids)
         return Step(tuple(ids), tuple(counts), starts, tables, self.version)
+
+    def gather(
+        self, layer: int, slots: Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Keys (N, Hkv, D) and values (N, Hkv, Dv) of `slots` in `layer`, in `dtype`.
+
+        They land in buffers the cache keeps (grown as needed), so a decode step does not
+        allocate (and fault in) fresh memory for every gather; the result is valid until
+        the next gather.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        out = []
+        for name, store in (("k", self.keys), ("v", self.values)):
+            raw = self._buffer(name, store.dtype, slots.numel(), store.shape[2:])
+            torch.index_select(store[layer], 0, slots, out=raw)
+            if dtype != store.dtype:
+                raw = self._buffer(name, dtype, slots.numel(), store.shape[2:]).copy_(raw)
+            out.append(raw)
+        return out[0], out[1]
+
+    def _buffer(self, name: str, dtype: torch.dtype, n: int, tail: torch.Size) -> Tensor:
+        found = self._scratch.get((name, dtype))
+        if found is None or found.shape[0] < n:
+            rows = max(n, 0 if found is None else 2 * found.shape[0])
+            found = torch.empty(rows, *tail, dtype=dtype, device=self.device)
+            self._scratch[(name, dtype)] = found
+        return found[:n]
 
     def layer(self, step: Step, layer: int) -> PagedLayer:
         """What a `MultiHeadAttention` of `layer` takes as `cache=` to run this step."""
@@ -322,8 +350,7 @@ def _decode(
         [pages.slots(step.tables[i], lo, hi) for i, (lo, hi) in zip(rows, spans, strict=True)]
     )
     work = compute_dtype(q.dtype)
-    keys = pages.keys[layer].index_select(0, slots).to(work)  # (N, Hkv, D)
-    values = pages.values[layer].index_select(0, slots).to(work)  # (N, Hkv, Dv)
+    keys, values = pages.gather(layer, slots, work)  # (N, Hkv, D), (N, Hkv, Dv)
     Hkv, G = pages.num_kv_heads, q.shape[1] // pages.num_kv_heads
     outs, at = [], 0
     for i, (lo, hi) in zip(rows, spans, strict=True):

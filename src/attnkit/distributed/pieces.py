@@ -109,19 +109,37 @@ class Accumulator:
     log-sum-exp in the compute dtype (float32 for half inputs), exact at every step."""
 
     def __init__(self, B: int, H: int, n: int, Dv: int, like: Tensor) -> None:
-        dtype = compute_dtype(like.dtype)
-        self.out = like.new_zeros(B, H, n, Dv, dtype=dtype)  # (B, H, n, Dv)
-        self.lse = like.new_full((B, H, n), -math.inf, dtype=dtype)  # (B, H, n)
+        self.shape, self.like = (B, H, n, Dv), like
+        self._out: Tensor | None = None  # (B, H, n, Dv)
+        self._lse: Tensor | None = None  # (B, H, n)
+
+    @property
+    def out(self) -> Tensor:
+        if self._out is None:
+            return self.like.new_zeros(self.shape, dtype=compute_dtype(self.like.dtype))
+        return self._out
+
+    @property
+    def lse(self) -> Tensor:
+        if self._lse is None:
+            dtype = compute_dtype(self.like.dtype)
+            return self.like.new_full(self.shape[:3], -math.inf, dtype=dtype)
+        return self._lse
 
     def add(self, out: Tensor, lse: Tensor) -> None:
         """Merge attention over more keys: `out` (B, H, n, Dv), `lse` (B, H, n)."""
-        lse = lse.to(self.lse.dtype)
-        empty = (self.lse == -math.inf) & (lse == -math.inf)  # (B, H, n): nothing seen yet
+        dtype = compute_dtype(self.like.dtype)
+        out, lse = out.to(dtype), lse.to(dtype)
+        if self._out is None or self._lse is None:  # the first part is the result so far
+            self._out, self._lse = out, lse
+            return
+        old_out, old_lse = self._out, self._lse
+        empty = (old_lse == -math.inf) & (lse == -math.inf)  # (B, H, n): nothing seen yet
         zero = torch.zeros_like(lse)
         # logaddexp on safe inputs where both are -inf: its gradient there is NaN otherwise
-        both = torch.logaddexp(torch.where(empty, zero, self.lse), torch.where(empty, zero, lse))
+        both = torch.logaddexp(torch.where(empty, zero, old_lse), torch.where(empty, zero, lse))
         new = torch.where(empty, -math.inf, both)
         safe = torch.where(empty, zero, new)
-        keep, take = torch.exp(self.lse - safe), torch.exp(lse - safe)  # 0 at -inf
-        self.out = self.out * keep[..., None] + out.to(safe.dtype) * take[..., None]
-        self.lse = new
+        keep, take = torch.exp(old_lse - safe), torch.exp(lse - safe)  # 0 at -inf
+        self._out = old_out * keep[..., None] + out * take[..., None]
+        self._lse = new

@@ -70,12 +70,12 @@ class _KeysToQueries(torch.autograd.Function):
         acc = Accumulator(q.shape[0], problem.H, q.shape[2], problem.Dv, q)
         kept: dict[int, _Piece] = {}
         grad = any(ctx.needs_input_grad[:3])
-        for s, kv in _fetch(strategy, group, needs, _pack(k, v), _FORWARD):
+        for s, k_s, v_s in _fetch(strategy, group, needs, k, v, _FORWARD):
             if grad and (s == r or strategy == "allgather"):
-                kept[s] = piece = _Piece(problem, r, s, q, kv)
+                kept[s] = piece = _Piece(problem, r, s, q, k_s, v_s)
                 acc.add(piece.out.detach(), piece.lse.detach())
             else:
-                acc.add(*problem.piece(r, s, q, *_unpack(kv, problem.D)))
+                acc.add(*problem.piece(r, s, q, k_s, v_s))
         ctx.save_for_backward(q, k, v, acc.out, acc.lse)
         ctx.problem, ctx.group, ctx.strategy, ctx.needs, ctx.kept = (
             problem, group, strategy, needs, kept
@@ -91,20 +91,20 @@ class _KeysToQueries(torch.autograd.Function):
         dout = dout.to(out.dtype)
         dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
         dq = q.new_zeros(q.shape, dtype=out.dtype)  # (B, H, n, D), compute dtype
-        returns = _Returns(ctx.strategy, group, needs, _pack(k, v), out.dtype)
+        returns = _Returns(ctx.strategy, group, needs, k, v, out.dtype)
 
         def take(s: int, piece: _Piece) -> None:
             nonlocal dq
-            dq_s, dkv_s = piece.grads(out, lse, dout, dlse)
+            dq_s, dk_s, dv_s = piece.grads(out, lse, dout, dlse)
             dq = dq + dq_s
-            returns.add(s, dkv_s)
+            returns.add(s, dk_s, dv_s)
 
         for s, piece in kept.items():
             take(s, piece)
         if ctx.strategy == "ring":  # every rank takes part: its peers need its K/V again
-            for s, kv in _fetch("ring", group, needs, _pack(k, v), _BACKWARD):
+            for s, k_s, v_s in _fetch("ring", group, needs, k, v, _BACKWARD):
                 if s not in kept:
-                    take(s, _Piece(problem, r, s, q, kv))
+                    take(s, _Piece(problem, r, s, q, k_s, v_s))
         dkv = returns.finish()
         dk, dv = dkv[..., :D].to(k.dtype), dkv[..., D:].to(v.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None, None
@@ -113,27 +113,29 @@ class _KeysToQueries(torch.autograd.Function):
 class _Piece:
     """One piece computed with its autograd graph, on leaves of its own."""
 
-    def __init__(self, problem: Problem, r: int, s: int, q: Tensor, kv: Tensor) -> None:
+    def __init__(self, problem: Problem, r: int, s: int, q: Tensor, k: Tensor, v: Tensor) -> None:
         with torch.enable_grad():
-            self.q = q.detach().requires_grad_()
-            self.kv = kv.detach().requires_grad_()
-            k, v = _unpack(self.kv, problem.D)
-            self.out, self.lse = problem.piece(r, s, self.q, k, v)  # (B, H, n, Dv), (B, H, n)
+            self.leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            self.out, self.lse = problem.piece(r, s, *self.leaves)  # (B, H, n, Dv), (B, H, n)
 
-    def grads(self, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor) -> tuple[Tensor, Tensor]:
-        """dq and the packed dk|dv of this piece in the whole result: out = Σ_s w_s·out_s
+    def grads(
+        self, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv of this piece in the whole result: out = Σ_s w_s·out_s
         with w_s = exp(lse_s - lse), so out_s gets w_s·dout and lse_s gets
         w_s·(⟨dout, out_s - out⟩ + dlse)."""
         finite = torch.isfinite(lse)
         w = torch.where(finite, torch.exp(self.lse.detach() - torch.where(finite, lse, 0)), 0)
         g_out = w[..., None] * dout
         g_lse = w * ((dout * (self.out.detach() - out)).sum(-1) + dlse)
-        leaves = (self.q, self.kv)
-        found = torch.autograd.grad((self.out, self.lse), leaves, (g_out, g_lse), allow_unused=True)
-        dq, dkv = (
-            torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)
+        found = torch.autograd.grad(
+            (self.out, self.lse), self.leaves, (g_out, g_lse), allow_unused=True
         )
-        return dq.to(out.dtype), dkv.to(out.dtype)
+        dq, dk, dv = (
+            (torch.zeros_like(x) if g is None else g).to(out.dtype)
+            for g, x in zip(found, self.leaves, strict=True)
+        )
+        return dq, dk, dv
 
 
 def _pack(k: Tensor, v: Tensor) -> Tensor:
@@ -145,26 +147,28 @@ def _unpack(kv: Tensor, D: int) -> tuple[Tensor, Tensor]:
 
 
 def _fetch(
-    strategy: str, group: Group, needs: list[list[bool]], kv: Tensor, tag: int
-) -> Iterator[tuple[int, Tensor]]:
-    """(s, rank s's packed K/V) for every rank s whose keys this rank's queries need,
-    this rank's own first."""
-    r, P = group.rank, group.size
+    strategy: str, group: Group, needs: list[list[bool]], k: Tensor, v: Tensor, tag: int
+) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """(s, k_s, v_s) of every rank s whose keys this rank's queries need, this rank's own
+    (k, v themselves) first; other shards travel packed as one tensor."""
+    r, P, D = group.rank, group.size, k.shape[-1]
+    yield r, k, v
+    if P == 1:
+        return
+    kv = _pack(k, v)
     if strategy == "allgather":
         shards = all_gather(kv, group)
-        yield r, kv  # (the gathered copy of our own shard is not used)
-        yield from ((s, shards[s]) for s in range(P) if s != r and needs[r][s])
+        yield from ((s, *_unpack(shards[s], D)) for s in range(P) if s != r and needs[r][s])
         return
-    yield r, kv
     sends: list[Any] = []
-    pending = _post(group, needs, kv, 1, tag, sends) if P > 1 else None
+    pending = _post(group, needs, kv, 1, tag, sends)
     for t in range(1, P):
-        assert pending is not None
         recv, src, buf = pending
-        pending = _post(group, needs, kv, t + 1, tag, sends) if t + 1 < P else None
+        if t + 1 < P:  # the next step in flight while this one computes
+            pending = _post(group, needs, kv, t + 1, tag, sends)
         if recv is not None:
             recv.wait()
-            yield src, buf
+            yield (src, *_unpack(buf, D))
     for send in sends:
         send.wait()
 
@@ -185,12 +189,19 @@ class _Returns:
     """Key/value gradients back to the ranks that own them, summed there."""
 
     def __init__(
-        self, strategy: str, group: Group, needs: list[list[bool]], kv: Tensor, dtype: torch.dtype
+        self,
+        strategy: str,
+        group: Group,
+        needs: list[list[bool]],
+        k: Tensor,
+        v: Tensor,
+        dtype: torch.dtype,
     ) -> None:
-        self.strategy, self.group, self.needs = strategy, group, needs
+        self.strategy, self.group, self.needs, self.D = strategy, group, needs, k.shape[-1]
         r, P = group.rank, group.size
-        shape = (P if strategy == "allgather" else 1, *kv.shape)
-        self.total = kv.new_zeros(shape, dtype=dtype)  # (P|1, B, Hkv, n, D + Dv)
+        B, Hkv, n, _ = k.shape
+        shape = (P if strategy == "allgather" and P > 1 else 1, B, Hkv, n, self.D + v.shape[-1])
+        self.total = k.new_zeros(shape, dtype=dtype)  # (P|1, B, Hkv, n, D + Dv)
         self.sends: list[Any] = []
         self.recvs: list[tuple[Any, Tensor]] = []
         if strategy == "ring":  # rank r+t computed our shard's gradient at its step t
@@ -199,17 +210,17 @@ class _Returns:
                     buf = torch.empty_like(self.total[0])
                     self.recvs.append((group.irecv(buf, (r + t) % P, _GRADS + t), buf))
 
-    def add(self, s: int, dkv: Tensor) -> None:
-        r, P = self.group.rank, self.group.size
-        if self.strategy == "allgather":
-            self.total[s] += dkv
-        elif s == r:
-            self.total[0] += dkv
+    def add(self, s: int, dk: Tensor, dv: Tensor) -> None:
+        r, P, D = self.group.rank, self.group.size, self.D
+        if s == r or self.strategy == "allgather":
+            total = self.total[s if self.total.shape[0] > 1 else 0]
+            total[..., :D] += dk
+            total[..., D:] += dv
         else:
-            self.sends.append(self.group.isend(dkv, s, _GRADS + (r - s) % P))
+            self.sends.append(self.group.isend(torch.cat([dk, dv], -1), s, _GRADS + (r - s) % P))
 
     def finish(self) -> Tensor:
-        if self.strategy == "allgather":
+        if self.total.shape[0] > 1:  # allgather: every rank's part, summed where it belongs
             mine = torch.empty_like(self.total[0])
             dist.reduce_scatter(mine, list(self.total.unbind(0)), group=self.group.group)
             return mine
