@@ -198,6 +198,9 @@ class PagedKVCache:
         dtype = self.dtype if dtype is None else dtype
         out = []
         for name, store in (("k", self.keys), ("v", self.values)):
+            if torch.is_grad_enabled() and store.requires_grad:  # out= has no autograd
+                out.append(store[layer].index_select(0, slots).to(dtype))
+                continue
             raw = self._buffer(name, store.dtype, slots.numel(), store.shape[2:])
             torch.index_select(store[layer], 0, slots, out=raw)
             if dtype != store.dtype:
