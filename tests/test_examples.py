@@ -68,7 +68,7 @@ def test_context_parallel_example_matches_one_process():
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "losses match" in run.stdout and "strategy 'ring'" in run.stdout
+    assert "losses match" in run.stdout and "context parallel: strategy 'ulysses'" in run.stdout
 
 
 def test_serve_example_batches_forks_and_matches_kv_cache_decoding():
