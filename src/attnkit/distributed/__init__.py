@@ -126,8 +126,8 @@ def attention_with_lse(
     `attnkit.attention_with_lse` gives it (`-inf` where a row sees nothing)."""
     g = group_of(group)
     problem = _problem(q, k, v, mask, g, layout, scale, softcap)
-    plan = _plan(problem, g, strategy, q, k, v)
-    return run_strategy(plan.strategy, problem, g, q, k, v)
+    plan = _plan(problem, g, strategy, q, k, v, detail=False)
+    return run_strategy(plan.strategy, problem, g, plan.needs, q, k, v)
 
 
 def explain(
@@ -149,13 +149,19 @@ def explain(
 
 
 def _plan(
-    problem: Problem, g: Group, strategy: str, q: Tensor, k: Tensor, v: Tensor
+    problem: Problem,
+    g: Group,
+    strategy: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    detail: bool = True,
 ) -> ContextPlan:
     kv_bytes = k.numel() * k.element_size() * (problem.D + problem.Dv) // max(1, problem.D)
     out_bytes = q.numel() // max(1, problem.D) * (problem.Dv * q.element_size() + 4)
-    return plan_context(
-        problem, g.rank, strategy, kv_bytes, q.numel() * q.element_size(), out_bytes
-    )
+    q_bytes = q.numel() * q.element_size()
+    return plan_context(problem, g.rank, strategy, kv_bytes, q_bytes, out_bytes, detail=detail)
 
 
 def _problem(

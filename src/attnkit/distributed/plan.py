@@ -70,10 +70,18 @@ class ContextPlan:
 
 
 def plan_context(
-    problem: Problem, rank: int, strategy: str, kv_bytes: int, q_bytes: int, out_bytes: int
+    problem: Problem,
+    rank: int,
+    strategy: str,
+    kv_bytes: int,
+    q_bytes: int,
+    out_bytes: int,
+    *,
+    detail: bool = True,
 ) -> ContextPlan:
     """The plan for `strategy` ("auto" or a name): `kv_bytes` is one rank's packed K/V
-    shard, `q_bytes` its queries, `out_bytes` its output and lse."""
+    shard, `q_bytes` its queries, `out_bytes` its output and lse. `detail=False` leaves
+    out the work per shard (a pass over every row's key span: for `explain` only)."""
     if strategy not in (*STRATEGIES, "auto"):
         raise ValueError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}.")
     P = problem.P
@@ -119,7 +127,7 @@ def plan_context(
                 if busiest[name] != busiest[chosen]
                 else f"sends as much as {chosen}, which comes first: ring, allgather, ulysses"
             )
-    pairs = [problem.pairs(rank, s) for s in range(P)]
+    pairs = [problem.pairs(rank, s) for s in range(P)] if detail else []
     return ContextPlan(chosen, rank, P, problem.layout.name, sent, reasons, needs, pairs)
 
 

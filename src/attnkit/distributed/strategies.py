@@ -36,12 +36,18 @@ _FORWARD, _BACKWARD, _GRADS = 0, 1 << 12, 2 << 12  # tag bases of the three exch
 
 
 def run_strategy(
-    strategy: str, problem: Problem, group: Group, q: Tensor, k: Tensor, v: Tensor
+    strategy: str,
+    problem: Problem,
+    group: Group,
+    needs: list[list[bool]],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    """out (B, H, n, Dv) in q's dtype and lse (B, H, n) of this rank's queries."""
+    """out (B, H, n, Dv) in q's dtype and lse (B, H, n) of this rank's queries;
+    `needs[r][s]`: rank r's queries see some of rank s's keys (`Problem.needs`)."""
     if strategy == "ulysses":
         return _ulysses(problem, group, q, k, v)
-    needs = problem.needs()
     out, lse = _KeysToQueries.apply(q, k, v, problem, group, strategy, needs)  # type: ignore[no-untyped-call]
     return out, lse
 
