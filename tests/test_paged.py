@@ -281,3 +281,35 @@ def test_multi_head_attention_on_pages_equals_one_kv_cache_per_sequence():
         step = pages.step(ids, [x.shape[1] for x in new])
         got = mha(torch.cat(new, 1), cache=pages.layer(step, 0))
         torch.testing.assert_close(got, torch.cat(want, 1), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("grad_of", ["q", "qkv"])
+def test_gradients_through_pages_match_the_dense_formula_across_layers(grad_of):
+    """Gathers reuse buffers only when autograd keeps nothing: a later layer's gather
+    used to overwrite what an earlier layer's backward needed (q requiring grad)."""
+    g = torch.Generator().manual_seed(3)
+    f64 = dict(dtype=torch.float64)
+    pages = ak.PagedKVCache(2, HKV, D, num_blocks=16, block_size=4, value_dim=DV, **f64)
+    a, b = pages.add(), pages.add()
+    old = [(torch.randn(9, HKV, D, generator=g, **f64), torch.randn(9, HKV, DV, generator=g, **f64))
+           for _ in range(2)]  # fmt: skip
+    step = pages.step([a, b], [6, 3])
+    for layer, (k, v) in enumerate(old):
+        ak.paged_attention(torch.randn(9, 4, D, **f64), k, v, pages, step, layer)
+    step = pages.step([a, b], [1, 2])  # a decodes, b prefills two more
+    new = [[torch.randn(3, h, d, generator=g, **f64) for h, d in ((4, D), (HKV, D), (HKV, DV))]
+           for _ in range(2)]  # fmt: skip
+    for t in (t for trio in new for t in trio[: 1 if grad_of == "q" else 3]):
+        t.requires_grad_(True)
+    got = [ak.paged_attention(q, k, v, pages, step, i) for i, (q, k, v) in enumerate(new)]
+    want = []
+    for (q, k, v), (k0, v0) in zip(new, old, strict=True):
+        rows_a = dense(q[:1], torch.cat([k0[:6], k[:1]]), torch.cat([v0[:6], v[:1]]), 6)
+        rows_b = dense(q[1:], torch.cat([k0[6:], k[1:]]), torch.cat([v0[6:], v[1:]]), 3)
+        want.append(torch.cat([rows_a, rows_b]))
+    leaves = [t for trio in new for t in trio if t.requires_grad]
+    weight = torch.randn(3, 4, DV, generator=g, **f64)
+    grads = torch.autograd.grad(sum((o * weight).sum() for o in got), leaves)
+    wanted = torch.autograd.grad(sum((o * weight).sum() for o in want), leaves)
+    for x, y in zip(grads, wanted, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-12, rtol=0)

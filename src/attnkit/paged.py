@@ -18,8 +18,10 @@ each new token to its own sequence's history.
 
 from __future__ import annotations
 
+import array
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,21 +31,26 @@ from attnkit.errors import MaskError, OutOfBlocksError, ShapeContractError
 from attnkit.functional import attention
 from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.kinds import _SlidingWindow
-from attnkit.precision import compute_dtype
+from attnkit.precision import kernel_dtype
 
 __all__ = ["PagedKVCache", "PagedLayer", "Step", "paged_attention"]
 
 
 @dataclass(frozen=True)
 class Step:
-    """Room made by `PagedKVCache.step`: the sequences, their new token counts, and where
-    each sequence's history starts and its tokens lie (slots: block · block_size + offset)."""
+    """Room made by `PagedKVCache.step`: the sequences, their new token counts, where each
+    sequence's history starts, and its blocks (a slot is block · block_size + offset)."""
 
     ids: tuple[int, ...]
     counts: tuple[int, ...]
     starts: tuple[int, ...]  # tokens each sequence held before the step
     tables: tuple[tuple[int, ...], ...]  # each sequence's blocks after the step
     version: int  # the cache's version when made: a later change makes it stale
+    # Computed once for every layer of the step, on the cache's device:
+    blocks: Tensor = field(compare=False, repr=False)  # every table, concatenated
+    table_at: tuple[int, ...] = field(compare=False, repr=False)  # where each table begins
+    slots: Tensor = field(compare=False, repr=False)  # (T,): where each new token is written
+    token_positions: Tensor = field(compare=False, repr=False)  # (T,) on the CPU
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +58,11 @@ class Step:
 
     def positions(self) -> Tensor:
         """Each new token's position in its sequence, in step order: (T,) (for RoPE)."""
-        parts = [torch.arange(s, s + n) for s, n in zip(self.starts, self.counts, strict=True)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+        return self.token_positions
+
+    def firsts(self) -> list[int]:
+        """Each sequence's first row in the step's packed tokens."""
+        return [0, *itertools.accumulate(self.counts)][:-1]
 
 
 @dataclass(frozen=True)
@@ -171,8 +181,8 @@ class PagedKVCache:
         """
         ids, counts = list(ids), list(counts)
         self._check_step(ids, counts)
-        refs = dict(enumerate(self._refs))  # as they will be when earlier ids have copied
-        need = sum(self._blocks_needed(seq, n, refs) for seq, n in zip(ids, counts, strict=True))
+        drops: dict[int, int] = {}  # references earlier ids' copies will have dropped
+        need = sum(self._blocks_needed(seq, n, drops) for seq, n in zip(ids, counts, strict=True))
         if need > len(self._free):
             raise OutOfBlocksError(
                 f"this step needs {need} free blocks for {sum(counts)} tokens and "
@@ -184,29 +194,34 @@ class PagedKVCache:
             self._grow(seq, n)
         self.version += 1
         tables = tuple(tuple(self._tables[seq]) for seq in ids)
-        return Step(tuple(ids), tuple(counts), starts, tables, self.version)
+        return Step(
+            tuple(ids),
+            tuple(counts),
+            starts,
+            tables,
+            self.version,
+            *self._layout(starts, counts, tables),
+        )
 
-    def gather(
-        self, layer: int, slots: Tensor, dtype: torch.dtype | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Keys (N, Hkv, D) and values (N, Hkv, Dv) of `slots` in `layer`, in `dtype`.
-
-        They land in buffers the cache keeps (grown as needed), so a decode step does not
-        allocate (and fault in) fresh memory for every gather; the result is valid until
-        the next gather.
-        """
-        dtype = self.dtype if dtype is None else dtype
-        out = []
-        for name, store in (("k", self.keys), ("v", self.values)):
-            if torch.is_grad_enabled() and store.requires_grad:  # out= has no autograd
-                out.append(store[layer].index_select(0, slots).to(dtype))
-                continue
-            raw = self._buffer(name, store.dtype, slots.numel(), store.shape[2:])
-            torch.index_select(store[layer], 0, slots, out=raw)
-            if dtype != store.dtype:
-                raw = self._buffer(name, dtype, slots.numel(), store.shape[2:]).copy_(raw)
-            out.append(raw)
-        return out[0], out[1]
+    def _layout(
+        self, starts: tuple[int, ...], counts: list[int], tables: tuple[tuple[int, ...], ...]
+    ) -> tuple[Tensor, tuple[int, ...], Tensor, Tensor]:
+        """A step's flat block list, where each table begins in it, the slots of its new
+        tokens and their positions: vectorized, once for all the layers."""
+        table_at = [0, *itertools.accumulate(len(t) for t in tables)]
+        flat = array.array("q", itertools.chain.from_iterable(tables))
+        blocks = (
+            torch.frombuffer(flat, dtype=torch.long) if flat else torch.zeros(0, dtype=torch.long)
+        )
+        counted = torch.tensor(counts, dtype=torch.long)
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counted)  # (T,) owner
+        first = counted.cumsum(0) - counted  # each sequence's first row
+        positions = (
+            torch.arange(seq.numel()) - first[seq] + torch.tensor(starts, dtype=torch.long)[seq]
+        )
+        at = torch.tensor(table_at[:-1], dtype=torch.long)[seq] + positions // self.block_size
+        slots = blocks[at] * self.block_size + positions % self.block_size  # (T,)
+        return blocks.to(self.device), tuple(table_at), slots.to(self.device), positions
 
     def _buffer(self, name: str, dtype: torch.dtype, n: int, tail: torch.Size) -> Tensor:
         found = self._scratch.get((name, dtype))
@@ -216,15 +231,37 @@ class PagedKVCache:
             self._scratch[(name, dtype)] = found
         return found[:n]
 
+    def history(
+        self, step: Step, i: int, layer: int, lo: int, hi: int, dtype: torch.dtype, scratch: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Keys (1, Hkv, hi - lo, D) and values (1, Hkv, hi - lo, Dv) of positions [lo, hi)
+        of the step's sequence i in `layer`, in `dtype`.
+
+        Whole blocks are gathered (a block's slots lie side by side: one row of
+        block_size · Hkv · D numbers); with `scratch` they land in buffers the cache keeps
+        and reuses (valid until the next call: no fresh memory faulted in for every
+        sequence, and a sequence's keys stay in cache for the attention that reads them).
+        """
+        bs = self.block_size
+        first = step.table_at[i] + lo // bs
+        blocks = step.blocks[first : step.table_at[i] + -(-hi // bs)]
+        out = []
+        for name, store in (("k", self.keys), ("v", self.values)):
+            rows = store[layer].view(self.num_blocks, -1)  # (blocks, bs · Hkv · D)
+            if scratch:
+                got = self._buffer(name, store.dtype, blocks.numel(), rows.shape[1:])
+                torch.index_select(rows, 0, blocks, out=got)
+                if dtype != store.dtype:
+                    got = self._buffer(name, dtype, blocks.numel(), rows.shape[1:]).copy_(got)
+            else:  # autograd records the gather (out= has no autograd)
+                got = rows.index_select(0, blocks).to(dtype)
+            tokens = got.view(-1, *store.shape[2:])[lo % bs : lo % bs + hi - lo]  # (S, Hkv, D)
+            out.append(tokens.permute(1, 0, 2)[None])
+        return out[0], out[1]
+
     def layer(self, step: Step, layer: int) -> PagedLayer:
         """What a `MultiHeadAttention` of `layer` takes as `cache=` to run this step."""
         return PagedLayer(self, step, layer)
-
-    def slots(self, table: tuple[int, ...] | list[int], start: int, stop: int) -> Tensor:
-        """Slot indices of token positions [start, stop) of a sequence with `table`."""
-        positions = torch.arange(start, stop, device=self.device)
-        blocks = torch.tensor(table, dtype=torch.long, device=self.device)
-        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
     # ------------------------------------------------------------------ internals
 
@@ -242,14 +279,15 @@ class PagedKVCache:
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise ValueError(f"step: count for sequence {seq} must be an int >= 0, got {n!r}.")
 
-    def _blocks_needed(self, seq: int, n: int, refs: dict[int, int]) -> int:
+    def _blocks_needed(self, seq: int, n: int, drops: dict[int, int]) -> int:
         """New blocks `seq` takes for n tokens: to grow, and to copy a shared partial last
         block (whose count drops then, so a sibling writing later needs no copy)."""
         length, table = self._lengths[seq], self._tables[seq]
         grow = math.ceil((length + n) / self.block_size) - len(table)
-        copy = n > 0 and length % self.block_size != 0 and refs[table[-1]] > 1
+        last = table[-1] if table else -1
+        copy = n > 0 and length % self.block_size != 0 and self._refs[last] - drops.get(last, 0) > 1
         if copy:
-            refs[table[-1]] -= 1
+            drops[last] = drops.get(last, 0) + 1
         return grow + int(copy)
 
     def _grow(self, seq: int, n: int) -> None:
@@ -312,80 +350,53 @@ def paged_attention(
     """
     left = _window_of(mask)
     _check_paged(q, k, v, pages, step, layer)
-    _write(pages, step, layer, k, v)
-    firsts = [0, *torch.tensor(step.counts).cumsum(0).tolist()]  # each sequence's first row
-    outs: dict[int, Tensor] = {}
-    if softcap is None:  # decode tokens: one gather, one fused call each (no planning)
-        rows = [i for i, n in enumerate(step.counts) if n == 1]
-        outs.update(
-            zip(rows, _decode(q, pages, step, layer, rows, firsts, left, scale), strict=True)
-        )
-    for i, (n, start, table) in enumerate(zip(step.counts, step.starts, step.tables, strict=True)):
-        if n and i not in outs:
-            t = firsts[i]
-            outs[i] = _attend(q[t : t + n], pages, layer, table, start, n, left, scale, softcap)
+    pages.keys[layer].index_copy_(0, step.slots, k)
+    pages.values[layer].index_copy_(0, step.slots, v)
+    recorded = torch.is_grad_enabled() and (
+        q.requires_grad or pages.keys.requires_grad or pages.values.requires_grad
+    )  # autograd keeps what attention read: no buffer may be reused then
+    work = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
+    outs = []
+    for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
+        if n == 0:
+            continue
+        lo = 0 if left is None else max(0, start - left)  # keys no new query's window reaches
+        decode = n == 1 and softcap is None  # sees every key gathered: no mask to plan
+        dtype = work if decode else pages.dtype
+        keys, values = pages.history(step, i, layer, lo, start + n, dtype, scratch=not recorded)
+        if decode:
+            outs.append(_decode(q[t], keys, values, scale))
+        else:
+            outs.append(_prefill(q[t : t + n], keys, values, start - lo, left, scale, softcap))
     if not outs:
         return q.new_zeros(0, q.shape[1], pages.value_dim)
-    return torch.cat([outs[i] for i in sorted(outs)])  # (T, H, Dv)
+    return torch.cat(outs).to(q.dtype)  # (T, H, Dv)
 
 
-def _decode(
+def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:
+    """One new token q (H, D) over all of keys (1, Hkv, S, D): (1, H, Dv). One fused call
+    without a mask, the G query heads as G rows against their shared K/V head (GQA reads
+    each K/V head once)."""
+    H, Hkv = q.shape[0], keys.shape[1]
+    rows = q.to(keys.dtype).view(1, Hkv, H // Hkv, -1)  # (1, Hkv, G, D)
+    out = F.scaled_dot_product_attention(rows, keys, values, scale=scale)  # (1, Hkv, G, Dv)
+    return out.reshape(1, H, -1)
+
+
+def _prefill(
     q: Tensor,
-    pages: PagedKVCache,
-    step: Step,
-    layer: int,
-    rows: list[int],
-    firsts: list[int],
-    left: int | None,
-    scale: float | None,
-) -> list[Tensor]:
-    """One new token of each sequence `rows`: (1, H, Dv) each. Their keys are gathered in
-    one `index_select`; every token sees all of its gathered keys, so each is one SDPA
-    call without a mask, its G query heads as G rows against their shared K/V head (GQA
-    reads each K/V head once)."""
-    if not rows:
-        return []
-    spans = []
-    for i in rows:
-        start = step.starts[i]
-        spans.append((0 if left is None else max(0, start - left), start + 1))
-    slots = torch.cat(
-        [pages.slots(step.tables[i], lo, hi) for i, (lo, hi) in zip(rows, spans, strict=True)]
-    )
-    work = compute_dtype(q.dtype)
-    keys, values = pages.gather(layer, slots, work)  # (N, Hkv, D), (N, Hkv, Dv)
-    Hkv, G = pages.num_kv_heads, q.shape[1] // pages.num_kv_heads
-    outs, at = [], 0
-    for i, (lo, hi) in zip(rows, spans, strict=True):
-        k_i = keys[at : at + hi - lo].permute(1, 0, 2)[None]  # (1, Hkv, S_i, D)
-        v_i = values[at : at + hi - lo].permute(1, 0, 2)[None]  # (1, Hkv, S_i, Dv)
-        q_i = q[firsts[i]].to(work).view(1, Hkv, G, -1)  # (1, Hkv, G, D): heads as rows
-        out = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scale)  # (1, Hkv, G, Dv)
-        outs.append(out.reshape(1, Hkv * G, -1).to(q.dtype))
-        at += hi - lo
-    return outs
-
-
-def _attend(
-    q: Tensor,
-    pages: PagedKVCache,
-    layer: int,
-    table: tuple[int, ...],
-    start: int,
-    n: int,
+    keys: Tensor,
+    values: Tensor,
+    offset: int,
     left: int | None,
     scale: float | None,
     softcap: float | None,
 ) -> Tensor:
-    """One sequence's n new queries (n, H, D) over its keys [lo, start + n): (n, H, Dv)."""
-    lo = 0 if left is None else max(0, start - left)  # keys no new query's window reaches
-    slots = pages.slots(table, lo, start + n)
-    keys = pages.keys[layer].index_select(0, slots).transpose(0, 1)[None]  # (1, Hkv, S, D)
-    values = pages.values[layer].index_select(0, slots).transpose(0, 1)[None]  # (1, Hkv, S, Dv)
-    offset = start - lo  # query j sits at key position j + offset
+    """n new queries (n, H, D) of one sequence, query j at key position j + offset of
+    keys (1, Hkv, S, D): `attention` (its planner and fused paths), (n, H, Dv)."""
     mask = causal(offset=offset) if left is None else sliding_window(left, offset=offset)
     out = attention(q.transpose(0, 1)[None], keys, values, mask, scale=scale, softcap=softcap)
-    return out[0].transpose(0, 1)  # (n, H, Dv)
+    return out[0].transpose(0, 1)
 
 
 def _window_of(mask: Mask | None) -> int | None:
@@ -402,16 +413,6 @@ def _window_of(mask: Mask | None) -> int | None:
         f"paged_attention takes mask=None (causal within each sequence) or "
         f"sliding_window(left) (a window over each sequence's positions); got {mask}."
     )
-
-
-def _write(pages: PagedKVCache, step: Step, layer: int, k: Tensor, v: Tensor) -> None:
-    slots = [
-        pages.slots(table, start, start + n)
-        for n, start, table in zip(step.counts, step.starts, step.tables, strict=True)
-    ]
-    index = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long, device=pages.device)
-    pages.keys[layer].index_copy_(0, index, k)
-    pages.values[layer].index_copy_(0, index, v)
 
 
 def _check_paged(
