@@ -10,7 +10,10 @@ step (H=8 query heads sharing Hkv=2 K/V heads, D=64, one layer). Side by side:
   then attends), blocks of 16 tokens placed in shuffled order.
 Reported: median time of a decode step, tokens/s, the ratio to padded SDPA, and the
 memory each holds for the keys and values against the tokens stored. float32 and
-bfloat16.
+bfloat16. The machines these run on are shared and their memory bandwidth wanders
+(the same paged step measured 16 to 33 ms in one session), so the whole comparison runs
+`--trials` times on fresh caches: the table gives the median trial and the range of
+the ratio over trials.
 
     python benchmarks/paged.py
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -91,17 +95,21 @@ def paged(w: dict) -> tuple:  # type: ignore[type-arg]
 
 
 def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, object]:
-    w = workload(dtype, args.repeats + 2, args.sequences, args.longest)
+    trials = []
+    for _ in range(args.trials):  # each on fresh caches (a paged one fills as it decodes)
+        w = workload(dtype, args.repeats + 2, args.sequences, args.longest)
+        calls, memory = {}, {}
+        for name, make in (("padded sdpa", padded), ("kvcache", per_sequence), ("paged", paged)):
+            calls[name], memory[name] = make(w)
+        trials.append(round_robin(calls, args.repeats))
     tokens = sum(w["lengths"])
-    stored = tokens * HKV * 2 * D * w["q"].element_size()
-    calls, memory = {}, {}
-    for name, make in (("padded sdpa", padded), ("kvcache", per_sequence), ("paged", paged)):
-        calls[name], memory[name] = make(w)
-    times = round_robin(calls, args.repeats)
+    ratios = {name: sorted(t["padded sdpa"] / t[name] for t in trials) for name in calls}
     return {
         "dtype": str(dtype)[6:], "sequences": args.sequences, "longest": args.longest,
-        "tokens_stored": tokens, "bytes_stored": stored,
-        "seconds": times, "held_bytes": memory,
+        "tokens_stored": tokens, "bytes_stored": tokens * HKV * 2 * D * w["q"].element_size(),
+        "seconds": {name: statistics.median(t[name] for t in trials) for name in calls},
+        "ratio_range": {name: (r[0], r[-1]) for name, r in ratios.items()},
+        "trials": trials, "held_bytes": memory,
     }  # fmt: skip
 
 
@@ -110,19 +118,20 @@ def markdown(cpu: dict, rows: list[dict]) -> str:  # type: ignore[type-arg]
     lines = [
         f"CPU: {cpu['model']} ({units}); {rows[0]['sequences']} sequences, lengths 128 to "
         f"{rows[0]['longest']}, H={H}, Hkv={HKV}, "
-        f"D={D}, blocks of {BLOCK}; median decode step.",
+        f"D={D}, blocks of {BLOCK}; median decode step over {len(rows[0]['trials'])} trials.",
         "",
-        "| dtype | peer | step (ms) | tokens/s | × padded sdpa | K/V held / stored |",
-        "|---|---|---|---|---|---|",
+        "| dtype | peer | step (ms) | tokens/s | × padded sdpa | range over trials | "
+        "K/V held / stored |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = r["seconds"]["padded sdpa"]
         for name, t in r["seconds"].items():
             held = r["held_bytes"][name] / r["bytes_stored"]
+            low, high = r["ratio_range"][name]
             lines.append(
                 f"| {r['dtype']} | {name} | {t * 1e3:.2f} | {r['sequences'] / t:.0f} | "
-                f"{base / t:.2f} | "
-                f"{held:.2f} |"
+                f"{base / t:.2f} | {low:.2f}-{high:.2f} | {held:.2f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -131,7 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=30, help="decode steps a trial times")
+    parser.add_argument("--trials", type=int, default=5, help="comparisons on fresh caches")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--longest", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=RESULTS)

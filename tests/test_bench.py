@@ -84,7 +84,8 @@ def test_budget_predicts_by_s_squared_and_skips_only_peers():
 
 def test_paged_bench_compares_three_ways_of_decoding(tmp_path):
     script = BENCH.parent / "paged.py"
-    args = ["--repeats", "2", "--sequences", "4", "--longest", "64", "--out", str(tmp_path)]
+    args = ["--repeats", "2", "--trials", "2", "--sequences", "4", "--longest", "64",
+            "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
