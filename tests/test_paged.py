@@ -136,6 +136,34 @@ def test_sliding_windows_crossing_block_boundaries(left):
         world.run([a, b], [1, 2], left=left)
 
 
+@pytest.mark.parametrize("left", [0, 3, 6])
+def test_blocks_a_window_left_behind_are_freed_and_attention_is_unchanged(left):
+    world = World(block_size=4, num_blocks=12)
+    pages = world.pages
+    a, b = world.add(), world.add()
+    world.run([a, b], [10, 3], left=left)
+    for _ in range(20):  # far past the pool's 48 slots: only the windows are held
+        for s in (a, b):
+            before = pages.length(s) - left
+            held = [x for x in pages.block_table(s) if x >= 0]
+            freed = pages.release(s, before)
+            assert freed == len(held) - len([x for x in pages.block_table(s) if x >= 0])
+            assert all(x == -1 for x in pages.block_table(s)[: max(before, 0) // 4])  # gone
+        world.run([a, b], [1, 2], left=left)  # equal to the dense window (checked in run)
+        for s in (a, b):  # what is held: the window and the block being written, no more
+            assert len([x for x in pages.block_table(s) if x >= 0]) <= -(-(left + 2) // 4) + 1
+    c = world.fork(a)  # a fork shares what is left
+    world.run([a, c], [1, 1], left=left)
+    step = pages.step([a], [1])  # without the window, a would reach what it released
+    zeros = (torch.zeros(1, h, d, dtype=torch.float64) for h, d in ((4, D), (HKV, D), (HKV, DV)))
+    with pytest.raises(ValueError, match=r"released its keys before position \d+, but causal"):
+        ak.paged_attention(*zeros, pages, step, 0)
+    pages.remove(a)
+    pages.remove(c)
+    pages.remove(b)
+    assert pages.free_blocks == pages.num_blocks
+
+
 def test_the_physical_order_of_blocks_changes_nothing():
     results = []
     for shuffle in (False, True):
@@ -231,11 +259,13 @@ def test_bad_calls_are_refused_with_a_reason():
         pages.step([s, s], [1, 1])
     with pytest.raises(ValueError, match="positive int"):
         ak.PagedKVCache(1, HKV, D, num_blocks=0)
+    with pytest.raises(ValueError, match="int position"):
+        pages.release(s, 1.5)
 
 
 @settings(max_examples=30, deadline=None)
 @given(
-    st.lists(st.tuples(st.sampled_from("afrs"), st.integers(0, 9), st.integers(0, 7)), max_size=40)
+    st.lists(st.tuples(st.sampled_from("afrsd"), st.integers(0, 9), st.integers(0, 7)), max_size=40)
 )
 def test_allocator_invariants_hold_after_any_sequence_of_operations(ops):
     pages = ak.PagedKVCache(1, 1, 2, num_blocks=12, block_size=3)
@@ -248,11 +278,14 @@ def test_allocator_invariants_hold_after_any_sequence_of_operations(ops):
                 pages.fork(live[pick % len(live)])
             elif op == "r":
                 pages.remove(live[pick % len(live)])
+            elif op == "d":
+                seq = live[pick % len(live)]
+                pages.release(seq, pages.length(seq) - n)
             else:
                 pages.step([live[pick % len(live)]], [n])
         except ak.OutOfBlocksError:
             pass
-        held = [b for s in pages.sequences for b in pages.block_table(s)]
+        held = [b for s in pages.sequences for b in pages.block_table(s) if b >= 0]
         for block in range(pages.num_blocks):
             assert pages.ref_count(block) == held.count(block)  # counts are exact
         used = sum(pages.ref_count(b) > 0 for b in range(pages.num_blocks))

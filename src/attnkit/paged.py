@@ -46,6 +46,7 @@ class Step:
     starts: tuple[int, ...]  # tokens each sequence held before the step
     tables: tuple[tuple[int, ...], ...]  # each sequence's blocks after the step
     version: int  # the cache's version when made: a later change makes it stale
+    released: tuple[int, ...]  # each sequence's first position whose keys are kept
     # Computed once for every layer of the step, on the cache's device:
     blocks: Tensor = field(compare=False, repr=False)  # every table, concatenated
     table_at: tuple[int, ...] = field(compare=False, repr=False)  # where each table begins
@@ -112,6 +113,7 @@ class PagedKVCache:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        self._released: dict[int, int] = {}  # leading blocks freed (their table entries: -1)
         self._next_id = 0
         self.version = 0
         self._scratch: dict[tuple[str, torch.dtype], Tensor] = {}  # gather buffers, reused
@@ -137,7 +139,7 @@ class PagedKVCache:
         """A new, empty sequence (it takes no block until a write needs one)."""
         seq = self._next_id
         self._next_id += 1
-        self._tables[seq], self._lengths[seq] = [], 0
+        self._tables[seq], self._lengths[seq], self._released[seq] = [], 0, 0
         self.version += 1
         return seq
 
@@ -147,14 +149,15 @@ class PagedKVCache:
         child = self.add()
         self._tables[child] = list(self._tables[seq])
         self._lengths[child] = self._lengths[seq]
-        for block in self._tables[child]:
+        self._released[child] = self._released[seq]
+        for block in self._tables[child][self._released[seq] :]:
             self._refs[block] += 1
         return child
 
     def remove(self, seq: int) -> None:
         """Forget `seq`; free the blocks no other sequence shares."""
         self._check_id(seq)
-        for block in self._tables.pop(seq):
+        for block in self._tables.pop(seq)[self._released.pop(seq) :]:
             self._release(block)
         del self._lengths[seq]
         self.version += 1
@@ -164,8 +167,26 @@ class PagedKVCache:
         self._check_id(seq)
         return self._lengths[seq]
 
+    def release(self, seq: int, before: int) -> int:
+        """Free `seq`'s blocks that hold only positions before `before` (keys no later
+        query sees: `before = length - left` under `sliding_window(left)`); returns how
+        many blocks this freed (none while before <= 0: a sequence shorter than its
+        window). The block still being written is kept. Attention that reaches a released
+        position is refused afterwards."""
+        self._check_id(seq)
+        if not isinstance(before, int) or isinstance(before, bool):
+            raise ValueError(f"release: before must be an int position, got {before!r}.")
+        table, first = self._tables[seq], self._released[seq]
+        last = max(0, min(before, self._lengths[seq])) // self.block_size  # full, below before
+        for i in range(first, last):
+            self._release(table[i])
+            table[i] = -1
+        self._released[seq] = max(first, last)
+        self.version += 1
+        return max(0, last - first)
+
     def block_table(self, seq: int) -> list[int]:
-        """`seq`'s block ids, in token order."""
+        """`seq`'s block ids, in token order (-1 for blocks `release` freed)."""
         self._check_id(seq)
         return list(self._tables[seq])
 
@@ -190,6 +211,7 @@ class PagedKVCache:
                 "Remove finished sequences, take fewer tokens this step, or make a larger cache."
             )
         starts = tuple(self._lengths[seq] for seq in ids)
+        released = tuple(self._released[seq] * self.block_size for seq in ids)
         for seq, n in zip(ids, counts, strict=True):
             self._grow(seq, n)
         self.version += 1
@@ -200,6 +222,7 @@ class PagedKVCache:
             starts,
             tables,
             self.version,
+            released,
             *self._layout(starts, counts, tables),
         )
 
@@ -350,6 +373,7 @@ def paged_attention(
     """
     left = _window_of(mask)
     _check_paged(q, k, v, pages, step, layer)
+    _check_released(step, left)
     pages.keys[layer].index_copy_(0, step.slots, k)
     pages.values[layer].index_copy_(0, step.slots, v)
     recorded = torch.is_grad_enabled() and (
@@ -413,6 +437,19 @@ def _window_of(mask: Mask | None) -> int | None:
         f"paged_attention takes mask=None (causal within each sequence) or "
         f"sliding_window(left) (a window over each sequence's positions); got {mask}."
     )
+
+
+def _check_released(step: Step, left: int | None) -> None:
+    """No query may reach keys `release` freed."""
+    for seq, start, released in zip(step.ids, step.starts, step.released, strict=True):
+        lo = 0 if left is None else max(0, start - left)
+        if lo < released:
+            reach = "causal attention" if left is None else f"a window of {left}"
+            raise ValueError(
+                f"paged_attention: sequence {seq} released its keys before position "
+                f"{released}, but {reach} reaches position {lo}; release only keys no later "
+                f"query sees (before length - left under sliding_window(left))."
+            )
 
 
 def _check_paged(
