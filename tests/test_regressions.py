@@ -10,6 +10,7 @@ import torch
 
 import attnkit as ak
 from attnkit._compat import flex_attention_module
+from attnkit.softmax import merge_partials
 from fuzz_cases import Case, MaskSpec, RandomDraw, draw_case
 from fuzz_check import FUSED, run_case
 
@@ -282,3 +283,25 @@ def test_seed_functions_put_a_batch_mask_on_the_batch_of_three_dim_inputs():
 
 def test_draw_of_a_mask_with_alibi_shows_its_visibility():
     assert (ak.alibi(4) & ak.causal()).draw(2) == "■ ·\n■ ■"
+
+
+# ------------------- 7. merge_partials: rows no part saw give zero gradients, not NaN
+
+
+def test_merge_partials_of_rows_no_part_saw_has_zero_gradients():
+    """logsumexp of all -inf had a NaN gradient; it reached every part's lse (and q, k
+    behind them) even when only the output was used."""
+    g = torch.Generator().manual_seed(0)
+    outs = [torch.randn(1, 2, 3, 4, generator=g, requires_grad=True) for _ in range(2)]
+    lses = [torch.randn(1, 2, 3, generator=g) for _ in range(2)]
+    for lse in lses:
+        lse[0, 1, 2] = -torch.inf  # head 1, row 2: empty in every part
+    lses[0][0, 0, 0] = -torch.inf  # head 0, row 0: empty in one part only
+    lses = [lse.requires_grad_() for lse in lses]
+    out, lse = merge_partials(outs, lses)
+    assert lse[0, 1, 2] == -torch.inf and (out[0, 1, 2] == 0).all()
+    finite = torch.where(torch.isfinite(lse), lse, 0.0)
+    grads = torch.autograd.grad(out.sum() + finite.sum(), [*outs, *lses])
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    assert all(grad[0, 1, 2].abs().sum() == 0 for grad in grads)
+    assert grads[2][0, 0, 0] == 0 and grads[3][0, 0, 0] != 0  # the seen part carries it

@@ -9,6 +9,8 @@ gradient.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -75,11 +77,13 @@ def merge_partials(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tens
     Part `p` attended its keys with output `outs[p]` (B, H, L, Dv) and log-sum-exp
     `lses[p]` (B, H, L). The union's softmax reweights each part by `exp(lse_p - lse)`,
     `lse = logsumexp_p(lse_p)` (the flash-attention / ring-attention rescaling).
-    Rows empty in every part stay 0 with lse `-inf`.
+    Rows empty in every part stay 0 with lse `-inf`, and their gradients 0 (never NaN).
     """
     stacked = torch.stack(lses)  # (P, B, H, L)
-    lse = torch.logsumexp(stacked, dim=0)  # (B, H, L)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    empty = (stacked == -math.inf).all(0)  # (B, H, L): no part saw a key
+    # logsumexp over safe inputs where every part is -inf: its gradient there is NaN
+    lse = torch.logsumexp(torch.where(empty, 0.0, stacked), dim=0).masked_fill(empty, -math.inf)
+    safe = torch.where(empty, 0.0, lse)
     scale = torch.exp(stacked - safe)  # (P, B, H, L); empty parts give exp(-inf) = 0
     out = sum(s.unsqueeze(-1) * o.to(s.dtype) for s, o in zip(scale, outs, strict=True))
     assert isinstance(out, Tensor)

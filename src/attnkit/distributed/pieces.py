@@ -20,6 +20,7 @@ from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask
 from attnkit.masks.window import window
 from attnkit.precision import compute_dtype
+from attnkit.softmax import merge_partials
 
 __all__ = ["Accumulator", "Problem"]
 
@@ -133,13 +134,4 @@ class Accumulator:
         if self._out is None or self._lse is None:  # the first part is the result so far
             self._out, self._lse = out, lse
             return
-        old_out, old_lse = self._out, self._lse
-        empty = (old_lse == -math.inf) & (lse == -math.inf)  # (B, H, n): nothing seen yet
-        zero = torch.zeros_like(lse)
-        # logaddexp on safe inputs where both are -inf: its gradient there is NaN otherwise
-        both = torch.logaddexp(torch.where(empty, zero, old_lse), torch.where(empty, zero, lse))
-        new = torch.where(empty, -math.inf, both)
-        safe = torch.where(empty, zero, new)
-        keep, take = torch.exp(old_lse - safe), torch.exp(lse - safe)  # 0 at -inf
-        self._out = old_out * keep[..., None] + out * take[..., None]
-        self._lse = new
+        self._out, self._lse = merge_partials([self._out, out], [self._lse, lse])
