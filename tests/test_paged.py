@@ -346,3 +346,40 @@ def test_gradients_through_pages_match_the_dense_formula_across_layers(grad_of):
     wanted = torch.autograd.grad(sum((o * weight).sum() for o in want), leaves)
     for x, y in zip(grads, wanted, strict=True):
         torch.testing.assert_close(x, y, atol=1e-12, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    G=st.sampled_from([1, 4]),
+    left=st.sampled_from([None, 0, 2, 7]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+)
+def test_any_mix_of_operations_attends_like_the_dense_formula(data, block_size, G, left, dtype):
+    """Random adds, forks, removes, releases and steps (prefill, chunks, decode, idle
+    sequences) on a shuffled pool: every output equals the float64 formula."""
+    world = World(H=HKV * G, layers=1, num_blocks=24, block_size=block_size, dtype=dtype)
+    pages, tol = world.pages, 1e-12 if dtype == torch.float64 else 2e-5
+    data.draw(st.randoms(use_true_random=False)).shuffle(pages._free)
+    for _ in range(data.draw(st.integers(1, 14), label="operations")):
+        live = pages.sequences
+        op = data.draw(st.sampled_from("asfrd" if live else "a"), label="op")
+        pick = live[data.draw(st.integers(0, max(len(live) - 1, 0)))] if live else None
+        if op == "a":
+            world.add()
+        elif op == "f":
+            world.fork(pick)
+        elif op == "r":
+            pages.remove(pick)
+        elif op == "d" and left is not None:  # free what the window has left behind
+            pages.release(pick, pages.length(pick) - left)
+        elif op == "s":
+            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, unique=True), label="ids")
+            counts = [data.draw(st.integers(0, 6), label="count") for _ in ids]
+            before = [(pages.length(s), pages.block_table(s)) for s in live], pages.free_blocks
+            try:
+                world.run(ids, counts, left=left, tol=tol)
+            except ak.OutOfBlocksError:
+                assert ([(pages.length(s), pages.block_table(s)) for s in live],
+                        pages.free_blocks) == before  # fmt: skip
