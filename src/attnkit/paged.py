@@ -103,12 +103,12 @@ class PagedKVCache:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_blocks, self.block_size, self.value_dim = num_blocks, block_size, value_dim
         slots = num_blocks * block_size
-        self.keys = torch.zeros(
-            num_layers, slots, num_kv_heads, head_dim, dtype=dtype, device=device
+        # A slot's key and value side by side: one gather reads a block's keys and values.
+        self.pool = torch.zeros(
+            num_layers, slots, num_kv_heads, head_dim + value_dim, dtype=dtype, device=device
         )
-        self.values = torch.zeros(
-            num_layers, slots, num_kv_heads, value_dim, dtype=dtype, device=device
-        )
+        self.keys = self.pool[..., :head_dim]  # (layers, slots, Hkv, D): views of the pool
+        self.values = self.pool[..., head_dim:]  # (layers, slots, Hkv, Dv)
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
         self._tables: dict[int, list[int]] = {}
@@ -116,15 +116,15 @@ class PagedKVCache:
         self._released: dict[int, int] = {}  # leading blocks freed (their table entries: -1)
         self._next_id = 0
         self.version = 0
-        self._scratch: dict[tuple[str, torch.dtype], Tensor] = {}  # gather buffers, reused
+        self._scratch: dict[torch.dtype, Tensor] = {}  # gather buffers, reused
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.keys.dtype
+        return self.pool.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.keys.device
+        return self.pool.device
 
     @property
     def free_blocks(self) -> int:
@@ -246,12 +246,13 @@ class PagedKVCache:
         slots = blocks[at] * self.block_size + positions % self.block_size  # (T,)
         return blocks.to(self.device), tuple(table_at), slots.to(self.device), positions
 
-    def _buffer(self, name: str, dtype: torch.dtype, n: int, tail: torch.Size) -> Tensor:
-        found = self._scratch.get((name, dtype))
+    def _buffer(self, dtype: torch.dtype, n: int, width: int) -> Tensor:
+        """n rows of `width` in `dtype`, from a buffer kept and grown (doubling) as needed."""
+        found = self._scratch.get(dtype)
         if found is None or found.shape[0] < n:
             rows = max(n, 0 if found is None else 2 * found.shape[0])
-            found = torch.empty(rows, *tail, dtype=dtype, device=self.device)
-            self._scratch[(name, dtype)] = found
+            found = torch.empty(rows, width, dtype=dtype, device=self.device)
+            self._scratch[dtype] = found
         return found[:n]
 
     def history(
@@ -260,27 +261,26 @@ class PagedKVCache:
         """Keys (1, Hkv, hi - lo, D) and values (1, Hkv, hi - lo, Dv) of positions [lo, hi)
         of the step's sequence i in `layer`, in `dtype`.
 
-        Whole blocks are gathered (a block's slots lie side by side: one row of
-        block_size · Hkv · D numbers); with `scratch` they land in buffers the cache keeps
-        and reuses (valid until the next call: no fresh memory faulted in for every
-        sequence, and a sequence's keys stay in cache for the attention that reads them).
+        Whole blocks are gathered, keys and values at once (a block's slots lie side by
+        side in the pool: one row of block_size · Hkv · (D + Dv) numbers); with `scratch`
+        they land in a buffer the cache keeps and reuses (valid until the next call: no
+        fresh memory faulted in for every sequence, and a sequence's keys stay in cache
+        for the attention that reads them).
         """
         bs = self.block_size
         first = step.table_at[i] + lo // bs
         blocks = step.blocks[first : step.table_at[i] + -(-hi // bs)]
-        out = []
-        for name, store in (("k", self.keys), ("v", self.values)):
-            rows = store[layer].view(self.num_blocks, -1)  # (blocks, bs · Hkv · D)
-            if scratch:
-                got = self._buffer(name, store.dtype, blocks.numel(), rows.shape[1:])
-                torch.index_select(rows, 0, blocks, out=got)
-                if dtype != store.dtype:
-                    got = self._buffer(name, dtype, blocks.numel(), rows.shape[1:]).copy_(got)
-            else:  # autograd records the gather (out= has no autograd)
-                got = rows.index_select(0, blocks).to(dtype)
-            tokens = got.view(-1, *store.shape[2:])[lo % bs : lo % bs + hi - lo]  # (S, Hkv, D)
-            out.append(tokens.permute(1, 0, 2)[None])
-        return out[0], out[1]
+        rows = self.pool[layer].view(self.num_blocks, -1)  # (blocks, bs · Hkv · (D + Dv))
+        if scratch:
+            got = self._buffer(self.dtype, blocks.numel(), rows.shape[1])
+            torch.index_select(rows, 0, blocks, out=got)
+            if dtype != self.dtype:
+                got = self._buffer(dtype, blocks.numel(), rows.shape[1]).copy_(got)
+        else:  # autograd records the gather (out= has no autograd)
+            got = rows.index_select(0, blocks).to(dtype)
+        tokens = got.view(1, -1, *self.pool.shape[2:])[:, lo % bs : lo % bs + hi - lo]
+        tokens = tokens.transpose(1, 2)  # (1, Hkv, S, D + Dv)
+        return tokens[..., : self.head_dim], tokens[..., self.head_dim :]
 
     def layer(self, step: Step, layer: int) -> PagedLayer:
         """What a `MultiHeadAttention` of `layer` takes as `cache=` to run this step."""
@@ -329,8 +329,7 @@ class PagedKVCache:
     def _copy(self, block: int) -> int:
         new = self._take()
         bs = self.block_size
-        for store in (self.keys, self.values):  # every layer's slots of the block
-            store[:, new * bs : (new + 1) * bs] = store[:, block * bs : (block + 1) * bs]
+        self.pool[:, new * bs : (new + 1) * bs] = self.pool[:, block * bs : (block + 1) * bs]
         self._release(block)
         return new
 
@@ -377,7 +376,7 @@ def paged_attention(
     pages.keys[layer].index_copy_(0, step.slots, k)
     pages.values[layer].index_copy_(0, step.slots, v)
     recorded = torch.is_grad_enabled() and (
-        q.requires_grad or pages.keys.requires_grad or pages.values.requires_grad
+        q.requires_grad or pages.pool.requires_grad
     )  # autograd keeps what attention read: no buffer may be reused then
     work = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
     outs = []
