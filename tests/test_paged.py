@@ -383,3 +383,23 @@ def test_any_mix_of_operations_attends_like_the_dense_formula(data, block_size, 
             except ak.OutOfBlocksError:
                 assert ([(pages.length(s), pages.block_table(s)) for s in live],
                         pages.free_blocks) == before  # fmt: skip
+
+
+def test_strided_inputs_give_the_same_result_as_contiguous_ones():
+    """q, k, v as transposed views (what a module's head split hands over)."""
+    results = []
+    for strided in (False, True):
+        pages = ak.PagedKVCache(1, HKV, D, num_blocks=16, block_size=4, value_dim=DV)
+        g = torch.Generator().manual_seed(0)
+        ids = [pages.add(), pages.add()]
+        outs = []
+        for counts in ([6, 3], [1, 1], [1, 4]):
+            T = sum(counts)
+            q, k, v = (torch.randn(h, T, d, generator=g) for h, d in ((4, D), (HKV, D), (HKV, DV)))
+            q, k, v = (t.transpose(0, 1) if strided else t.transpose(0, 1).contiguous()
+                       for t in (q, k, v))  # fmt: skip
+            assert q.is_contiguous() != strided
+            outs.append(ak.paged_attention(q, k, v, pages, pages.step(ids, counts), 0))
+        results.append(outs)
+    for x, y in zip(*results, strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0)

@@ -44,18 +44,24 @@ class Step:
     ids: tuple[int, ...]
     counts: tuple[int, ...]
     starts: tuple[int, ...]  # tokens each sequence held before the step
-    tables: tuple[tuple[int, ...], ...]  # each sequence's blocks after the step
     version: int  # the cache's version when made: a later change makes it stale
     released: tuple[int, ...]  # each sequence's first position whose keys are kept
     # Computed once for every layer of the step, on the cache's device:
     blocks: Tensor = field(compare=False, repr=False)  # every table, concatenated
-    table_at: tuple[int, ...] = field(compare=False, repr=False)  # where each table begins
+    table_at: tuple[int, ...] = field(compare=False, repr=False)  # where each table begins,
+    # and where the last one ends
     slots: Tensor = field(compare=False, repr=False)  # (T,): where each new token is written
     token_positions: Tensor = field(compare=False, repr=False)  # (T,) on the CPU
 
     @property
     def num_tokens(self) -> int:
         return sum(self.counts)
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """Each sequence's blocks after the step (-1 for blocks `release` freed)."""
+        flat = self.blocks.tolist()
+        return tuple(tuple(flat[a:b]) for a, b in itertools.pairwise(self.table_at))
 
     def positions(self) -> Tensor:
         """Each new token's position in its sequence, in step order: (T,) (for RoPE)."""
@@ -109,9 +115,11 @@ class PagedKVCache:
         )
         self.keys = self.pool[..., :head_dim]  # (layers, slots, Hkv, D): views of the pool
         self.values = self.pool[..., head_dim:]  # (layers, slots, Hkv, Dv)
+        # each layer's pool as rows of blocks: (blocks, bs · Hkv · (D + Dv))
+        self._rows = [self.pool[i].view(num_blocks, -1) for i in range(num_layers)]
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 is taken first
-        self._tables: dict[int, list[int]] = {}
+        self._tables: dict[int, array.array[int]] = {}  # block ids ("q": int64) in order
         self._lengths: dict[int, int] = {}
         self._released: dict[int, int] = {}  # leading blocks freed (their table entries: -1)
         self._next_id = 0
@@ -139,7 +147,7 @@ class PagedKVCache:
         """A new, empty sequence (it takes no block until a write needs one)."""
         seq = self._next_id
         self._next_id += 1
-        self._tables[seq], self._lengths[seq], self._released[seq] = [], 0, 0
+        self._tables[seq], self._lengths[seq], self._released[seq] = array.array("q"), 0, 0
         self.version += 1
         return seq
 
@@ -147,7 +155,7 @@ class PagedKVCache:
         """A sequence sharing all of `seq`'s tokens, without copying (copy on write)."""
         self._check_id(seq)
         child = self.add()
-        self._tables[child] = list(self._tables[seq])
+        self._tables[child] = array.array("q", self._tables[seq])
         self._lengths[child] = self._lengths[seq]
         self._released[child] = self._released[seq]
         for block in self._tables[child][self._released[seq] :]:
@@ -215,24 +223,21 @@ class PagedKVCache:
         for seq, n in zip(ids, counts, strict=True):
             self._grow(seq, n)
         self.version += 1
-        tables = tuple(tuple(self._tables[seq]) for seq in ids)
+        tables = [self._tables[seq] for seq in ids]
         return Step(
-            tuple(ids),
-            tuple(counts),
-            starts,
-            tables,
-            self.version,
-            released,
+            tuple(ids), tuple(counts), starts, self.version, released,
             *self._layout(starts, counts, tables),
-        )
+        )  # fmt: skip
 
     def _layout(
-        self, starts: tuple[int, ...], counts: list[int], tables: tuple[tuple[int, ...], ...]
+        self, starts: tuple[int, ...], counts: list[int], tables: list[array.array[int]]
     ) -> tuple[Tensor, tuple[int, ...], Tensor, Tensor]:
         """A step's flat block list, where each table begins in it, the slots of its new
         tokens and their positions: vectorized, once for all the layers."""
         table_at = [0, *itertools.accumulate(len(t) for t in tables)]
-        flat = array.array("q", itertools.chain.from_iterable(tables))
+        flat = array.array("q")
+        for table in tables:
+            flat += table  # a copy of machine ints: no Python int per block
         blocks = (
             torch.frombuffer(flat, dtype=torch.long) if flat else torch.zeros(0, dtype=torch.long)
         )
@@ -270,7 +275,7 @@ class PagedKVCache:
         bs = self.block_size
         first = step.table_at[i] + lo // bs
         blocks = step.blocks[first : step.table_at[i] + -(-hi // bs)]
-        rows = self.pool[layer].view(self.num_blocks, -1)  # (blocks, bs · Hkv · (D + Dv))
+        rows = self._rows[layer]  # (blocks, bs · Hkv · (D + Dv))
         if scratch:
             got = self._buffer(self.dtype, blocks.numel(), rows.shape[1])
             torch.index_select(rows, 0, blocks, out=got)
@@ -379,6 +384,7 @@ def paged_attention(
         q.requires_grad or pages.pool.requires_grad
     )  # autograd keeps what attention read: no buffer may be reused then
     work = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
+    grouped = q.to(work).reshape(q.shape[0], pages.num_kv_heads, -1, q.shape[2])  # (T, Hkv, G, D)
     outs = []
     for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
         if n == 0:
@@ -388,7 +394,7 @@ def paged_attention(
         dtype = work if decode else pages.dtype
         keys, values = pages.history(step, i, layer, lo, start + n, dtype, scratch=not recorded)
         if decode:
-            outs.append(_decode(q[t], keys, values, scale))
+            outs.append(_decode(grouped[t : t + 1], keys, values, scale))
         else:
             outs.append(_prefill(q[t : t + n], keys, values, start - lo, left, scale, softcap))
     if not outs:
@@ -397,13 +403,11 @@ def paged_attention(
 
 
 def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:
-    """One new token q (H, D) over all of keys (1, Hkv, S, D): (1, H, Dv). One fused call
-    without a mask, the G query heads as G rows against their shared K/V head (GQA reads
-    each K/V head once)."""
-    H, Hkv = q.shape[0], keys.shape[1]
-    rows = q.to(keys.dtype).view(1, Hkv, H // Hkv, -1)  # (1, Hkv, G, D)
-    out = F.scaled_dot_product_attention(rows, keys, values, scale=scale)  # (1, Hkv, G, Dv)
-    return out.reshape(1, H, -1)
+    """One new token's heads grouped (1, Hkv, G, D) over all of keys (1, Hkv, S, D):
+    (1, H, Dv). One fused call without a mask, the G query heads as G rows against their
+    shared K/V head (GQA reads each K/V head once)."""
+    out = F.scaled_dot_product_attention(q, keys, values, scale=scale)  # (1, Hkv, G, Dv)
+    return out.flatten(1, 2)
 
 
 def _prefill(
