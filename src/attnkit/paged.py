@@ -384,7 +384,8 @@ def paged_attention(
         q.requires_grad or pages.pool.requires_grad
     )  # autograd keeps what attention read: no buffer may be reused then
     work = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
-    grouped = q.to(work).reshape(q.shape[0], pages.num_kv_heads, -1, q.shape[2])  # (T, Hkv, G, D)
+    Hkv = pages.num_kv_heads
+    grouped = q.to(work).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])  # (T, Hkv, G, D)
     outs = []
     for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
         if n == 0:
