@@ -22,6 +22,11 @@ from fuzz_cases import Built, Case, build
 
 BACKENDS = ("reference", "sdpa", "tiled", "blockwise", "auto")
 FUSED = ("sdpa", "tiled", "flex", "auto")
+# Backends whose scores round differently from the reference's: the fused kernels, and
+# blockwise (matmuls over key ranges sum in another order). Each may miss the strict rule
+# by the rounding of the scores, eps·max|s| (found: blockwise at |logit| ~ 1000, seed 16
+# case 2467, 1.3x the strict bound in float32), and gets that slack.
+REORDERED = (*FUSED, "blockwise")
 # Floors relative to each tensor's magnitude: about 100 ulps for float32 and float64, and
 # two ulps of the largest entry for the half types (results and the float64 truth are both
 # rounded to the dtype, so one ulp apart is the same answer).
@@ -238,7 +243,9 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
                 what = "forward+lse"
             except ValueError:  # this backend has no lse here: the output alone
                 out, lse = ak.attention(b.q, b.k, b.v, b.mask, backend=backend, **kwargs), None
-        slack = _rounding(case, truth, backend) * truth.sensitivity_out if backend in FUSED else 0.0
+        slack = (
+            _rounding(case, truth, backend) * truth.sensitivity_out if backend in REORDERED else 0.0
+        )
         problems = [compare("out", out, truth.out, ref.out, dtype, slack, truth.max_logit)]
         if lse is not None:
             lse_dtype = compute_dtype(dtype)
@@ -265,7 +272,7 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
     got = torch.autograd.grad(loss, (q, k, v), allow_unused=True) if loss.requires_grad else None
     if got is None:  # nothing depends on the inputs: only an empty call may do that
         got = tuple(torch.zeros_like(t) for t in (q, k, v))
-    slack = [_rounding(case, truth, backend) * t if backend in FUSED else 0.0 for t in sens]
+    slack = [_rounding(case, truth, backend) * t if backend in REORDERED else 0.0 for t in sens]
     names = ("dq", "dk", "dv")
     problems = [
         compare(n, g, t, r, dtype, x, truth.max_logit)

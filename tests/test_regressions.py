@@ -305,3 +305,15 @@ def test_merge_partials_of_rows_no_part_saw_has_zero_gradients():
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert all(grad[0, 1, 2].abs().sum() == 0 for grad in grads)
     assert grads[2][0, 0, 0] == 0 and grads[3][0, 0, 0] != 0  # the seen part carries it
+
+
+# ------------------- 8. blockwise sums its scores in another order: the rounding slack
+
+
+def test_blockwise_at_extreme_logits_keeps_the_rule_with_the_score_rounding_slack():
+    """Fuzz seed 16 case 2467 (|logit| ~ 1000, float32, key padding): blockwise's matmuls
+    over key ranges round the scores otherwise than the reference, 1.3x the strict bound;
+    like the fused kernels, it is held to the rule plus eps·max|s|."""
+    outcomes = run_case(draw_case(RandomDraw(16, 2467)))
+    blockwise = [o for o in outcomes if o.backend == "blockwise"]
+    assert blockwise and all(o.status == "ok" for o in blockwise), blockwise
