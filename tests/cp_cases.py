@@ -7,6 +7,8 @@ log-sum-exp and the gradients of q, k and v with the single-process ones.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -43,6 +45,9 @@ def masks(P: int) -> dict[str, ak.Mask | Tensor | None]:
         "key_padding": ak.causal() & ak.key_padding(lengths),
         "padded_rows": rows_padded,  # (B, 1, L, L): rank 1's rows of batch 1 see nothing
         "alibi": ak.alibi(H) & ak.causal(),
+        # rows past each length see only padding: whole ranks' rows see nothing
+        "rank_sees_nothing": ak.key_padding(torch.tensor([10, 5]))
+        & ak.document((torch.arange(L) >= torch.tensor([10, 5])[:, None]).long()),
         "tensor_per_head": random,
     }
 
@@ -223,6 +228,38 @@ def module(rank: int, P: int) -> None:
         raise AssertionError("a key for a context-parallel module was accepted")
 
 
+def agreement(rank: int, P: int) -> None:
+    """Ranks that pass different problems, or one rank's invalid inputs, raise the same
+    typed error on every rank before any traffic; the group stays usable."""
+    q, k, v, _, _ = inputs(2, torch.float32)
+    local = [akd.shard(t) for t in (q, k, v)]
+    last = P - 1
+    docs = torch.arange(L)[None] // 12
+    wrong_docs = docs.clone()
+    wrong_docs[0, 3] += rank == last
+    cases = [
+        ("mask", ak.causal() if rank == 0 else ak.sliding_window(3), local, {},
+         ak.RanksDisagreeError, r"mask differs \(ranks \[0\]: causal"),
+        ("mask tensors", ak.document(wrong_docs), local, {},
+         ak.RanksDisagreeError, rf"mask differs .*ranks \[{last}\]"),
+        ("strategy", ak.causal(), local, {"strategy": "ring" if rank else "allgather"},
+         ak.RanksDisagreeError, "strategy differs"),
+        ("q one row short", ak.causal(), [local[0][:, :, 1:] if rank == last else local[0],
+         *local[1:]], {}, ak.ShapeContractError, rf"rank {last} of {P} refused"),
+        ("k float64", ak.causal(), [local[0], local[1].double() if rank == last else local[1],
+         local[2]], {}, TypeError, rf"rank {last} of {P} refused"),
+    ]  # fmt: skip
+    for name, mask, tensors, kw, error, words in cases:
+        try:
+            akd.attention(*tensors, mask, **kw)
+        except error as err:
+            assert re.search(words, str(err)), (name, str(err))
+        else:
+            raise AssertionError(f"{name}: no error on rank {rank}")
+    out = akd.attention(*local, ak.causal())  # the group still works
+    assert out.shape == (B, H, L // P, DV)
+
+
 def layouts(rank: int, P: int) -> None:
     """shard/unshard round trips; a length that does not divide names the padding."""
     x = torch.randn(2, 3, 8 * P, 5, generator=torch.Generator().manual_seed(0))
@@ -261,4 +298,5 @@ def suite(rank: int, P: int, full: bool) -> None:
     module(rank, P)
     poisoned(rank, P)
     traffic(rank, P)
+    agreement(rank, P)
     layouts(rank, P)

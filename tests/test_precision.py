@@ -126,3 +126,34 @@ def test_sum_groups_keeps_float64_and_sums_half_in_float32():
     torch.testing.assert_close(got, g.view(2, 2, 3, 5, 4).sum(2), rtol=0, atol=0)
     half = torch.full((1, 4, 1, 1), 1 + 2**-7).bfloat16()
     assert abs(sum_groups(half, 4).item() - 4 * (1 + 2**-7)) <= 2**-6
+
+
+def test_readme_design_and_the_harness_state_the_same_precision_bound():
+    """The bound the docs promise is the one tests/fuzz_check.py checks: its floors, its
+    reordering factor and the backends that take the slack appear in both documents."""
+    from pathlib import Path
+
+    import fuzz_check
+
+    root = Path(__file__).resolve().parent.parent
+    words = {
+        "README.md": (root / "README.md").read_text(),
+        "DESIGN.md": (root / "docs" / "DESIGN.md").read_text(),
+    }
+    c = f"{fuzz_check.LSE_ROUNDING:g}·ε·m·σ(x)"
+    floors = {
+        torch.float32: "`1e-5` float32",
+        torch.float16: "`2e-3` float16",
+        torch.bfloat16: "`1.6e-2` bfloat16",
+    }
+    assert set(floors) | {torch.float64} == set(fuzz_check.FLOOR)
+    for name, text in words.items():
+        assert "2·‖x_w − x₆₄‖∞ + f_T·max(1, ‖x₆₄‖∞) + " in text, name
+        assert c in text or "c·ε·m·σ(x)" in text and f"`c = {fuzz_check.LSE_ROUNDING:g}`" in text
+        for dtype, phrase in floors.items():
+            assert float(phrase.split("`")[1]) == fuzz_check.FLOOR[dtype], phrase
+            assert phrase in text, (name, phrase)
+        assert "`1e-12 + 4·ε₆₄·m` float64" in text and fuzz_check.FLOOR[torch.float64] == 1e-12
+        assert fuzz_check._EPS64 == 4 * torch.finfo(torch.float64).eps
+        for backend in fuzz_check.REORDERED:
+            assert f"`{backend}`" in text, (name, backend)

@@ -317,3 +317,77 @@ def test_blockwise_at_extreme_logits_keeps_the_rule_with_the_score_rounding_slac
     outcomes = run_case(draw_case(RandomDraw(16, 2467)))
     blockwise = [o for o in outcomes if o.backend == "blockwise"]
     assert blockwise and all(o.status == "ok" for o in blockwise), blockwise
+
+
+# ------------------- 9. a call in which no query sees any key, with gradients wanted
+
+
+@pytest.mark.parametrize("backend", ["auto", "blockwise", "reference"])
+def test_softcap_call_that_sees_nothing_gives_zero_finite_gradients(backend):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 45, 64, generator=g).half().requires_grad_()
+    k = torch.randn(1, 1, 45, 64, generator=g).half().requires_grad_()
+    v = torch.randn(1, 1, 45, 16, generator=g).half().requires_grad_()
+    mask = ak.key_padding(torch.tensor([0]))
+    out, lse = ak.attention_with_lse(q, k, v, mask, softcap=5000.0, backend=backend)
+    (out.float().sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "tiled", "sdpa", "auto"])
+def test_every_backend_joins_a_result_that_sees_nothing_to_its_inputs(backend):
+    q, k, v = (t.requires_grad_() for t in qkv(B=2, H=2, Hkv=2, L=5, S=7))
+    out = ak.attention(q, k, v, ak.key_padding(torch.tensor([0, 0])), backend=backend)
+    out.sum().backward()
+    assert all(t.grad is not None and (t.grad == 0).all() for t in (q, k, v))
+
+
+# ---------------------- 10. flex: answers exactly or refuses; keeps no state on masks
+
+needs_flex = pytest.mark.skipif(flex_attention_module() is None, reason="no FlexAttention")
+
+
+@needs_flex
+def test_flex_on_lengths_broadcast_over_the_batch_answers_exactly():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 20, 32, generator=g)[..., :16]  # a slice of a wider buffer
+    k, v = torch.randn(3, 1, 14, 16, generator=g), torch.randn(3, 1, 14, 16, generator=g)
+    mask = ~(ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([13])))
+    want = ak.attention(q, k, v, mask, backend="reference")
+    torch.testing.assert_close(ak.attention(q, k, v, mask, backend="flex"), want)
+    torch.testing.assert_close(ak.attention(q, k, v, mask), want)
+
+
+@needs_flex
+def test_a_compiler_failure_on_flex_is_a_typed_refusal_and_auto_still_answers(monkeypatch):
+    from attnkit.backends import BACKENDS
+
+    flex = BACKENDS["flex"]
+    q, k, v = qkv(H=2, Hkv=2, L=9, S=9)
+    mask = ak.sliding_window(2) & ak.key_padding(torch.tensor([7]))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("LoweringException: AssertionError: all the buffers ...")
+
+    monkeypatch.setattr(flex, "_compiled", broken)
+    with pytest.raises(ValueError, match="torch.compile failed to build its kernel"):
+        ak.attention(q, k, v, mask, backend="flex")
+    assert "torch.compile failed" in ak.explain(q, k, v, mask).reasons["flex"]
+    torch.testing.assert_close(
+        ak.attention(q, k, v, mask), ak.attention(q, k, v, mask, backend="reference")
+    )
+
+
+@needs_flex
+def test_a_mask_that_has_run_on_flex_still_compiles_with_fullgraph():
+    mask = ak.sliding_window(15)
+    q = k = v = torch.randn(1, 2, 128, 32, generator=torch.Generator().manual_seed(0))
+    before = dict(vars(mask))
+    eager = ak.attention(q, k, v, mask, backend="flex")
+    assert vars(mask) == before  # masks are values: flex keeps its block masks itself
+    compiled = torch.compile(lambda q, k, v: ak.attention(q, k, v, mask), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), eager)
+    inside = torch.compile(lambda q, k, v: ak.attention(q, k, v, mask, backend="flex"))
+    torch.testing.assert_close(inside(q, k, v), eager)

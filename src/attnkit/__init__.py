@@ -11,7 +11,7 @@ from attnkit.contracts import (
     attention_score_elements,
     check_attention_contract,
 )
-from attnkit.errors import MaskError, OutOfBlocksError, ShapeContractError
+from attnkit.errors import MaskError, OutOfBlocksError, RanksDisagreeError, ShapeContractError
 from attnkit.functional import attention, attention_probs, attention_with_lse, explain
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import (
@@ -51,6 +51,7 @@ __all__ = [
     "PagedKVCache",
     "PagedLayer",
     "Plan",
+    "RanksDisagreeError",
     "RotaryEmbedding",
     "ShapeContractError",
     "SingleHeadAttention",

@@ -18,9 +18,10 @@ float masks that require grad (the op gives mask tensors no gradient) and masks 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,7 +31,21 @@ from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
 from attnkit.precision import compute_dtype
 
-__all__ = ["attention_backward_op", "attention_op", "traced_attention"]
+__all__ = ["attention_backward_op", "attention_op", "in_fresh_thread", "traced_attention"]
+
+R = TypeVar("R")
+
+
+def in_fresh_thread(fn: Callable[[], R]) -> R:
+    """`fn()` in a new thread, which starts with PyTorch's default dispatch state.
+
+    An op's implementation runs below autograd (its dispatch keys are excluded in this
+    thread's state), and inside a compiled graph's run FlexAttention's `vmap` over a
+    mask_mod fails ("NYI: querying is_contiguous inside of vmap"); a fresh thread
+    starts with autograd on and no such state.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
 
 
 def traced_attention(
@@ -252,10 +267,7 @@ def attention_backward_op(
                 grads.append(dlse)
             return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
 
-    # an op's implementation runs below autograd (its dispatch keys are excluded in this
-    # thread's state); a fresh thread starts with autograd on
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        found = pool.submit(recompute).result()
+    found = in_fresh_thread(recompute)  # with autograd on
     leaves = (q, k, v)
     dq, dk, dv = (
         torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)

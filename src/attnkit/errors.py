@@ -8,7 +8,7 @@ fix.
 
 from __future__ import annotations
 
-__all__ = ["MaskError", "OutOfBlocksError", "ShapeContractError"]
+__all__ = ["MaskError", "OutOfBlocksError", "RanksDisagreeError", "ShapeContractError"]
 
 
 class ShapeContractError(ValueError):
@@ -21,3 +21,7 @@ class MaskError(ValueError):
 
 class OutOfBlocksError(RuntimeError):
     """A `PagedKVCache` step needs more free blocks than the pool has; nothing changed."""
+
+
+class RanksDisagreeError(ValueError):
+    """The ranks of a context-parallel call passed different masks, shapes or options."""

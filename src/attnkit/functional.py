@@ -115,26 +115,39 @@ def run_call(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tens
     if call.is_empty:  # nothing to compute: no backend runs
         if backend != "auto":
             get_backend(backend)  # an unknown name still raises
-        out, lse = _Empty.apply(call.q, call.k, call.v, call.dims.Dv)  # type: ignore[no-untyped-call]
+        B, H, L, Dv = call.dims.B, call.dims.H, call.dims.L, call.dims.Dv
+        out = call.q.new_zeros(B, H, L, Dv)
+        lse: Tensor | None = call.q.new_full(
+            (B, H, L), -torch.inf, dtype=compute_dtype(call.q.dtype)
+        )
+    else:
+        out, lse = backend_for_run(call, backend, need_lse=need_lse).run(call, need_lse=need_lse)
+    if out.requires_grad or not torch.is_grad_enabled():
         return out, lse
-    chosen = backend_for_run(call, backend, need_lse=need_lse)
-    return chosen.run(call, need_lse=need_lse)
+    if not any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return out, lse
+    # nothing the inputs do reaches the result (no query sees a key, or nothing to
+    # compute): zero gradients, not a graph that ends before the inputs
+    joined: tuple[Tensor, Tensor | None] = _Constant.apply(  # type: ignore[no-untyped-call]
+        out, lse, call.q, call.k, call.v
+    )
+    return joined
 
 
-class _Empty(torch.autograd.Function):
-    """The result of a call with nothing to compute: zeros, lse -inf, zero gradients."""
+class _Constant(torch.autograd.Function):
+    """A result that does not depend on q, k, v, joined to them with zero gradients."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, Dv: int) -> tuple[Tensor, Tensor]:
-        B, H, L, _ = q.shape
+    def forward(
+        ctx: Any, out: Tensor, lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
         ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
-        lse = q.new_full((B, H, L), -torch.inf, dtype=compute_dtype(q.dtype))
-        return q.new_zeros(B, H, L, Dv), lse
+        return out.clone(), None if lse is None else lse.clone()
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         zeros = [torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.inputs]
-        return (*zeros, None)
+        return (None, None, *zeros)
 
 
 def _row_index(

@@ -1,15 +1,18 @@
 """Backend `flex`: FlexAttention compiled by `torch.compile`, with a `Mask` as `mask_mod`.
 
 A `Mask`'s predicate is already a function of `(b, h, q_idx, kv_idx)`, so it is the
-`mask_mod` as it stands. The `BlockMask` is built once per mask and size and cached on
-the mask; the compiled kernel is cached by `torch.compile` per shape. Compiling costs
-seconds (about 20 s on the 2-core CPU machines), so `auto` only picks `flex` for a call
-whose kernel is already compiled ("warm"); `backend="flex"` compiles on first use.
+`mask_mod` as it stands. The `BlockMask` is built once per mask and size and kept by
+the backend (never on the mask); the compiled kernel is cached by `torch.compile` per
+shape. Compiling costs seconds (about 20 s on the 2-core CPU machines), so `auto` only
+picks `flex` for a call whose kernel is already compiled ("warm"); `backend="flex"`
+compiles on first use. Preparing and running run in a fresh thread: inside a compiled
+graph's op, FlexAttention's `vmap` fails in the op's dispatch state.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -17,6 +20,7 @@ from torch import Tensor
 
 from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
+from attnkit.compiled import in_fresh_thread
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.precision import compute_dtype, kernel_dtype
@@ -64,7 +68,10 @@ class FlexBackend:
     def __init__(self) -> None:
         self._compiled: Any = None
         self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
-        self._broken: set[tuple[Any, ...]] = set()  # compiled, and found wrong
+        self._broken: dict[tuple[Any, ...], str] = {}  # failed or found wrong: why
+        self._prepared_by_mask: weakref.WeakKeyDictionary[
+            Mask, dict[tuple[Any, ...], tuple[Any, Tensor, Tensor]]
+        ] = weakref.WeakKeyDictionary()
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if flex_attention_module() is None:
@@ -80,8 +87,9 @@ class FlexBackend:
             return "an additive bias or dropout is not wired to FlexAttention here"
         if call.mask is None:
             return "no mask: nothing for block sparsity to skip"
-        if _signature(call) in self._broken:
-            return BROKEN
+        broken = self._broken.get(_signature(call))
+        if broken is not None:
+            return broken
         return None
 
     def is_warm(self, call: AttentionCall) -> bool:
@@ -110,28 +118,30 @@ class FlexBackend:
 
     def _prepared(self, call: AttentionCall) -> tuple[Any, Tensor, Tensor]:
         """The `BlockMask` of a call and its seen rows and keys, made once per mask and
-        size (kept on the mask; renewed when its tensors change in place: `Mask.state`)."""
+        size (kept here, the mask held weakly; renewed when its tensors change in place:
+        `Mask.state`). Masks are values: nothing is stored on them."""
         mask = call.mask
         assert mask is not None
         d = call.dims
         key = (d.B, d.H, d.L, d.S, call.q.device, mask.state())
-        cache: dict[Any, Any] = mask.__dict__.setdefault("_flex_prepared", {})
+        cache = self._prepared_by_mask.setdefault(mask, {})
         if key not in cache:
             flex = flex_attention_module()
             assert flex is not None
             if len(cache) >= PREPARED_PER_MASK:
                 cache.clear()
-            block_mask = flex.create_block_mask(
-                _mask_mod(mask, d.B, d.H, d.L, d.S, call.q.device),
-                d.B if mask.batch_size else None,
-                d.H if mask.head_dependent else None,
-                d.L,
-                d.S,
-                device=call.q.device,
+            block_mask = in_fresh_thread(  # it may run inside a compiled graph's op
+                lambda: flex.create_block_mask(
+                    _mask_mod(mask, d.B, d.H, d.L, d.S, call.q.device),
+                    d.B if mask.batch_size else None,
+                    d.H if mask.head_dependent else None,
+                    d.L,
+                    d.S,
+                    device=call.q.device,
+                )
             )
             cache[key] = (block_mask, *mask.seen(d.B, d.H, d.L, d.S, call.q.device))
-        prepared: tuple[Any, Tensor, Tensor] = cache[key]
-        return prepared
+        return cache[key]
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         flex = flex_attention_module()
@@ -149,20 +159,37 @@ class FlexBackend:
         block_mask, rows, keys = self._prepared(call)
         # keys no query sees may hold NaN: flex masks their scores, but 0·NaN still leaks
         q, k, v = zero_unseen(call.q.to(work), call.k.to(work), call.v.to(work), rows, keys)
-        with dynamo_recompile_limit(RECOMPILE_LIMIT):
-            out = self._compiled(
-                q,
-                k,
-                v,
-                score_mod=score_mod,
-                block_mask=block_mask,
-                scale=call.scale,
-                enable_gqa=call.dims.groups > 1,
-            )
         signature = _signature(call)
+
+        def kernel() -> Tensor:
+            with dynamo_recompile_limit(RECOMPILE_LIMIT):
+                found: Tensor = self._compiled(
+                    q,
+                    k,
+                    v,
+                    score_mod=score_mod,
+                    block_mask=block_mask,
+                    scale=call.scale,
+                    enable_gqa=call.dims.groups > 1,
+                )
+            return found
+
+        try:
+            out = in_fresh_thread(kernel)  # it may run inside a compiled graph's op
+        except Exception as err:  # the compiler's own failure (InductorError, ...)
+            if signature in self._warm:
+                raise
+            first = str(err).splitlines()[0][:200] if str(err) else ""
+            self._broken[signature] = (
+                f"torch.compile failed to build its kernel for this shape and mask "
+                f"({type(err).__name__}: {first}); another backend serves it"
+            )
+            raise ValueError(
+                f"backend 'flex' cannot serve this call: {self._broken[signature]}."
+            ) from err
         if signature not in self._warm:
             if not _agrees_with_reference(call, q, k, v, out):
-                self._broken.add(signature)
+                self._broken[signature] = BROKEN
                 raise ValueError(f"backend 'flex' cannot serve this call: {BROKEN}.")
             self._warm.add(signature)
         return out.to(call.q.dtype), None

@@ -23,13 +23,14 @@ import torch
 from torch import Tensor
 
 from attnkit.contracts import normalize_call
+from attnkit.distributed.agree import agree
 from attnkit.distributed.comm import Group, group_of
 from attnkit.distributed.context import ContextParallel, parallelize
 from attnkit.distributed.layout import LAYOUTS, Layout
 from attnkit.distributed.pieces import Problem
 from attnkit.distributed.plan import ContextPlan, plan_context
 from attnkit.distributed.strategies import STRATEGIES, run_strategy
-from attnkit.errors import ShapeContractError
+from attnkit.errors import RanksDisagreeError, ShapeContractError
 from attnkit.masks import Mask, as_mask
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "STRATEGIES",
     "ContextParallel",
     "ContextPlan",
+    "RanksDisagreeError",
     "attention",
     "attention_with_lse",
     "explain",
@@ -125,8 +127,19 @@ def attention_with_lse(
     """`attention` and the log-sum-exp of this rank's rows, (B, H, L/P), as
     `attnkit.attention_with_lse` gives it (`-inf` where a row sees nothing)."""
     g = group_of(group)
-    problem = _problem(q, k, v, mask, g, layout, scale, softcap)
-    plan = _plan(problem, g, strategy, q, k, v, detail=False)
+
+    def validate() -> tuple[Problem, ContextPlan]:
+        problem = _problem(q, k, v, mask, g, layout, scale, softcap)
+        return problem, _plan(problem, g, strategy, q, k, v, detail=False)
+
+    # before any traffic: every rank valid, and all passing the same problem
+    problem, plan = agree(
+        g,
+        validate,
+        shards={"q": q, "k": k, "v": v},
+        shared={"mask": mask, "layout": layout, "strategy": strategy, "scale": scale,
+                "softcap": softcap},
+    )  # fmt: skip
     return run_strategy(plan.strategy, problem, g, plan.needs, q, k, v)
 
 

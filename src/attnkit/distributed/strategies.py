@@ -134,9 +134,12 @@ class _Piece:
         w = torch.where(finite, torch.exp(self.lse.detach() - torch.where(finite, lse, 0)), 0)
         g_out = w[..., None] * dout
         g_lse = w * ((dout * (self.out.detach() - out)).sum(-1) + dlse)
-        found = torch.autograd.grad(
-            (self.out, self.lse), self.leaves, (g_out, g_lse), allow_unused=True
-        )
+        outputs = [(t, g) for t, g in ((self.out, g_out), (self.lse, g_lse)) if t.requires_grad]
+        found: tuple[Tensor | None, ...] = (None, None, None)  # a piece that sees nothing
+        if outputs:
+            found = torch.autograd.grad(
+                [t for t, _ in outputs], self.leaves, [g for _, g in outputs], allow_unused=True
+            )
         dq, dk, dv = (
             (torch.zeros_like(x) if g is None else g).to(out.dtype)
             for g, x in zip(found, self.leaves, strict=True)

@@ -260,9 +260,11 @@ class _KeyPadding(Mask):
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         valid = self.valid.to(device)
         if self.is_lengths:
-            lengths = valid.expand(B)  # (B,)
+            # compact copies: FlexAttention's compiler cannot lower a captured stride-0
+            # view (an InductorError on lengths of one row broadcast over the batch)
+            lengths = valid.expand(B).contiguous()  # (B,)
             return lambda b, h, i, j: j < lengths[b]
-        rows = valid.expand(B, S)  # (B, S)
+        rows = valid.expand(B, S).contiguous()  # (B, S)
         return lambda b, h, i, j: rows[b, j]
 
     def key_bounds(
@@ -337,8 +339,9 @@ class _Document(Mask):
             )
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        q_ids = self.q_ids.to(device).expand(B, L)  # (B, L)
-        kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(device).expand(B, S)  # (B, S)
+        q_ids = self.q_ids.to(device).expand(B, L).contiguous()  # (B, L), compact as above
+        kv_ids = q_ids if self.kv_ids is None else self.kv_ids.to(device).expand(B, S)
+        kv_ids = kv_ids.contiguous()  # (B, S)
         return lambda b, h, i, j: q_ids[b, i] == kv_ids[b, j]
 
     def key_bounds(
@@ -417,7 +420,7 @@ class _PrefixLM(_Positional):
         offset = self.shift(L, S)
         n = self.prefix_len
         if isinstance(n, Tensor):
-            prefix = n.to(device).expand(B)  # (B,)
+            prefix = n.to(device).expand(B).contiguous()  # (B,), compact as key_padding's
             return lambda b, h, i, j: (j < prefix[b]) | (j <= i + offset)
         return lambda b, h, i, j: (j < n) | (j <= i + offset)
 
