@@ -149,7 +149,8 @@ def test_readme_design_and_the_harness_state_the_same_precision_bound():
     assert set(floors) | {torch.float64} == set(fuzz_check.FLOOR)
     for name, text in words.items():
         assert "2·‖x_w − x₆₄‖∞ + f_T·max(1, ‖x₆₄‖∞) + " in text, name
-        assert c in text or "c·ε·m·σ(x)" in text and f"`c = {fuzz_check.LSE_ROUNDING:g}`" in text
+        stated_c = "c·ε·m·σ(x)" in text and f"`c = {fuzz_check.LSE_ROUNDING:g}`" in text
+        assert c in text or stated_c, name
         for dtype, phrase in floors.items():
             assert float(phrase.split("`")[1]) == fuzz_check.FLOOR[dtype], phrase
             assert phrase in text, (name, phrase)
