@@ -372,7 +372,7 @@ def test_a_compiler_failure_on_flex_is_a_typed_refusal_and_auto_still_answers(mo
         raise RuntimeError("LoweringException: AssertionError: all the buffers ...")
 
     monkeypatch.setattr(flex, "_compiled", broken)
-    with pytest.raises(ValueError, match="torch.compile failed to build its kernel"):
+    with pytest.raises(ValueError, match=r"torch\.compile failed to build its kernel"):
         ak.attention(q, k, v, mask, backend="flex")
     assert "torch.compile failed" in ak.explain(q, k, v, mask).reasons["flex"]
     torch.testing.assert_close(
