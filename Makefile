@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 CASES ?= 10000
 SEED ?= 0
+SURFACE ?= all
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +27,11 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	cd benchmarks && ../$(PY) bench.py
 
-# the long differential campaign: CASES random calls of SEED on every backend against a
-# float64 oracle, a summary table at the end (replay one: tests/fuzz.py --seed S --case I)
+# the long differential campaign: CASES random cases of SEED on each surface (core
+# backends, distributed, paged, transformers; or SURFACE=one of them) against a float64
+# oracle, a summary table per surface (replay one: tests/fuzz.py --surface X --case I)
 fuzz: $(STAMP)
-	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED)
+	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED) --surface $(SURFACE)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

@@ -1,10 +1,17 @@
-"""`make fuzz`: a long differential campaign against a float64 oracle, with a summary table.
+"""`make fuzz`: a long differential campaign against a float64 oracle, on every surface,
+with a summary table per surface.
 
-    python tests/fuzz.py --cases 10000 --seed 0          # the campaign
-    python tests/fuzz.py --seed 0 --case 1234            # one case again, in detail
+    python tests/fuzz.py --cases 10000 --seed 0                  # every surface
+    python tests/fuzz.py --cases 500 --surface distributed       # one surface
+    python tests/fuzz.py --seed 0 --case 1234                    # one core case again
+    python tests/fuzz.py --seed 0 --case 17 --surface paged      # one case of a surface
 
-Case `i` of seed `s` is always the same call (see fuzz_cases.RandomDraw). Exit status 1
-if any backend gave a wrong result or crashed.
+Surfaces: `core` (`attention`, `attention_with_lse`, `attention_probs`, `explain` on every
+backend: tests/fuzz_check.py), `distributed` (`attnkit.distributed` in 2-4 gloo
+processes: tests/fuzz_distributed.py), `paged` (`PagedKVCache` + `paged_attention`
+programs: tests/fuzz_paged.py), `transformers` (the mask bridge against transformers'
+own masks: tests/fuzz_transformers.py). Case `i` of seed `s` of a surface is always the
+same (see fuzz_cases.RandomDraw). Exit status 1 if anything was wrong or crashed.
 """
 
 from __future__ import annotations
@@ -12,33 +19,80 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import torch
 
-from fuzz_cases import RandomDraw, draw_case
+import fuzz_distributed
+import fuzz_paged
+import fuzz_transformers
+from fuzz_cases import Draw, RandomDraw, draw_case
 from fuzz_check import Outcome, run_case
 
+SURFACES = ("core", "distributed", "paged", "transformers")
+Results = Iterator[tuple[int, str, list[Outcome]]]
 
-def campaign(cases: int, seed: int, flex_percent: int, every: int) -> int:
-    counts: collections.Counter[tuple[str, str]] = collections.Counter()
-    failures: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
-    start = time.monotonic()
-    for index in range(cases):
+
+def _core(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
+    for index in indices:
         case = draw_case(RandomDraw(seed, index), flex_percent=flex_percent)
-        for outcome in run_case(case):
-            counts[outcome.backend, outcome.status] += 1
-            if outcome.failed:
-                failures[_failure_class(outcome)].append((index, str(case)))
-        if (index + 1) % every == 0 or index + 1 == cases:
-            bad = sum(len(v) for v in failures.values())
-            print(
-                f"  {index + 1}/{cases} cases, {bad} failures, {time.monotonic() - start:.0f} s",
-                flush=True,
-            )
-    _table(counts, failures, cases, seed, time.monotonic() - start)
-    return 1 if failures else 0
+        yield index, str(case), run_case(case)
+
+
+def _programs(name: str, program: Callable[[Draw], str]) -> Callable[..., Results]:
+    """A surface whose case is one call of `program`: ok, wrong (AssertionError) or crash."""
+
+    def run(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
+        for index in indices:
+            try:
+                text, outcome = program(RandomDraw(seed, index)), Outcome(name, "run", "ok")
+            except AssertionError as err:
+                text, outcome = f"case {index}", Outcome(name, "run", "wrong", str(err)[:300])
+            except Exception as err:
+                detail = f"{type(err).__name__}: {str(err)[:300]}"
+                text, outcome = f"case {index}", Outcome(name, "run", "crash", detail)
+            yield index, text, [outcome]
+
+    return run
+
+
+def _distributed(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
+    with tempfile.TemporaryDirectory() as workdir:
+        yield from fuzz_distributed.run(seed, list(indices), Path(workdir))
+
+
+RUNNERS: dict[str, Callable[..., Results]] = {
+    "core": _core,
+    "distributed": _distributed,
+    "paged": _programs("paged", fuzz_paged.program),
+    "transformers": _programs("transformers", fuzz_transformers.check),
+}
+
+
+def campaign(cases: int, seed: int, flex_percent: int, every: int, surfaces: list[str]) -> int:
+    status = 0
+    for surface in surfaces:
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        failures: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
+        start = time.monotonic()
+        print(f"{surface}:", flush=True)
+        results = RUNNERS[surface](seed, range(cases), flex_percent)
+        for done, (index, text, outcomes) in enumerate(results, 1):
+            for outcome in outcomes:
+                counts[outcome.backend, outcome.status] += 1
+                if outcome.failed:
+                    failures[_failure_class(outcome)].append((index, text))
+            if done % every == 0 or done == cases:
+                bad = sum(len(v) for v in failures.values())
+                print(f"  {done}/{cases} cases, {bad} failures, {time.monotonic() - start:.0f} s",
+                      flush=True)  # fmt: skip
+        _table(surface, counts, failures, cases, seed, time.monotonic() - start)
+        status |= bool(failures)
+    return status
 
 
 def _failure_class(o: Outcome) -> str:
@@ -46,6 +100,7 @@ def _failure_class(o: Outcome) -> str:
 
 
 def _table(
+    surface: str,
     counts: collections.Counter[tuple[str, str]],
     failures: dict[str, list[tuple[int, str]]],
     cases: int,
@@ -53,42 +108,48 @@ def _table(
     seconds: float,
 ) -> None:
     statuses = ("ok", "refused", "wrong", "crash")
-    print(f"\nfuzz: {cases} cases, seed {seed}, {seconds:.0f} s, torch {torch.__version__}")
-    print(f"| backend | runs | {' | '.join(statuses)} |")
+    print(
+        f"\nfuzz {surface}: {cases} cases, seed {seed}, {seconds:.0f} s, torch {torch.__version__}"
+    )
+    print(f"| {'backend' if surface == 'core' else 'runs of'} | runs | {' | '.join(statuses)} |")
     print(f"|---|---|{'---|' * len(statuses)}")
     for backend in sorted({b for b, _ in counts}):
         row = [counts[backend, s] for s in statuses]
         print(f"| {backend} | {sum(row)} | {' | '.join(map(str, row))} |")
     if not failures:
-        print("\nno failures.")
+        print("\nno failures.\n")
         return
-    print("\nfailure classes (count, first case: rerun with --case):")
+    print(f"\nfailure classes (count, first case: rerun with --surface {surface} --case):")
     for name, hits in sorted(failures.items(), key=lambda item: -len(item[1])):
         print(f"  {len(hits):5d}  {name}\n         case {hits[0][0]}: {hits[0][1]}")
+    print()
 
 
-def replay(seed: int, index: int, flex_percent: int) -> int:
-    case = draw_case(RandomDraw(seed, index), flex_percent=flex_percent)
-    print(case)
+def replay(seed: int, index: int, flex_percent: int, surface: str) -> int:
     failed = 0
-    for o in run_case(case):
-        print(f"  {o.backend:9} {o.what:12} {o.status:8} {o.detail}")
-        failed += o.failed
+    for _, text, outcomes in RUNNERS[surface](seed, [index], flex_percent):
+        print(text)
+        for o in outcomes:
+            print(f"  {o.backend:9} {o.what:12} {o.status:8} {o.detail}")
+            failed += o.failed
     return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", type=int, default=10_000)
+    parser.add_argument("--cases", type=int, default=10_000, help="cases per surface")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--case", type=int, default=None, help="replay one case in detail")
+    parser.add_argument("--surface", choices=(*SURFACES, "all"), default=None,
+                        help="one surface (default: all; core for --case)")  # fmt: skip
     parser.add_argument("--flex", type=int, default=1, help="percent of cases also run on flex")
     parser.add_argument("--every", type=int, default=250, help="progress every N cases")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")  # flex's compile warnings would drown the table
     if args.case is not None:
-        return replay(args.seed, args.case, args.flex)
-    return campaign(args.cases, args.seed, args.flex, args.every)
+        return replay(args.seed, args.case, args.flex, args.surface or "core")
+    surfaces = list(SURFACES) if args.surface in (None, "all") else [args.surface]
+    return campaign(args.cases, args.seed, args.flex, args.every, surfaces)
 
 
 if __name__ == "__main__":

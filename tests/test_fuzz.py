@@ -1,8 +1,9 @@
-"""The differential fuzz harness in the suite: random calls on every backend against a
-float64 oracle (tests/fuzz_cases.py draws them, tests/fuzz_check.py judges them).
+"""The differential fuzz harness in the suite: random calls on every surface against a
+float64 oracle (tests/fuzz_cases.py draws core calls, tests/fuzz_check.py judges them;
+tests/fuzz_distributed.py, fuzz_paged.py and fuzz_transformers.py are the other surfaces).
 
-`make test` runs a fixed set of examples (derandomized: CI sees the same ones) in about a
-minute; `make fuzz` runs the long campaign (tests/fuzz.py).
+`make test` runs a fixed sample of each (derandomized: CI sees the same ones) in about a
+minute and a half; `make fuzz` runs the long campaign (tests/fuzz.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fuzz
+import fuzz_distributed
+import fuzz_paged
+import fuzz_transformers
 from fuzz_cases import HypothesisDraw, RandomDraw, draw_case
 from fuzz_check import run_case
 
@@ -38,8 +42,29 @@ def test_cases_are_reproducible_from_seed_and_index():
     assert str(draw_case(RandomDraw(7, 43))) != first
 
 
+def test_a_sample_of_the_distributed_surface_keeps_the_rule(tmp_path):
+    """24 cases in 2-4 gloo processes (every P, layout and strategy among them)."""
+    results = list(fuzz_distributed.run(3, list(range(24)), tmp_path))
+    assert len(results) == 24
+    failures = [(i, text, o) for i, text, outcomes in results for o in outcomes if o.failed]
+    assert not failures, "\n".join(f"case {i}: {t}\n  {o.what} {o.status}: {o.detail}"
+                                    for i, t, o in failures)  # fmt: skip
+    ran = {o.backend for _, _, outcomes in results for o in outcomes if o.status == "ok"}
+    assert ran >= {"ring", "allgather", "auto"}, ran
+
+
+def test_a_sample_of_the_paged_and_transformers_surfaces_keeps_the_rule():
+    for index in range(60):
+        fuzz_paged.program(RandomDraw(3, index))
+    for index in range(150):
+        fuzz_transformers.check(RandomDraw(3, index))
+
+
 def test_campaign_prints_a_summary_table(capsys):
-    assert fuzz.main(["--cases", "6", "--seed", "5", "--flex", "0", "--every", "3"]) == 0
+    argv = ["--cases", "6", "--seed", "5", "--flex", "0", "--every", "3", "--surface", "core"]
+    assert fuzz.main(argv) == 0
+    assert fuzz.main(["--cases", "4", "--seed", "5", "--surface", "paged"]) == 0
     printed = capsys.readouterr().out
     assert "3/6 cases" in printed and "| backend | runs | ok | refused | wrong | crash |" in printed
     assert "| reference | 12 | 12 | 0 | 0 | 0 |" in printed and "no failures." in printed
+    assert "fuzz paged: 4 cases" in printed and "| paged | 4 | 4 | 0 | 0 | 0 |" in printed

@@ -13,75 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit as ak
-
-D, DV, HKV = 8, 6, 2
-
-
-def dense(q, keys, values, start, left=None, scale=None):
-    """q (n, H, D) at positions start.. over keys (S, Hkv, D): the float64 formula."""
-    n, H, _ = q.shape
-    G = H // keys.shape[1]
-    k = keys.double().repeat_interleave(G, 1).transpose(0, 1)  # (H, S, D)
-    v = values.double().repeat_interleave(G, 1).transpose(0, 1)  # (H, S, Dv)
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = q.double().transpose(0, 1) @ k.mT * scale  # (H, n, S)
-    i = torch.arange(n)[:, None] + start
-    j = torch.arange(keys.shape[0])[None, :]
-    visible = (j <= i) & (j >= i - left if left is not None else True)
-    weights = torch.softmax(scores.masked_fill(~visible, -torch.inf), -1)
-    return (weights @ v).transpose(0, 1)  # (n, H, Dv)
-
-
-class World:
-    """A PagedKVCache beside dense histories of every sequence; runs steps on both."""
-
-    def __init__(self, H=4, layers=2, num_blocks=64, block_size=4, dtype=torch.float64, seed=0):
-        self.pages = ak.PagedKVCache(
-            layers, HKV, D, num_blocks=num_blocks, block_size=block_size, value_dim=DV, dtype=dtype
-        )
-        self.H, self.layers, self.dtype = H, layers, dtype
-        self.history: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.g = torch.Generator().manual_seed(seed)
-
-    def add(self):
-        seq = self.pages.add()
-        self.history[seq] = [(torch.zeros(0, HKV, D), torch.zeros(0, HKV, DV))] * self.layers
-        return seq
-
-    def fork(self, seq):
-        child = self.pages.fork(seq)
-        self.history[child] = list(self.history[seq])
-        return child
-
-    def run(self, ids, counts, left=None, tol=1e-12):
-        """One step: random new tokens, paged_attention on every layer, compared."""
-        step = self.pages.step(ids, counts)
-        T = sum(counts)
-        mask = None if left is None else ak.sliding_window(left)
-        outs = []
-        for layer in range(self.layers):
-            q, k, v = (torch.randn(T, h, d, generator=self.g, dtype=torch.float64)
-                       for h, d in ((self.H, D), (HKV, D), (HKV, DV)))  # fmt: skip
-            out = ak.paged_attention(
-                *(t.to(self.dtype) for t in (q, k, v)), self.pages, step, layer, mask
-            )
-            assert out.shape == (T, self.H, DV) and out.dtype == self.dtype
-            t = 0
-            for seq, n in zip(ids, counts, strict=True):
-                keys, values = self.history[seq][layer]
-                keys, values = torch.cat([keys, k[t : t + n]]), torch.cat([values, v[t : t + n]])
-                self.history[seq] = [
-                    *self.history[seq][:layer],
-                    (keys, values),
-                    *self.history[seq][layer + 1 :],
-                ]
-                want = dense(q[t : t + n], keys, values, keys.shape[0] - n, left)
-                torch.testing.assert_close(out[t : t + n].double(), want, atol=tol, rtol=tol)
-                t += n
-            outs.append(out)
-        for seq in ids:
-            assert self.pages.length(seq) == self.history[seq][0][0].shape[0]
-        return outs
+from fuzz_cases import HypothesisDraw
+from fuzz_paged import DV, HKV, D, World, dense, program
 
 
 @pytest.mark.parametrize("G", [1, 4, 8])
@@ -349,40 +282,12 @@ def test_gradients_through_pages_match_the_dense_formula_across_layers(grad_of):
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    data=st.data(),
-    block_size=st.sampled_from([1, 3, 4, 16]),
-    G=st.sampled_from([1, 4]),
-    left=st.sampled_from([None, 0, 2, 7]),
-    dtype=st.sampled_from([torch.float64, torch.float32]),
-)
-def test_any_mix_of_operations_attends_like_the_dense_formula(data, block_size, G, left, dtype):
+@given(data=st.data())
+def test_any_mix_of_operations_attends_like_the_dense_formula(data):
     """Random adds, forks, removes, releases and steps (prefill, chunks, decode, idle
-    sequences) on a shuffled pool: every output equals the float64 formula."""
-    world = World(H=HKV * G, layers=1, num_blocks=24, block_size=block_size, dtype=dtype)
-    pages, tol = world.pages, 1e-12 if dtype == torch.float64 else 2e-5
-    data.draw(st.randoms(use_true_random=False)).shuffle(pages._free)
-    for _ in range(data.draw(st.integers(1, 14), label="operations")):
-        live = pages.sequences
-        op = data.draw(st.sampled_from("asfrd" if live else "a"), label="op")
-        pick = live[data.draw(st.integers(0, max(len(live) - 1, 0)))] if live else None
-        if op == "a":
-            world.add()
-        elif op == "f":
-            world.fork(pick)
-        elif op == "r":
-            pages.remove(pick)
-        elif op == "d" and left is not None:  # free what the window has left behind
-            pages.release(pick, pages.length(pick) - left)
-        elif op == "s":
-            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, unique=True), label="ids")
-            counts = [data.draw(st.integers(0, 6), label="count") for _ in ids]
-            before = [(pages.length(s), pages.block_table(s)) for s in live], pages.free_blocks
-            try:
-                world.run(ids, counts, left=left, tol=tol)
-            except ak.OutOfBlocksError:
-                assert ([(pages.length(s), pages.block_table(s)) for s in live],
-                        pages.free_blocks) == before  # fmt: skip
+    sequences) on a shuffled pool: every output equals the float64 formula
+    (tests/fuzz_paged.py draws the program; `make fuzz` runs many more)."""
+    program(HypothesisDraw(data))
 
 
 def test_strided_inputs_give_the_same_result_as_contiguous_ones():
