@@ -5,7 +5,9 @@ and packed documents (8, shard-aligned at P = 2 and 4; both contiguous), forward
 forward+backward, every strategy (ring, allgather, ulysses) at each world size (gloo on
 127.0.0.1; one process with every core at world 1, one thread a process above it:
 world 4 oversubscribes a 2-core machine, which shows the shape of the curve rather than
-a speed-up). Reported per cell: the median time of the slowest rank, the speed-up over
+a speed-up). Reported per cell: the median time of the slowest rank, the time the
+ranks take to agree before any traffic (validation, fingerprints and one all_gather:
+median of 20, part of the call's time), the speed-up over
 `attnkit.attention` in one process (`single`), the bytes each rank sends (the plan's
 forward figure; the backward sends K/V again and their gradients back), the peak extra
 resident memory of the busiest rank, and the share of the float32 matrix-multiply
@@ -35,12 +37,14 @@ from bench import _vm, cpu_description, roofline_gflops  # beside this file
 
 import attnkit as ak
 import attnkit.distributed as akd
+from attnkit.distributed import comm
 
 B, H, HKV, D = 1, 4, 4, 64
 PATTERNS = ("causal", "sliding", "documents")
 PASSES = ("fwd", "fwd+bwd")
 RESULTS = Path(__file__).parent / "results"
 LONG_CALL = 20.0  # seconds: a call this long is timed once
+AGREE_REPEATS = 20
 
 
 def layout_for(pattern: str) -> str:
@@ -102,6 +106,11 @@ def _cell(world, local, mask, layout, grad, strategy, args) -> dict[str, Any]:  
         if grad:
             out.sum().backward()
 
+    agree = (
+        []
+        if single
+        else [_agreement(tensors, mask, layout, strategy) for _ in range(AGREE_REPEATS)]
+    )
     times = []
     for i in range(args.repeats + 1):
         dist.barrier()
@@ -122,15 +131,26 @@ def _cell(world, local, mask, layout, grad, strategy, args) -> dict[str, Any]:  
         "world": world, "pass": "fwd+bwd" if grad else "fwd",
         "strategy": strategy, "seconds": statistics.median(times), "runs": len(times),
         "bytes_sent": 0 if single else plan.bytes_sent[strategy], "peak_extra_bytes": peak,
-        "skipped": plan.skipped,
+        "skipped": plan.skipped, "agree_seconds": statistics.median(agree) if agree else 0.0,
     }  # fmt: skip
+
+
+def _agreement(tensors, mask, layout, strategy) -> float:  # type: ignore[no-untyped-def]
+    """Seconds the ranks take to agree on a call (the slowest rank's)."""
+    dist.barrier()
+    start = time.perf_counter()
+    akd.agreed(*tensors, mask, comm.group_of(None), layout, strategy, None, None)
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
 
 
 def _line(r: dict[str, Any]) -> str:
     return (
         f"P={r['world']} S={r['S']:>6} {r['pattern']:<9} {r['layout']:<10} {r['pass']:<7} "
         f"{r['strategy']:<9} "
-        f"{r['seconds']:8.3f} s  sent {r['bytes_sent'] / 2**20:8.1f} MiB  "
+        f"{r['seconds']:8.3f} s  agree {r.get('agree_seconds', 0) * 1e3:6.2f} ms  "
+        f"sent {r['bytes_sent'] / 2**20:8.1f} MiB  "
         f"peak {r['peak_extra_bytes'] / 2**20:8.1f} MiB"
     )
 
@@ -157,9 +177,9 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"D={D}, float32, causal on the zigzag layout, the others contiguous; median of "
         f"{meta['repeats']} runs (calls over {LONG_CALL:.0f} s: one).",
         "",
-        "| S | mask | pass | P | strategy | time (s) | × one process | sent per rank (MiB) "
-        "| peak per rank (MiB) | % roofline |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| S | mask | pass | P | strategy | time (s) | agree (ms) | × one process "
+        "| sent per rank (MiB) | peak per rank (MiB) | % roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = one.get((r["S"], r["pattern"], r["pass"]))
@@ -169,7 +189,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         share = useful / (meta["roofline_gflops_per_core"] * cores)
         lines.append(
             f"| {r['S']} | {r['pattern']} | {r['pass']} | {r['world']} | {r['strategy']} | "
-            f"{r['seconds']:.3f} | {speedup} | {r['bytes_sent'] / 2**20:.1f} | "
+            f"{r['seconds']:.3f} | {r.get('agree_seconds', 0) * 1e3:.2f} | {speedup} | "
+            f"{r['bytes_sent'] / 2**20:.1f} | "
             f"{r['peak_extra_bytes'] / 2**20:.0f} | {share:.0%} |"
         )
     return "\n".join(lines) + "\n"

@@ -110,3 +110,5 @@ def test_context_parallel_bench_runs_every_strategy(tmp_path):
     }
     aligned = [r for r in rows if r["world"] == 2 and r["pattern"] == "documents"]
     assert all(r["bytes_sent"] == 0 for r in aligned if r["strategy"] == "ring")
+    distributed = [r for r in rows if r["world"] == 2]
+    assert all(0 < r["agree_seconds"] < r["seconds"] for r in distributed), distributed

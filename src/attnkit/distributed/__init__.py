@@ -127,20 +127,35 @@ def attention_with_lse(
     """`attention` and the log-sum-exp of this rank's rows, (B, H, L/P), as
     `attnkit.attention_with_lse` gives it (`-inf` where a row sees nothing)."""
     g = group_of(group)
+    problem, plan = agreed(q, k, v, mask, g, layout, strategy, scale, softcap)
+    return run_strategy(plan.strategy, problem, g, plan.needs, q, k, v)
+
+
+def agreed(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | Tensor | None,
+    g: Group,
+    layout: str,
+    strategy: str,
+    scale: float | None,
+    softcap: float | None,
+) -> tuple[Problem, ContextPlan]:
+    """The problem and plan of a call once every rank has validated its own and all pass
+    the same (`agree`: one small collective, before any traffic)."""
 
     def validate() -> tuple[Problem, ContextPlan]:
         problem = _problem(q, k, v, mask, g, layout, scale, softcap)
         return problem, _plan(problem, g, strategy, q, k, v, detail=False)
 
-    # before any traffic: every rank valid, and all passing the same problem
-    problem, plan = agree(
+    return agree(
         g,
         validate,
         shards={"q": q, "k": k, "v": v},
         shared={"mask": mask, "layout": layout, "strategy": strategy, "scale": scale,
                 "softcap": softcap},
     )  # fmt: skip
-    return run_strategy(plan.strategy, problem, g, plan.needs, q, k, v)
 
 
 def explain(
