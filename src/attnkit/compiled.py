@@ -37,15 +37,22 @@ R = TypeVar("R")
 
 
 def in_fresh_thread(fn: Callable[[], R]) -> R:
-    """`fn()` in a new thread, which starts with PyTorch's default dispatch state.
+    """`fn()` in a new thread, which starts with PyTorch's default dispatch state, under
+    the caller's grad mode (`fn` may enable grad itself).
 
-    An op's implementation runs below autograd (its dispatch keys are excluded in this
-    thread's state), and inside a compiled graph's run FlexAttention's `vmap` over a
-    mask_mod fails ("NYI: querying is_contiguous inside of vmap"); a fresh thread
-    starts with autograd on and no such state.
+    An op's implementation runs below autograd (the backward op's recompute enables it
+    in a fresh thread), and inside a compiled graph's run FlexAttention's `vmap` over a
+    mask_mod fails ("NYI: querying is_contiguous inside of vmap"); a fresh thread has
+    no such state.
     """
+    grad = torch.is_grad_enabled()
+
+    def run() -> R:
+        with torch.set_grad_enabled(grad):
+            return fn()
+
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(fn).result()
+        return pool.submit(run).result()
 
 
 def traced_attention(
@@ -267,7 +274,7 @@ def attention_backward_op(
                 grads.append(dlse)
             return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
 
-    found = in_fresh_thread(recompute)  # with autograd on
+    found = in_fresh_thread(recompute)  # it enables autograd there
     leaves = (q, k, v)
     dq, dk, dv = (
         torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)
