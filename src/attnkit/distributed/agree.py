@@ -104,9 +104,16 @@ def describe(value: object, *, contents: bool = False) -> str:
     return repr(value)
 
 
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _content(t: Tensor) -> int:
-    """A fingerprint of a tensor's values (weighted sums of its bytes, two weightings)."""
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)  # (n,)
+    """A fingerprint of a tensor's values: two weighted sums of its elements, read as
+    integers (a float's bits), so that any change of one value changes them."""
+    data = t.detach().contiguous().reshape(-1)  # (n,)
+    if data.is_floating_point() or data.is_complex():
+        data = data.view(_SAME_WIDTH_INT.get(data.element_size(), torch.uint8))
+    data = data.to(torch.int64)
     index = torch.arange(1, data.numel() + 1, dtype=torch.int64, device=data.device)
     first = int((data * (index * 1_000_003 % 2_147_483_647)).sum())
     second = int((data * (index * index % 998_244_353 + 7)).sum())
