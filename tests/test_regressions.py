@@ -391,3 +391,18 @@ def test_a_mask_that_has_run_on_flex_still_compiles_with_fullgraph():
     torch.testing.assert_close(compiled(q, k, v), eager)
     inside = torch.compile(lambda q, k, v: ak.attention(q, k, v, mask, backend="flex"))
     torch.testing.assert_close(inside(q, k, v), eager)
+
+
+# ------------- 11. a probe asked first under no_grad (or inside an op) still answers true
+
+
+def test_the_empty_row_probe_answers_the_same_under_no_grad_and_inside_an_op():
+    from attnkit._compat import sdpa_zeroes_empty_rows
+
+    probe = sdpa_zeroes_empty_rows.__wrapped__  # uncached
+    want = probe()
+    with torch.no_grad():
+        assert probe() == want
+    with torch.inference_mode():
+        assert probe() == want
+    assert want == (torch.__version__ >= "2.5")

@@ -117,7 +117,16 @@ def cpu_features() -> dict[str, bool]:
 def sdpa_zeroes_empty_rows() -> bool:
     """True if CPU `F.scaled_dot_product_attention` gives a query whose mask row is all
     False a zero output and zero gradients (it does in torch 2.5+, which attnkit's
-    fused path then relies on instead of cleaning such rows itself). Checked once."""
+    fused path then relies on instead of cleaning such rows itself). Checked once, in a
+    fresh thread: the first caller may run under no_grad or inside an op's
+    implementation, where the probe's backward would fail and wrongly say no."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_probe_empty_rows).result()
+
+
+def _probe_empty_rows() -> bool:
     q, k, v = (torch.ones(1, 1, n, 2, requires_grad=True) for n in (2, 3, 3))
     visible = torch.tensor([[True, True, False], [False, False, False]])
     try:

@@ -46,7 +46,7 @@ def _attn_mask(
 
 
 def _masked_inputs(
-    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, need_lse: bool
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, need_lse: bool, *, clean: bool = True
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """(q, k, v) with what no one sees zeroed, the kernel's mask, and the (B|1, H|1, L)
     rows that see a key (None if all do).
@@ -54,7 +54,8 @@ def _masked_inputs(
     One key interval per row: seen rows and keys come from the spans in O(B·L), and a
     mask under which every row sees every key (bottom-right causal at L = 1: decoding)
     is no mask at all. Otherwise from the dense mask, cleaned only where the kernel
-    could not hide what it hides by itself (`_kernel_hides_unseen`).
+    could not hide what it hides by itself (`_kernel_hides_unseen`). `clean=False`:
+    the kernel's mask alone, inputs as given (`run` checks the output instead).
     """
     d, mask = call.dims, call.mask
     if mask is not None and not call.has_bias and mask.sees_all(d.L, d.S):
@@ -65,6 +66,9 @@ def _masked_inputs(
             lo, hi = spans  # (B, L)
             if bool((lo <= 0).all()) and bool((hi >= d.S).all()):
                 return q, k, v, None, None  # every pair visible
+            if not clean:
+                dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
+                return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), None
             seen_rows, seen_keys = seen_from_spans(lo, hi, d.S)  # (B, L), (B, S)
             q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
             dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
@@ -72,7 +76,9 @@ def _masked_inputs(
             return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), seen
     visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
     effective = effective_visibility(visible, call.bias)  # (B|1, H|1, L, S)
-    if _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
+    if not clean:
+        rows = None
+    elif _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
         rows = None if not need_lse or effective is None else effective.any(-1)
     else:
         q, k, v, rows = hide_unseen(q, k, v, effective)
@@ -108,6 +114,26 @@ def _kernel_hides_unseen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
 
 
 _SAFE_SCORE = 1e30  # far below float32's overflow (3.4e38), even after the mask's bias
+
+
+def _check_instead_of_cleaning(call: AttentionCall, need_lse: bool) -> bool:
+    """True where a finite output from the inputs as given is the exact result, so the
+    cleaning (passes over all of K and V per call, what decoding against a padded cache
+    pays) can wait until the output shows a non-finite value.
+
+    A key no query sees gets weight exactly 0 (its score is -inf), so finite keys and
+    values there never change the output, and NaN or Inf there shows as a non-finite
+    output; a row that sees nothing comes out 0 from PyTorch's CPU kernel. Gradients
+    are another matter (dq = dS·K reads unseen keys: 0·NaN), so only calls that need
+    none, and no log-sum-exp, no dropout, take this path.
+    """
+    return (
+        not need_lse
+        and call.dropout_p == 0
+        and not call.requires_grad
+        and call.q.device.type == "cpu"
+        and sdpa_zeroes_empty_rows()
+    )
 
 
 class SdpaBackend:
@@ -176,6 +202,18 @@ class SdpaBackend:
         dk, dv = sum_groups(gk[..., : d.D], d.groups), sum_groups(gv[..., : d.Dv], d.groups)
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)
 
+    @staticmethod
+    def _unclean(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+        """The output from the inputs as given, or None if it is not finite (then NaN or
+        Inf in keys no query sees may have leaked through `0·NaN`, and `run` cleans)."""
+        q, k, v, attn_mask, _ = _masked_inputs(call, q, k, v, False, clean=False)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.dims.groups > 1
+        )  # (B, H, L, Dv)
+        if not bool(torch.isfinite(out).all()):  # one pass over the output only
+            return None
+        return out if out.dtype == call.q.dtype else out.to(call.q.dtype)
+
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
         q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
@@ -185,6 +223,10 @@ class SdpaBackend:
             q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
+            if _check_instead_of_cleaning(call, need_lse):
+                out = self._unclean(call, q, k, v)
+                if out is not None:
+                    return out, None
             q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse)
         # half K/V heads repeated by attnkit, so that their G gradients sum in float32
         # (PyTorch's CPU kernels sum them in half); float32 and forward-only calls use
