@@ -112,3 +112,15 @@ def test_context_parallel_bench_runs_every_strategy(tmp_path):
     assert all(r["bytes_sent"] == 0 for r in aligned if r["strategy"] == "ring")
     distributed = [r for r in rows if r["world"] == 2]
     assert all(0 < r["agree_seconds"] < r["seconds"] for r in distributed), distributed
+
+
+def test_small_calls_bench_compares_decode_steps_with_and_without_padding(tmp_path):
+    script = BENCH.parent / "small_calls.py"
+    args = ["--batches", "2", "--sizes", "64", "--runs", "3", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "small_calls.json").read_text())["rows"]
+    assert [(r["B"], r["S"], r["padding"]) for r in rows] == [(2, 64, False), (2, 64, True)]
+    assert all(r["sdpa_us"] > 0 and r["attnkit_us"] > 0 for r in rows)
+    assert "| 2 | 64 | yes |" in (tmp_path / "small_calls.md").read_text()
