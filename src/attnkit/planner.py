@@ -9,6 +9,7 @@ convention for the forward pass).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -85,12 +86,46 @@ def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backen
     """`choose_backend`'s choice without its reasons. A dense call (`is_dense`: decoding
     steps among them) goes straight to sdpa when it can serve it, as costing would
     choose (its dense kernel is the cheapest per pair): per-call overhead matters most
-    on the smallest calls."""
+    on the smallest calls. Other choices are cached (`_plan_key`)."""
     if name == "auto" and call.is_dense and call.softcap is None:
         sdpa = BACKENDS["sdpa"]
         if sdpa.can_use(call, need_lse=need_lse) is None:
             return sdpa
-    return choose_backend(call, name, need_lse=need_lse)[0]
+    key = _plan_key(call, name, need_lse)
+    if key is None:
+        return choose_backend(call, name, need_lse=need_lse)[0]
+    plans = _PLANS_UNMASKED if call.mask is None else _PLANS.setdefault(call.mask, {})
+    chosen = plans.get(key)
+    if chosen is None:
+        chosen = choose_backend(call, name, need_lse=need_lse)[0]
+        if len(plans) >= PLANS_PER_MASK:
+            plans.clear()
+        plans[key] = chosen
+    return chosen
+
+
+# the backend chosen per mask object (held weakly) and everything else that decides it
+_PLANS: weakref.WeakKeyDictionary[Mask, dict[tuple[object, ...], Backend]] = (
+    weakref.WeakKeyDictionary()
+)
+_PLANS_UNMASKED: dict[tuple[object, ...], Backend] = {}
+PLANS_PER_MASK = 16
+
+
+def _plan_key(call: AttentionCall, name: str, need_lse: bool) -> tuple[object, ...] | None:
+    """Everything `can_use` and `cost` read: the backend asked, lse, grad, dtype, device,
+    sizes, score options, the mask's tensors' identity and version (`Mask.state`: an
+    in-place change is a new key) and each backend's own state (`generation`: flex
+    kernels turning warm). None (not cached) for a float bias tensor."""
+    if call.bias_tensor is not None:
+        return None
+    q, k, v = call.q, call.k, call.v
+    return (
+        name, need_lse, call.requires_grad, q.dtype, q.device, tuple(q.shape),
+        tuple(k.shape), tuple(v.shape), call.scale, call.softcap, call.dropout_p,
+        None if call.mask is None else call.mask.state(),
+        tuple(getattr(b, "generation", 0) for b in BACKENDS.values()),
+    )  # fmt: skip
 
 
 def choose_backend(

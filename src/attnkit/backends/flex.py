@@ -92,6 +92,11 @@ class FlexBackend:
             return broken
         return None
 
+    @property
+    def generation(self) -> int:
+        """Changes whenever a kernel turns warm or broken (cached plans key on it)."""
+        return len(self._warm) + len(self._broken)
+
     def is_warm(self, call: AttentionCall) -> bool:
         return call.mask is not None and _signature(call) in self._warm
 
