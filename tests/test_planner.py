@@ -47,7 +47,7 @@ def test_a_plan_is_never_served_stale(choices):
     ak.attention(q, k, v, mask)
     seen = choices[0]
 
-    def replanned(call) -> bool:
+    def replanned(call) -> tuple[bool, torch.Tensor]:  # (planned afresh, the output)
         nonlocal seen
         out = call()
         fresh, seen = choices[0] > seen, choices[0]
