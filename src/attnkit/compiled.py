@@ -18,41 +18,24 @@ float masks that require grad (the op gives mask tensors no gradient) and masks 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnkit.backends import BACKENDS
+from attnkit.backends.sdpa import SdpaBackend
+from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall, _check_shapes, normalize_call
+from attnkit.dispatch import run
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
+from attnkit.planner import backend_for_run
 from attnkit.precision import compute_dtype
+from attnkit.threads import in_fresh_thread
 
-__all__ = ["attention_backward_op", "attention_op", "in_fresh_thread", "traced_attention"]
-
-R = TypeVar("R")
-
-
-def in_fresh_thread(fn: Callable[[], R]) -> R:
-    """`fn()` in a new thread, which starts with PyTorch's default dispatch state, under
-    the caller's grad mode (`fn` may enable grad itself).
-
-    An op's implementation runs below autograd (the backward op's recompute enables it
-    in a fresh thread), and inside a compiled graph's run FlexAttention's `vmap` over a
-    mask_mod fails ("NYI: querying is_contiguous inside of vmap"); a fresh thread has
-    no such state.
-    """
-    grad = torch.is_grad_enabled()
-
-    def run() -> R:
-        with torch.set_grad_enabled(grad):
-            return fn()
-
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(run).result()
+__all__ = ["attention_backward_op", "attention_op", "traced_attention"]
 
 
 def traced_attention(
@@ -117,10 +100,8 @@ def _run_eagerly(
     backend: Any,
     need_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    from attnkit.functional import run_call
-
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    out, lse = run_call(call, backend, need_lse=need_lse)
+    out, lse = run(call, backend, need_lse=need_lse)
     return out, _lse_or_empty(lse, q)
 
 
@@ -161,12 +142,9 @@ def attention_op(
     as for that eager call (some serve no gradient), and the log-sum-exp is kept for the
     backward op (+inf where the backend could not give it: the backward then recomputes).
     """
-    from attnkit.functional import run_call
-    from attnkit.planner import backend_for_run
-
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
     if call.is_empty:
-        out, lse = run_call(call, backend, need_lse=need_lse)
+        out, lse = run(call, backend, need_lse=need_lse)
     else:
         # the backend an eager call of inputs requiring grad (or not) would take
         wanted = replace(call, q=call.q.detach().requires_grad_()) if requires_grad else call
@@ -189,8 +167,6 @@ def _blockwise_backward(call: AttentionCall, scale: float | None) -> bool:
     """True if the backward op can take the tiled backend's blockwise backward from the
     forward's output and log-sum-exp (a positive scale: folding a sign into q would need
     the chain rule outside)."""
-    from attnkit.backends import BACKENDS
-
     if scale is not None and scale <= 0:
         return False
     return BACKENDS["tiled"].can_use(call, need_lse=True) is None
@@ -242,11 +218,6 @@ def attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of `attnkit::attention`: blockwise from the forward's `out` and `lse`
     (tiled's backward) where it can, else the eager call rerun with autograd."""
-    from attnkit.backends import BACKENDS
-    from attnkit.backends.sdpa import SdpaBackend
-    from attnkit.backends.tiled import TiledBackend
-    from attnkit.functional import run_call
-
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
     tiled, sdpa = BACKENDS["tiled"], BACKENDS["sdpa"]
     if (
@@ -267,7 +238,7 @@ def attention_backward_op(
         lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with torch.enable_grad():
             call = _call(lq, lk, lv, mask_tensors, mask_spec, scale, softcap)
-            out, lse = run_call(call, backend, need_lse=need_lse)
+            out, lse = run(call, backend, need_lse=need_lse)
             outputs, grads = [out], [dout]
             if need_lse and lse is not None and dlse.numel():
                 outputs.append(lse)

@@ -26,6 +26,7 @@ __all__ = [
     "attention_score_elements",
     "check_attention_contract",
     "normalize_call",
+    "normalize_inputs",
     "unit_last_stride",
 ]
 
@@ -324,6 +325,14 @@ def normalize_call(
     dropout_p = _check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}.")
-    q, scale = _fold_scale(q, scale)
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    q, k, v, scale = normalize_inputs(q, k, v, scale)
     return AttentionCall(q, k, v, visibility, bias, scale, softcap, dropout_p, dims)
+
+
+def normalize_inputs(
+    q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """q, k, v as backends take them (`unit_last_stride`) and a scale > 0 (`_fold_scale`);
+    each tensor comes back as itself where it needs no change."""
+    q, scale = _fold_scale(q, scale)
+    return unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), scale

@@ -1,24 +1,24 @@
 """The production call: `attention`, `attention_with_lse`, `attention_probs`, `explain`.
 
 Data flows one way: arguments -> contracts (validate, normalize) -> mask -> plan
-(choose a backend) -> backend -> result.
+(choose a backend) -> backend -> result; `attnkit.dispatch` runs it, and remembers the
+validated plan of a repeated call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
 
-from attnkit.backends import get_backend
 from attnkit.compiled import traced_attention
-from attnkit.contracts import AttentionCall, check_sinks, normalize_call
+from attnkit.contracts import check_sinks, normalize_call
+from attnkit.dispatch import attention_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
-from attnkit.planner import Plan, backend_for_run, plan_call
-from attnkit.precision import compute_dtype
+from attnkit.planner import Plan, plan_call
 from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
 from attnkit.softmax import add_sinks
 
@@ -72,8 +72,10 @@ def attention(
             q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
             backend=backend, need_lse=False,
         )[0]  # fmt: skip
-    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    return run_call(call, backend, need_lse=False)[0]
+    return attention_call(
+        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
+        need_lse=False,
+    )[0]  # fmt: skip
 
 
 def attention_with_lse(
@@ -104,50 +106,13 @@ def attention_with_lse(
             backend=backend, need_lse=True,
         )  # fmt: skip
     else:
-        call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-        out, maybe_lse = run_call(call, backend, need_lse=True)
+        out, maybe_lse = attention_call(
+            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
+            need_lse=True,
+        )  # fmt: skip
         assert maybe_lse is not None
         lse = maybe_lse
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
-
-
-def run_call(call: AttentionCall, backend: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-    if call.is_empty:  # nothing to compute: no backend runs
-        if backend != "auto":
-            get_backend(backend)  # an unknown name still raises
-        B, H, L, Dv = call.dims.B, call.dims.H, call.dims.L, call.dims.Dv
-        out = call.q.new_zeros(B, H, L, Dv)
-        lse: Tensor | None = call.q.new_full(
-            (B, H, L), -torch.inf, dtype=compute_dtype(call.q.dtype)
-        )
-    else:
-        out, lse = backend_for_run(call, backend, need_lse=need_lse).run(call, need_lse=need_lse)
-    if out.requires_grad or not torch.is_grad_enabled():
-        return out, lse
-    if not any(t.requires_grad for t in (call.q, call.k, call.v)):
-        return out, lse
-    # nothing the inputs do reaches the result (no query sees a key, or nothing to
-    # compute): zero gradients, not a graph that ends before the inputs
-    joined: tuple[Tensor, Tensor | None] = _Constant.apply(  # type: ignore[no-untyped-call]
-        out, lse, call.q, call.k, call.v
-    )
-    return joined
-
-
-class _Constant(torch.autograd.Function):
-    """A result that does not depend on q, k, v, joined to them with zero gradients."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, out: Tensor, lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
-        return out.clone(), None if lse is None else lse.clone()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        zeros = [torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.inputs]
-        return (None, None, *zeros)
 
 
 def _row_index(

@@ -9,7 +9,6 @@ convention for the forward pass).
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -83,70 +82,48 @@ def count_allowed_pairs(
 
 
 def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backend:
-    """`choose_backend`'s choice without its reasons. A dense call (`is_dense`: decoding
-    steps among them) goes straight to sdpa when it can serve it, as costing would
-    choose (its dense kernel is the cheapest per pair): per-call overhead matters most
-    on the smallest calls. Other choices are cached (`_plan_key`)."""
+    """The backend `choose_backend` would choose, without the reasons for the others. A
+    dense call (`is_dense`: decoding steps among them) goes straight to sdpa when it can
+    serve it, as costing would choose (its dense kernel is the cheapest per pair).
+    `attnkit.dispatch` caches the choice."""
     if name == "auto" and call.is_dense and call.softcap is None:
         sdpa = BACKENDS["sdpa"]
         if sdpa.can_use(call, need_lse=need_lse) is None:
             return sdpa
-    key = _plan_key(call, name, need_lse)
-    if key is None:
-        return choose_backend(call, name, need_lse=need_lse)[0]
-    plans = _PLANS_UNMASKED if call.mask is None else _PLANS.setdefault(call.mask, {})
-    chosen = plans.get(key)
-    if chosen is None:
-        chosen = choose_backend(call, name, need_lse=need_lse)[0]
-        if len(plans) >= PLANS_PER_MASK:
-            plans.clear()
-        plans[key] = chosen
-    return chosen
+    return _pick(call, name, need_lse)[0]
 
 
-# the backend chosen per mask object (held weakly) and everything else that decides it
-_PLANS: weakref.WeakKeyDictionary[Mask, dict[tuple[object, ...], Backend]] = (
-    weakref.WeakKeyDictionary()
-)
-_PLANS_UNMASKED: dict[tuple[object, ...], Backend] = {}
-PLANS_PER_MASK = 16
-
-
-def _plan_key(call: AttentionCall, name: str, need_lse: bool) -> tuple[object, ...] | None:
-    """Everything `can_use` and `cost` read: the backend asked, lse, grad, dtype, device,
-    sizes, score options, the mask's tensors' identity and version (`Mask.state`: an
-    in-place change is a new key) and each backend's own state (`generation`: flex
-    kernels turning warm). None (not cached) for a float bias tensor."""
-    if call.bias_tensor is not None:
-        return None
-    q, k, v = call.q, call.k, call.v
-    return (
-        name, need_lse, call.requires_grad, q.dtype, q.device, tuple(q.shape),
-        tuple(k.shape), tuple(v.shape), call.scale, call.softcap, call.dropout_p,
-        None if call.mask is None else call.mask.state(),
-        tuple(getattr(b, "generation", 0) for b in BACKENDS.values()),
-    )  # fmt: skip
+def _pick(
+    call: AttentionCall, name: str, need_lse: bool
+) -> tuple[Backend, dict[str, str | None], dict[str, float]]:
+    """The backend to run, every backend's refusal (None: it can serve) and, for `auto`,
+    the estimated cost of each that can."""
+    refusals = {n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()}
+    if name != "auto":
+        backend = get_backend(name)
+        if refusals[name] is not None:
+            raise ValueError(
+                f"backend {name!r} cannot serve this call: {refusals[name]}. Use "
+                "backend='auto' (it picks one that can) or backend='reference'."
+            )
+        return backend, refusals, {}
+    costs = {
+        n: BACKENDS[n].cost(call, need_lse=need_lse) for n in AUTO_ORDER if refusals[n] is None
+    }
+    chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
+    return BACKENDS[chosen], refusals, costs
 
 
 def choose_backend(
     call: AttentionCall, name: str, *, need_lse: bool
 ) -> tuple[Backend, dict[str, str | None]]:
     """The backend to run and, for every backend, why it was not chosen (None if chosen)."""
-    reasons: dict[str, str | None] = {
-        n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()
-    }
+    backend, reasons, costs = _pick(call, name, need_lse)
     if name != "auto":
-        backend = get_backend(name)
-        if reasons[name] is not None:
-            raise ValueError(
-                f"backend {name!r} cannot serve this call: {reasons[name]}. Use "
-                "backend='auto' (it picks one that can) or backend='reference'."
-            )
         for n in BACKENDS:
             reasons[n] = None if n == name else reasons[n] or f"not asked for (backend={name!r})"
         return backend, reasons
-    costs = {n: BACKENDS[n].cost(call, need_lse=need_lse) for n in AUTO_ORDER if reasons[n] is None}
-    chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
+    chosen = backend.name
     for n, estimate in costs.items():
         if n == chosen:
             continue
@@ -158,7 +135,7 @@ def choose_backend(
             f"of '{chosen}'"
         )
     reasons[chosen] = None
-    return BACKENDS[chosen], reasons
+    return backend, reasons
 
 
 def _shapes(call: AttentionCall) -> dict[str, tuple[int, ...]]:

@@ -20,11 +20,11 @@ from torch import Tensor
 
 from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
-from attnkit.compiled import in_fresh_thread
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend, zero_unseen
+from attnkit.threads import in_fresh_thread
 
 __all__ = ["FlexBackend"]
 

@@ -9,6 +9,7 @@ mask tensor at all.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +137,37 @@ def _check_instead_of_cleaning(call: AttentionCall, need_lse: bool) -> bool:
     )
 
 
+KEPT_MASK_ELEMENTS = 1 << 20  # a prepared kernel keeps a mask tensor up to this size
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One SDPA call with everything but q, k, v decided; `checked`: a mask reaches the
+    kernel, so a non-finite output (keys no query sees may hold NaN) gives None."""
+
+    dtype: torch.dtype
+    work: torch.dtype
+    attn_mask: Tensor | None
+    is_causal: bool
+    scale: float
+    dropout_p: float
+    gqa: bool
+    checked: bool
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+        if self.work != self.dtype:
+            q, k, v = q.to(self.work), k.to(self.work), v.to(self.work)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.attn_mask, dropout_p=self.dropout_p,
+            is_causal=self.is_causal, scale=self.scale, enable_gqa=self.gqa,
+        )  # fmt: skip  # (B, H, L, Dv)
+        # one pass over the output: its sum is finite only if every entry is (a sum that
+        # overflows sends a finite output to `run`, which gives the same result)
+        if self.checked and not math.isfinite(out.sum().item()):
+            return None
+        return out if out.dtype == self.dtype else out.to(self.dtype)
+
+
 class SdpaBackend:
     """Fused kernels from PyTorch; no softcap; log-sum-exp on CPU through the flash op."""
 
@@ -202,17 +234,36 @@ class SdpaBackend:
         dk, dv = sum_groups(gk[..., : d.D], d.groups), sum_groups(gv[..., : d.Dv], d.groups)
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)
 
-    @staticmethod
-    def _unclean(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-        """The output from the inputs as given, or None if it is not finite (then NaN or
-        Inf in keys no query sees may have leaked through `0·NaN`, and `run` cleans)."""
-        q, k, v, attn_mask, _ = _masked_inputs(call, q, k, v, False, clean=False)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, scale=call.scale, enable_gqa=call.dims.groups > 1
-        )  # (B, H, L, Dv)
-        if not bool(torch.isfinite(out).all()):  # one pass over the output only
+    def prepare(self, call: AttentionCall, *, need_lse: bool) -> _Kernel | None:
+        """The kernel call `run` makes for `call`, with everything but q, k, v decided
+        (`attnkit.dispatch` keeps it for repeated calls), or None where `run` has
+        per-call work (a bias, the log-sum-exp, cleaning before a masked call with
+        gradients, half K/V heads repeated for their gradients) or the mask tensor is
+        too large to keep (`KEPT_MASK_ELEMENTS`)."""
+        kernel = self._kernel(call, need_lse)
+        if kernel is not None and kernel.attn_mask is not None:
+            return kernel if kernel.attn_mask.numel() <= KEPT_MASK_ELEMENTS else None
+        return kernel
+
+    def _kernel(self, call: AttentionCall, need_lse: bool) -> _Kernel | None:
+        """A mask that reaches the kernel runs on the inputs as given only where
+        `_check_instead_of_cleaning` allows, and the kernel then checks its output."""
+        d, mask = call.dims, call.mask
+        if need_lse or call.has_bias:
             return None
-        return out if out.dtype == call.q.dtype else out.to(call.q.dtype)
+        work = kernel_dtype(call.q.dtype, call.q.device)
+        if d.groups > 1 and work in HALF and call.requires_grad:
+            return None  # K/V repeated by `run`, their gradients summed in float32
+        is_causal = self._is_causal(call)
+        attn_mask = None
+        if mask is not None and not is_causal:
+            attn_mask = _masked_inputs(call, call.q, call.k, call.v, False, clean=False)[3]
+            if attn_mask is not None and not _check_instead_of_cleaning(call, need_lse):
+                return None  # cleaning first (gradients, dropout, other devices)
+        return _Kernel(
+            call.q.dtype, work, attn_mask, is_causal, call.scale, call.dropout_p,
+            d.groups > 1, checked=attn_mask is not None,
+        )  # fmt: skip
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
@@ -223,8 +274,9 @@ class SdpaBackend:
             q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
-            if _check_instead_of_cleaning(call, need_lse):
-                out = self._unclean(call, q, k, v)
+            if _check_instead_of_cleaning(call, need_lse) and not call.has_bias:
+                kernel = self._kernel(call, need_lse)
+                out = None if kernel is None else kernel(call.q, call.k, call.v)
                 if out is not None:
                     return out, None
             q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse)

@@ -131,13 +131,18 @@ class Mask:
         Caches keyed by a mask object (tile plans) compare it: an in-place change to a
         mask's tensor changes its state.
         """
-        found: list[tuple[int, int]] = []
+        return tuple((t.data_ptr(), t._version) for t in self.tensors())
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor this mask holds, its parts' included (a mask is a value: the
+        same tensors for its whole life)."""
+        found: list[Tensor] = []
         for value in vars(self).values():
             for item in value if isinstance(value, tuple) else (value,):
                 if isinstance(item, Tensor):
-                    found.append((item.data_ptr(), item._version))
+                    found.append(item)
                 elif isinstance(item, Mask):
-                    found.extend(item.state())
+                    found.extend(item.tensors())
         return tuple(found)
 
     @property

@@ -1,0 +1,275 @@
+"""Dispatch: one attention call from its arguments to a result, normalize -> plan -> run.
+
+The first call of a kind validates its arguments (`contracts.normalize_call`), chooses a
+backend (`planner.backend_for_run`) and prepares what the kernel needs besides q, k, v
+(`Backend.prepare`: SDPA's mask tensor and flags). That preparation is cached under a
+key of everything those steps read (`_key`): the sizes, strides, dtypes and devices of
+q, k, v, whether autograd records, the score options, the backend asked, the mask
+object and the identity and version of each of its tensors (`Mask.state`: a tensor
+changed in place is a new key) and the backends' own state (flex kernels turning warm).
+A repeated call -- each layer of a decoding step, each step of a loop of fixed sizes --
+costs that key, one lookup and the kernel; a prepared call is never served stale.
+
+Prepared calls are held per mask object, weakly (they go when the mask goes), at most
+`PREPARED_PER_MASK` each, and never hold the mask or q, k, v themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.backends import BACKENDS, Backend, get_backend
+from attnkit.contracts import AttentionCall, Dims, normalize_call, normalize_inputs
+from attnkit.masks import Mask
+from attnkit.masks.base import as_mask
+from attnkit.planner import backend_for_run
+from attnkit.precision import compute_dtype, kernel_dtype
+
+__all__ = ["PREPARED_PER_MASK", "attention_call", "execute", "run"]
+
+MaskArg = Mask | Tensor | None
+Kernel = Callable[[Tensor, Tensor, Tensor], Tensor | None]  # None: the full path decides
+
+PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
+_PLAIN = (float, int, type(None))  # score options a key can hold (bool is refused later)
+_STATEFUL = tuple(b for b in BACKENDS.values() if hasattr(b, "generation"))
+
+
+def attention_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskArg,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    dropout_p: float,
+    backend: str,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached."""
+    held = _held(mask)
+    key = (
+        None if held is None
+        else _key(q, k, v, held.state(mask), scale, softcap, dropout_p, backend, need_lse)
+    )  # fmt: skip
+    prepared = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
+    if prepared is None:
+        call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+        # a kernel takes the inputs as given: only where normalizing changed none of them,
+        # and never for a tensor given as the mask (the kernel would hold it, and with it
+        # its own cache entry)
+        as_given = call.q is q and call.k is k and call.v is v
+        given_scale = 1.0 / math.sqrt(call.dims.D) if scale is None else float(scale)
+        prepared = _prepare(
+            call,
+            backend,
+            need_lse,
+            given_scale,
+            kernel_ok=as_given and not isinstance(mask, Tensor),
+        )
+        if key is not None:
+            held.remember(key, prepared)  # type: ignore[union-attr]
+    return prepared(q, k, v, mask)
+
+
+def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """A validated call on backend `name` ("auto": the planner's choice), uncached."""
+    chosen = None if call.is_empty else backend_for_run(call, name, need_lse=need_lse)
+    if chosen is None and name != "auto":
+        get_backend(name)  # an unknown name still raises
+    return execute(call, chosen, need_lse=need_lse)
+
+
+def execute(
+    call: AttentionCall, backend: Backend | None, *, need_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Run `backend` on `call` (None: an empty call, all zeros) and join a result that no
+    input reaches (no query sees a key) to q, k, v with zero gradients."""
+    if backend is None:
+        d = call.dims
+        out = call.q.new_zeros(d.B, d.H, d.L, d.Dv)
+        lse: Tensor | None = call.q.new_full(
+            (d.B, d.H, d.L), -torch.inf, dtype=compute_dtype(call.q.dtype)
+        )
+    else:
+        out, lse = backend.run(call, need_lse=need_lse)
+    if out.requires_grad or not torch.is_grad_enabled():
+        return out, lse
+    if not any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return out, lse
+    joined: tuple[Tensor, Tensor | None] = _Constant.apply(  # type: ignore[no-untyped-call]
+        out, lse, call.q, call.k, call.v
+    )
+    return joined
+
+
+class _Constant(torch.autograd.Function):
+    """A result that does not depend on q, k, v, joined to them with zero gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: Tensor, lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return out.clone(), None if lse is None else lse.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        zeros = [torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.inputs]
+        return (None, None, *zeros)
+
+
+# ------------------------------------------------------------------ prepared calls
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A validated, planned call with q, k, v and the mask left out: `__call__` rebuilds
+    the `AttentionCall` around new ones (what `normalize_call` would give, unchecked:
+    the key guarantees they pass) or runs the backend's prepared kernel directly."""
+
+    backend: Backend | None  # None: nothing to compute
+    need_lse: bool
+    dims: Dims
+    scale: float  # as given or its default (normalize_inputs folds its sign into q)
+    softcap: float | None
+    dropout_p: float
+    kernel: Kernel | None  # the backend's own prepared call, for inputs as given
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.kernel is not None:
+            out = self.kernel(q, k, v)
+            if out is not None:
+                return out, None
+        return execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
+
+    def call(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> AttentionCall:
+        q, k, v, scale = normalize_inputs(q, k, v, self.scale)
+        visibility = None if mask is None or _is_bias(mask) else as_mask(mask)
+        bias = mask if isinstance(mask, Tensor) and _is_bias(mask) else None
+        return AttentionCall(
+            q, k, v, visibility, bias, scale, self.softcap, self.dropout_p, self.dims
+        )
+
+
+def _is_bias(mask: Mask | Tensor) -> bool:
+    return isinstance(mask, Tensor) and mask.is_floating_point()
+
+
+def _prepare(
+    call: AttentionCall, name: str, need_lse: bool, scale: float, *, kernel_ok: bool
+) -> _Prepared:
+    """Plan `call` once (`scale`: as given, before its sign is folded into q); keep the
+    backend's prepared kernel where `kernel_ok`."""
+    chosen = None if call.is_empty else backend_for_run(call, name, need_lse=need_lse)
+    if chosen is None and name != "auto":
+        get_backend(name)  # an unknown name still raises
+    prepare = getattr(chosen, "prepare", None)
+    kernel = prepare(call, need_lse=need_lse) if prepare is not None and kernel_ok else None
+    return _Prepared(chosen, need_lse, call.dims, scale, call.softcap, call.dropout_p, kernel)
+
+
+# ------------------------------------------------------------------ the cache
+
+
+class _Held:
+    """The prepared calls of one mask object (or of calls without a mask), and the
+    tensors whose identity and version every key carries."""
+
+    def __init__(self, tensors: tuple[Tensor, ...], limit: int) -> None:
+        self.tensors, self.limit = tensors, limit  # a `Mask`'s (they die with it)
+        self.plans: dict[tuple[object, ...], _Prepared] = {}
+        self.ref: weakref.ref[object] | None = None
+
+    def state(self, mask: MaskArg) -> tuple[object, ...]:
+        """The identity, version and size of each tensor the mask holds or is."""
+        if isinstance(mask, Tensor):
+            return (mask.data_ptr(), mask._version, mask.shape, mask.stride(), mask.dtype,
+                    mask.device)  # fmt: skip
+        return tuple((t.data_ptr(), t._version, t.shape) for t in self.tensors)
+
+    def remember(self, key: tuple[object, ...], prepared: _Prepared) -> None:
+        if len(self.plans) >= self.limit:
+            self.plans.clear()
+        self.plans[key] = prepared
+
+
+_UNMASKED = _Held((), 4 * PREPARED_PER_MASK)
+_BY_MASK: dict[int, _Held] = {}  # id(mask object) -> its calls, dropped when it dies
+
+
+def _held(mask: MaskArg) -> _Held | None:
+    """The prepared calls of `mask`; None for a mask argument of another type."""
+    if mask is None:
+        return _UNMASKED
+    held = _BY_MASK.get(id(mask))
+    if held is not None and held.ref is not None and held.ref() is mask:
+        return held
+    if isinstance(mask, Mask):
+        held = _Held(mask.tensors(), PREPARED_PER_MASK)
+    elif type(mask) is Tensor:
+        held = _Held((), PREPARED_PER_MASK)
+    else:
+        return None
+    held.ref = weakref.ref(mask, _forget(id(mask)))
+    _BY_MASK[id(mask)] = held
+    return held
+
+
+def _forget(ident: int) -> Callable[[weakref.ref[object]], None]:
+    """The callback that drops a dead mask's calls (unless a new mask took its id)."""
+
+    by_mask = _BY_MASK  # held here: module globals are gone when the interpreter exits
+
+    def forget(ref: weakref.ref[object]) -> None:
+        held = by_mask.get(ident)
+        if held is not None and held.ref is ref:
+            del by_mask[ident]
+
+    return forget
+
+
+def _key(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_state: tuple[object, ...],
+    scale: object,
+    softcap: object,
+    dropout_p: object,
+    backend: object,
+    need_lse: bool,
+) -> tuple[object, ...] | None:
+    """Everything validation, planning and preparing read; None where a call is not
+    cached (an argument that is not a plain tensor or number: the full path checks it)."""
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
+        return None
+    if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
+        return None
+    if type(backend) is not str:
+        return None
+    device = q.device
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+        q.dtype, k.dtype, v.dtype, device, k.device, v.device,
+        kernel_dtype(q.dtype, device),
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+        scale, softcap, dropout_p, backend, need_lse, mask_state,
+        tuple(b.generation for b in _STATEFUL),
+    )  # fmt: skip
+
+
+def clear() -> None:
+    """Forget every prepared call (tests; after changing a backend by hand)."""
+    _BY_MASK.clear()
+    _UNMASKED.plans.clear()

@@ -1,0 +1,147 @@
+"""attnkit.dispatch: a repeated call is validated, planned and prepared once, and a
+prepared call is never served stale; the cache holds neither masks nor inputs."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import dispatch
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Counts the calls really prepared (validated, planned, kernel built), but for the
+    reference backend's (the tests' ground truth)."""
+    count = [0]
+    original = dispatch._prepare
+
+    def counting(call, name, *args, **kwargs):
+        count[0] += name != "reference"
+        return original(call, name, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_prepare", counting)
+    return count
+
+
+def _qkv(B=2, L=6, S=9, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(B, h, n, 8, generator=g).to(dtype) for h, n in ((4, L), (2, S), (2, S))
+    )
+
+
+def _reference(q, k, v, mask, **kw):
+    return ak.attention(q, k, v, mask, backend="reference", **kw)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_same_call_is_prepared_once(plans, grad):
+    q, k, v = _qkv()
+    mask = ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([9, 4]))
+    with torch.set_grad_enabled(grad):
+        first = ak.attention(q, k, v, mask)
+        for seed in range(1, 4):  # new inputs of the same kind
+            q2, k2, v2 = _qkv(seed=seed)
+            torch.testing.assert_close(ak.attention(q2, k2, v2, mask), _reference(q2, k2, v2, mask))
+        torch.testing.assert_close(ak.attention(q, k, v, mask), first)
+    assert plans[0] == 1
+
+
+def test_a_prepared_call_is_never_served_stale(plans):
+    q, k, v = _qkv()
+    lengths = torch.tensor([9, 4])
+    mask = ak.causal(align="bottom_right") & ak.key_padding(lengths)
+    ak.attention(q, k, v, mask)
+    seen = plans[0]
+
+    def prepared_afresh(call) -> tuple[bool, torch.Tensor]:  # (prepared afresh, the output)
+        nonlocal seen
+        out = call()
+        fresh, seen = plans[0] > seen, plans[0]
+        return fresh, out
+
+    lengths[1] = 0  # an in-place change of the mask's tensor
+    fresh, out = prepared_afresh(lambda: ak.attention(q, k, v, mask))
+    assert fresh and (out[1] == 0).all()
+    torch.testing.assert_close(out, _reference(q, k, v, mask))
+    q2, k2, v2 = _qkv(L=5, S=11)  # new sizes
+    assert prepared_afresh(lambda: ak.attention(q2, k2, v2, ak.causal(align="bottom_right")))[0]
+    qd, kd, vd = (t.double() for t in (q, k, v))  # another dtype
+    assert prepared_afresh(lambda: ak.attention(qd, kd, vd, mask))[0]
+    qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # other strides, same values
+    fresh, out = prepared_afresh(lambda: ak.attention(qt, k, v, mask))
+    assert fresh
+    torch.testing.assert_close(out, _reference(q, k, v, mask))
+    qg = q.clone().requires_grad_()  # gradients wanted
+    fresh, out = prepared_afresh(lambda: ak.attention(qg, k, v, mask))
+    assert fresh
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+    with torch.no_grad():  # the same tensor, autograd off: the first call's kind again
+        fresh, out = prepared_afresh(lambda: ak.attention(qg, k, v, mask))
+        assert not fresh and not out.requires_grad
+    assert prepared_afresh(lambda: ak.attention(q, k, v, mask, backend="blockwise"))[0]
+    assert prepared_afresh(lambda: ak.attention(q, k, v, mask, softcap=3.0))[0]
+    assert prepared_afresh(lambda: ak.attention(q, k, v, mask, scale=-0.5))[0]
+    assert prepared_afresh(lambda: ak.attention_with_lse(q, k, v, mask))[0]
+    assert not prepared_afresh(lambda: ak.attention(q, k, v, mask))[0]  # the first, kept
+
+
+def test_a_tensor_mask_changed_in_place_is_prepared_again(plans):
+    q, k, v = _qkv()
+    for mask in (torch.ones(6, 9, dtype=torch.bool), torch.zeros(1, 1, 6, 9)):
+        hidden = False if mask.dtype == torch.bool else -torch.inf
+        before = plans[0]
+        torch.testing.assert_close(ak.attention(q, k, v, mask), _reference(q, k, v, mask))
+        mask[..., 4:] = hidden  # keys 4.. hidden from then on
+        got = ak.attention(q, k, v, mask)
+        assert plans[0] == before + 2
+        torch.testing.assert_close(got, _reference(q, k, v, mask))
+        torch.testing.assert_close(got, _reference(q, k[:, :, :4], v[:, :, :4], None))
+
+
+def test_a_negative_scale_and_odd_strides_stay_exact_when_cached(plans):
+    q, k, v = _qkv()
+    mask = ak.sliding_window(2, align="bottom_right")
+    for seed in range(3):
+        q, k, v = _qkv(seed=seed)
+        qs = torch.stack([q, q], -1).flatten(-2)[..., ::2]  # q, its last dim of stride 2
+        got = ak.attention(qs, k, v, mask, scale=-0.7)
+        torch.testing.assert_close(got, _reference(q, k, v, mask, scale=-0.7))
+    assert plans[0] == 1
+
+
+def test_poison_written_into_padded_slots_after_the_first_call_never_leaks():
+    """The prepared kernel runs on the cache as given; padded slots poisoned in place
+    between calls (no key notices: K and V are not part of it) still never leak."""
+    q, k, v = _qkv(L=1, S=12)
+    lengths = torch.tensor([12, 5])
+    mask = ak.causal(align="bottom_right") & ak.key_padding(lengths)
+    padded = torch.arange(12)[None, None, :, None] >= lengths[:, None, None, None]
+    want = _reference(q, k, v, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(ak.attention(q, k, v, mask), want)
+        for poison in (float("nan"), float("inf"), -float("inf")):
+            k.masked_fill_(padded, poison)
+            v.masked_fill_(padded, poison)
+            torch.testing.assert_close(ak.attention(q, k, v, mask), want)
+
+
+def test_the_cache_holds_neither_masks_nor_inputs():
+    q, k, v = _qkv()
+    mask = ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([9, 4]))
+    tensor_mask = torch.rand(6, 9) > 0.3
+    ak.attention(q, k, v, mask)
+    ak.attention(q, k, v, tensor_mask)
+    masks = [id(mask), id(tensor_mask)]
+    assert all(i in dispatch._BY_MASK for i in masks)
+    alive = [weakref.ref(x) for x in (mask, tensor_mask, q, k, v)]
+    del mask, tensor_mask, q, k, v
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    assert not any(i in dispatch._BY_MASK for i in masks)  # their entries went with them
