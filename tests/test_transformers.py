@@ -272,3 +272,43 @@ def test_flash_style_cu_seq_lens_keep_packed_documents_apart():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     mask = akt._from_cu_seq_lens(flash, 11, 11)
     assert mask is not None and mask.materialize(1, 1, 11, 11)[0, 0, 6, :6].sum() == 0
+
+
+def test_transformers_causal_function_is_causal_by_definition(monkeypatch):
+    """A decoding step's mask needs no check: transformers' `causal_mask_function` is
+    `kv_idx <= q_idx`, which the installed version is held to here, pair by pair."""
+    from transformers.masking_utils import causal_mask_function
+
+    def at_offset(b, h, i, j):  # queries at positions 7.., keys from 0
+        return causal_mask_function(b, h, i + 7, j)
+
+    found, mask = akt.structure(at_offset, 2, 5, 12, shift=7)
+    assert found and str(mask) == "causal(offset=7)"
+    monkeypatch.setattr(akt, "structure", None)  # never called for it
+    mask = akt.mask_function(2, 1, 12, q_offset=11, mask_function=causal_mask_function)
+    assert str(mask) == "causal(offset=11)"
+
+
+def test_a_pure_function_is_checked_once_and_one_holding_data_every_call(monkeypatch):
+    calls = []
+    real = akt.structure
+    monkeypatch.setattr(akt, "structure", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def window(b, h, q, kv):  # numbers only: its answer depends on its arguments alone
+        return (kv <= q) & (kv > q - 3)
+
+    for _ in range(3):
+        mask = akt.mask_function(2, 8, 8, mask_function=window, local_size=3)
+    assert len(calls) == 1 and str(mask) == "sliding_window(left=2, right=0, offset=0)"
+    hidden = torch.zeros(8, dtype=torch.bool)
+
+    def holding(b, h, q, kv):  # reads a tensor that may change between calls
+        return (kv <= q) & ~hidden[kv]
+
+    first = akt.mask_function(2, 8, 8, mask_function=holding)
+    hidden[3] = True
+    second = akt.mask_function(2, 8, 8, mask_function=holding)
+    assert len(calls) == 3
+    assert (
+        first.materialize(2, 1, 8, 8)[0, 0, 5, 3] and not second.materialize(2, 1, 8, 8)[0, 0, 5, 3]
+    )

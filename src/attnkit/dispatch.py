@@ -30,7 +30,7 @@ from attnkit.contracts import AttentionCall, Dims, normalize_call, normalize_inp
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
 from attnkit.planner import backend_for_run
-from attnkit.precision import compute_dtype, kernel_dtype
+from attnkit.precision import HALF, compute_dtype, kernel_dtype
 
 __all__ = ["PREPARED_PER_MASK", "attention_call", "execute", "run"]
 
@@ -39,7 +39,7 @@ Kernel = Callable[[Tensor, Tensor, Tensor], Tensor | None]  # None: the full pat
 
 PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
 _PLAIN = (float, int, type(None))  # score options a key can hold (bool is refused later)
-_STATEFUL = tuple(b for b in BACKENDS.values() if hasattr(b, "generation"))
+_FLEX = BACKENDS["flex"]  # the backend whose own state (warm kernels) a plan reads
 
 
 def attention_call(
@@ -262,10 +262,10 @@ def _key(
     return (
         q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
         q.dtype, k.dtype, v.dtype, device, k.device, v.device,
-        kernel_dtype(q.dtype, device),
+        kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         scale, softcap, dropout_p, backend, need_lse, mask_state,
-        tuple(b.generation for b in _STATEFUL),
+        _FLEX.generation,  # type: ignore[attr-defined]
     )  # fmt: skip
 
 

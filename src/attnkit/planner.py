@@ -95,9 +95,11 @@ def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backen
 
 def _pick(
     call: AttentionCall, name: str, need_lse: bool
-) -> tuple[Backend, dict[str, str | None], dict[str, float]]:
+) -> tuple[Backend, dict[str, str | None], dict[str, float], set[str]]:
     """The backend to run, every backend's refusal (None: it can serve) and, for `auto`,
-    the estimated cost of each that can."""
+    the estimated cost of each that can: a backend whose `cost_floor` (a cheap lower
+    bound) is no better than the best priced so far gets that floor, unpriced (the
+    last: those names)."""
     refusals = {n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()}
     if name != "auto":
         backend = get_backend(name)
@@ -106,19 +108,27 @@ def _pick(
                 f"backend {name!r} cannot serve this call: {refusals[name]}. Use "
                 "backend='auto' (it picks one that can) or backend='reference'."
             )
-        return backend, refusals, {}
-    costs = {
-        n: BACKENDS[n].cost(call, need_lse=need_lse) for n in AUTO_ORDER if refusals[n] is None
-    }
+        return backend, refusals, {}, set()
+    costs: dict[str, float] = {}
+    floored: set[str] = set()
+    for n in (n for n in AUTO_ORDER if refusals[n] is None):
+        backend = BACKENDS[n]
+        floor = getattr(backend, "cost_floor", None)
+        best = min(costs.values(), default=math.inf)
+        if floor is not None and floor(call) >= best:
+            costs[n] = floor(call)  # never cheaper: not priced (tiled's plan costs ms)
+            floored.add(n)
+        else:
+            costs[n] = backend.cost(call, need_lse=need_lse)
     chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
-    return BACKENDS[chosen], refusals, costs
+    return BACKENDS[chosen], refusals, costs, floored
 
 
 def choose_backend(
     call: AttentionCall, name: str, *, need_lse: bool
 ) -> tuple[Backend, dict[str, str | None]]:
     """The backend to run and, for every backend, why it was not chosen (None if chosen)."""
-    backend, reasons, costs = _pick(call, name, need_lse)
+    backend, reasons, costs, floored = _pick(call, name, need_lse)
     if name != "auto":
         for n in BACKENDS:
             reasons[n] = None if n == name else reasons[n] or f"not asked for (backend={name!r})"
@@ -132,7 +142,7 @@ def choose_backend(
             f"backend={n!r}, then auto considers it"
             if math.isinf(estimate)
             else f"slower here: estimated {estimate / max(costs[chosen], 1.0):.1f}× the cost "
-            f"of '{chosen}'"
+            f"of '{chosen}'{' or more' if n in floored else ''}"
         )
     reasons[chosen] = None
     return backend, reasons

@@ -44,6 +44,10 @@ class BlockwiseBackend:
         pairs = sum((hi - lo) * (r1 - r0) for r0, r1, lo, hi in _blocks(call, rows))
         return cost.BLOCKWISE * d.B * d.H * pairs + cost.TILED_CALL * math.ceil(d.L / rows)
 
+    def cost_floor(self, call: AttentionCall) -> float:
+        """At least one block's call: the planner prices no further below that."""
+        return cost.TILED_CALL
+
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims
         return 3 * d.B * d.H * _rows(call) * d.S * 4  # scores, their exp, the weights

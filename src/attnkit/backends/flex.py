@@ -87,7 +87,7 @@ class FlexBackend:
             return "an additive bias or dropout is not wired to FlexAttention here"
         if call.mask is None:
             return "no mask: nothing for block sparsity to skip"
-        broken = self._broken.get(_signature(call))
+        broken = self._broken.get(_signature(call)) if self._broken else None
         if broken is not None:
             return broken
         return None
@@ -98,7 +98,8 @@ class FlexBackend:
         return len(self._warm) + len(self._broken)
 
     def is_warm(self, call: AttentionCall) -> bool:
-        return call.mask is not None and _signature(call) in self._warm
+        # (no signature to build, a string of the mask, while nothing is warm)
+        return bool(self._warm) and call.mask is not None and _signature(call) in self._warm
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         if not self.is_warm(call):

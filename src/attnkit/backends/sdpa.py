@@ -61,15 +61,17 @@ def _masked_inputs(
     d, mask = call.dims, call.mask
     if mask is not None and not call.has_bias and mask.sees_all(d.L, d.S):
         return q, k, v, None, None  # every pair visible (a decoding step): no mask at all
+    if not clean:
+        visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
+        if visible is not None and not call.has_bias and bool(visible.all()):
+            return q, k, v, None, None  # every pair visible
+        return q, k, v, _attn_mask(visible, call.bias, q.dtype, as_float=need_lse), None
     if mask is not None and not call.has_bias and not mask.head_dependent:
         spans = _spans(mask, d.B, d.L, d.S, q.device)
         if spans is not None:
             lo, hi = spans  # (B, L)
             if bool((lo <= 0).all()) and bool((hi >= d.S).all()):
                 return q, k, v, None, None  # every pair visible
-            if not clean:
-                dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
-                return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), None
             seen_rows, seen_keys = seen_from_spans(lo, hi, d.S)  # (B, L), (B, S)
             q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
             dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
@@ -77,9 +79,7 @@ def _masked_inputs(
             return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), seen
     visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
     effective = effective_visibility(visible, call.bias)  # (B|1, H|1, L, S)
-    if not clean:
-        rows = None
-    elif _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
+    if _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
         rows = None if not need_lse or effective is None else effective.any(-1)
     else:
         q, k, v, rows = hide_unseen(q, k, v, effective)

@@ -468,6 +468,11 @@ class TiledBackend:
             estimate *= cost.TILED_PREDICATE  # block masks gathered from an L×S tensor
         return estimate
 
+    def cost_floor(self, call: AttentionCall) -> float:
+        """No plan costs less than one group of blocks: the planner skips planning (ms
+        for a long cache) where another backend's whole call costs less than that."""
+        return cost.TILED_CALL
+
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus one chunk's temporaries (float32)."""
         d = call.dims

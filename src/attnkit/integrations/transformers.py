@@ -23,6 +23,7 @@ gets 0, where eager's finite "minus infinity" averages all values (DESIGN.md §2
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -114,19 +115,78 @@ def mask_function(
     shape = (batch_size, q_length, kv_length)
     if kwargs.get("use_vmap", False) and mask_function is not None:
         return _dense(shape, q_offset, kv_offset, mask_function, attention_mask, device)
-    fn = mask_function
-
-    def local(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        if fn is None:  # transformers' default: causal_mask_function
-            return j + kv_offset <= i + q_offset
-        return fn(b, h, i + q_offset, j + kv_offset)
-
-    found, visible = structure(local, *shape, shift=q_offset - kv_offset, local_size=local_size)
-    if not found:  # exact all the same: the function itself, evaluated by the backends
-        visible = Mask.from_mod(local, name="transformers mask_function")
+    visible = _visible(mask_function, shape, q_offset, kv_offset, local_size)
     padding = _padding(attention_mask, batch_size, kv_length, kv_offset)
     parts = [m for m in (visible, padding) if m is not None]
     return PreparedMask(parts, shape) if parts else None
+
+
+def _visible(
+    fn: ModFn | None,
+    shape: tuple[int, int, int],
+    q_offset: int,
+    kv_offset: int,
+    local_size: int | None,
+) -> Mask | None:
+    """The `Mask` of `fn` (None: transformers' causal default) at these offsets.
+
+    transformers' own `causal_mask_function` is `causal` with the offset by its
+    definition (`kv_idx <= q_idx`: what a decoding step passes); any other function is
+    checked on every pair (`structure`); the answer is kept for a forward that repeats
+    (function, sizes, offsets) where the function holds no data that could change (a
+    closure over numbers and such functions only: `_pure`).
+    """
+    shift = q_offset - kv_offset
+    if fn is None or fn is _causal_mask_function():
+        return causal(offset=shift) if shape[0] * shape[1] * shape[2] else None
+    key = (fn, shape, q_offset, kv_offset, local_size) if _pure(fn) else None
+    if key is not None and key in _STRUCTURES:
+        return _STRUCTURES[key]
+
+    def local(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        return fn(b, h, i + q_offset, j + kv_offset)
+
+    found, visible = structure(local, *shape, shift=shift, local_size=local_size)
+    if not found:  # exact all the same: the function itself, evaluated by the backends
+        visible = Mask.from_mod(local, name="transformers mask_function")
+    if key is not None:
+        if len(_STRUCTURES) >= STRUCTURES_KEPT:
+            _STRUCTURES.clear()
+        _STRUCTURES[key] = visible
+    return visible
+
+
+def _pure(fn: object, depth: int = 0) -> bool:
+    """True if `fn`'s answers depend on its arguments alone: a function whose closure
+    holds only numbers, strings and such functions (transformers' `and_masks`,
+    `sliding_window_overlay(n)`), never a tensor (padding, token types) or an object."""
+    code = getattr(fn, "__code__", None)
+    if depth > 8 or code is None:
+        return False
+    held = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
+    held += list(getattr(fn, "__defaults__", None) or ())
+    found = getattr(fn, "__globals__", {})
+    held += [found[name] for name in code.co_names if name in found]  # the globals it reads
+    return all(_pure_value(x, depth) for x in held)
+
+
+def _pure_value(value: object, depth: int) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, ModuleType)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_pure_value(x, depth) for x in value)
+    return _pure(value, depth + 1)
+
+
+_STRUCTURES: dict[tuple[object, ...], Mask | None] = {}
+STRUCTURES_KEPT = 64  # (function, sizes, offsets) whose structure is remembered
+
+
+def _causal_mask_function() -> ModFn | None:
+    """transformers' `causal_mask_function` (None where this transformers has none)."""
+    from transformers import masking_utils
+
+    return getattr(masking_utils, "causal_mask_function", None)
 
 
 class PreparedMask(_Combine):
