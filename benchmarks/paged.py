@@ -12,10 +12,14 @@ Reported: median time of a decode step, tokens/s, the ratio to padded SDPA, and 
 memory each holds for the keys and values against the tokens stored. float32 and
 bfloat16. The machines these run on are shared and their memory bandwidth wanders
 (the same paged step measured 16 to 33 ms in one session), so the whole comparison runs
-`--trials` times on fresh caches: the table gives the median trial and the range of
-the ratio over trials.
+`--trials` times on fresh caches: the ratio's range is over all trials.
+
+The whole measurement runs in `--processes` fresh processes (4 by default): times here
+differ from process to process, stable within one, so the table gives each process's
+median step and the median over processes.
 
     python benchmarks/paged.py
+    python benchmarks/paged.py --processes 0 --trials 2     # one process: a quick look
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -113,24 +119,66 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
+def combine(runs: list[list[dict]]) -> list[dict]:  # type: ignore[type-arg]
+    """One row per dtype from the rows of several processes: the median over processes of
+    each one's median step, each process's median, and the ratio's range over every trial."""
+    rows = []
+    for per_process in zip(*runs, strict=True):
+        row = dict(per_process[0])
+        peers = list(row["seconds"])
+        row["process_seconds"] = {n: [r["seconds"][n] for r in per_process] for n in peers}
+        row["seconds"] = {n: statistics.median(t) for n, t in row["process_seconds"].items()}
+        row["trials"] = [t for r in per_process for t in r["trials"]]
+        row["ratio_range"] = {
+            n: (min(r["ratio_range"][n][0] for r in per_process),
+                max(r["ratio_range"][n][1] for r in per_process))
+            for n in peers
+        }  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def in_processes(args: argparse.Namespace) -> list[dict]:  # type: ignore[type-arg]
+    """`measure` in `args.processes` fresh processes, one after another (times here differ
+    2-3x from process to process and hold within one: one process is half a result)."""
+    runs = []
+    for p in range(args.processes):
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [
+                sys.executable, __file__, "--processes", "0", "--repeats", str(args.repeats),
+                "--trials", str(args.trials), "--sequences", str(args.sequences),
+                "--longest", str(args.longest), "--out", tmp,
+            ]  # fmt: skip
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            runs.append(json.loads((Path(tmp) / "paged.json").read_text())["rows"])
+        steps = ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in runs[-1][0]["seconds"].items())
+        print(f"process {p + 1}/{args.processes} (float32): {steps}", flush=True)
+    return combine(runs)
+
+
 def markdown(cpu: dict, rows: list[dict]) -> str:  # type: ignore[type-arg]
+    processes = len(rows[0].get("process_seconds", {}).get("padded sdpa", [0]))
     units = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
     lines = [
         f"CPU: {cpu['model']} ({units}); {rows[0]['sequences']} sequences, lengths 128 to "
         f"{rows[0]['longest']}, H={H}, Hkv={HKV}, "
-        f"D={D}, blocks of {BLOCK}; median decode step over {len(rows[0]['trials'])} trials.",
+        f"D={D}, blocks of {BLOCK}; step: the median over {processes} process(es) of each "
+        f"one's median decode step ({len(rows[0]['trials'])} trials in all); by process: "
+        "each process's median.",
         "",
-        "| dtype | peer | step (ms) | tokens/s | × padded sdpa | range over trials | "
-        "K/V held / stored |",
-        "|---|---|---|---|---|---|---|",
+        "| dtype | peer | step (ms) | by process (ms) | tokens/s | × padded sdpa | "
+        "range over trials | K/V held / stored |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = r["seconds"]["padded sdpa"]
         for name, t in r["seconds"].items():
             held = r["held_bytes"][name] / r["bytes_stored"]
             low, high = r["ratio_range"][name]
+            each = r.get("process_seconds", {name: [t]})[name]
+            spread = ", ".join(f"{x * 1e3:.1f}" for x in each)
             lines.append(
-                f"| {r['dtype']} | {name} | {t * 1e3:.2f} | {r['sequences'] / t:.0f} | "
+                f"| {r['dtype']} | {name} | {t * 1e3:.2f} | {spread} | {r['sequences'] / t:.0f} | "
                 f"{base / t:.2f} | {low:.2f}-{high:.2f} | {held:.2f} |"
             )
     return "\n".join(lines) + "\n"
@@ -144,10 +192,16 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5, help="comparisons on fresh caches")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--longest", type=int, default=4096)
+    parser.add_argument(
+        "--processes", type=int, default=4, help="fresh processes, one after another (0: this)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     cpu = cpu_description()
-    rows = [measure(dtype, args) for dtype in (torch.float32, torch.bfloat16)]
+    if args.processes > 0:
+        rows = in_processes(args)
+    else:
+        rows = [measure(dtype, args) for dtype in (torch.float32, torch.bfloat16)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "paged.json").write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))
     table = markdown(cpu, rows)

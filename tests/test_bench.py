@@ -84,14 +84,15 @@ def test_budget_predicts_by_s_squared_and_skips_only_peers():
 
 def test_paged_bench_compares_three_ways_of_decoding(tmp_path):
     script = BENCH.parent / "paged.py"
-    args = ["--repeats", "2", "--trials", "2", "--sequences", "4", "--longest", "64",
-            "--out", str(tmp_path)]  # fmt: skip
+    args = ["--repeats", "2", "--trials", "1", "--sequences", "4", "--longest", "64",
+            "--processes", "2", "--out", str(tmp_path)]  # fmt: skip
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                           timeout=300, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
     assert all(set(r["seconds"]) == {"padded sdpa", "kvcache", "paged"} for r in rows)
+    assert all(len(r["process_seconds"]["paged"]) == 2 for r in rows)  # one per process
     assert "| float32 | paged |" in (tmp_path / "paged.md").read_text()
 
 
@@ -114,13 +115,29 @@ def test_context_parallel_bench_runs_every_strategy(tmp_path):
     assert all(0 < r["agree_seconds"] < r["seconds"] for r in distributed), distributed
 
 
-def test_small_calls_bench_compares_decode_steps_with_and_without_padding(tmp_path):
+def _small_calls(tmp_path, *args):
     script = BENCH.parent / "small_calls.py"
-    args = ["--batches", "2", "--sizes", "64", "--runs", "3", "--out", str(tmp_path)]
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads((tmp_path / "small_calls.json").read_text())["rows"]
+    return json.loads((tmp_path / "small_calls.json").read_text())
+
+
+def test_small_calls_bench_compares_decode_steps_with_and_without_padding(tmp_path):
+    found = _small_calls(tmp_path, "--parts", "decode", "training", "module", "--batches", "2",
+                         "--sizes", "64", "--runs", "3", "--model-runs", "1")  # fmt: skip
+    rows = found["decode"]
     assert [(r["B"], r["S"], r["padding"]) for r in rows] == [(2, 64, False), (2, 64, True)]
     assert all(r["sdpa_us"] > 0 and r["attnkit_us"] > 0 for r in rows)
-    assert "| 2 | 64 | yes |" in (tmp_path / "small_calls.md").read_text()
+    assert found["training"]["ratio"] > 0 and found["module"]["ratio"] > 0
+    table = (tmp_path / "small_calls.md").read_text()
+    assert "| 2 | 64 | yes |" in table and "KVCache decoding" in table
+
+
+@pytest.mark.slow
+def test_small_calls_bench_times_generate_and_compiled_steps(tmp_path):
+    pytest.importorskip("transformers")
+    found = _small_calls(tmp_path, "--parts", "generate", "compiled", "--model-runs", "1")
+    assert [r["case"] for r in found["generate"]] == ["B=1", "B=4 padded"]
+    assert all(r["attnkit_same_tokens"] for r in found["generate"])  # greedy: the same tokens
+    assert found["compiled"]["ratio"] > 0

@@ -141,6 +141,8 @@ def _check_shapes(
                 f"{tuple(shape)}. Use split_heads(x, num_heads) to go from (B, L, E), or "
                 f"{name}.unsqueeze(1) for a single head."
             )
+        if type(shape) is torch.Size and min(shape) >= minimum:
+            continue  # ints by construction (the common case: no scan in Python)
         if any(isinstance(n, bool) or not isinstance(n, int) or n < minimum for n in shape):
             raise ShapeContractError(
                 f"{name} has shape {tuple(shape)}; every size must be an int >= {minimum}."
