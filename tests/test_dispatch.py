@@ -145,3 +145,40 @@ def test_the_cache_holds_neither_masks_nor_inputs():
     gc.collect()
     assert all(ref() is None for ref in alive)
     assert not any(i in dispatch._BY_MASK for i in masks)  # their entries went with them
+
+
+def test_a_growing_cache_is_served_by_the_lane_and_stays_exact(plans):
+    """A decoding step (every key seen: bottom-right causal at L = 1) runs one unmasked
+    kernel whatever S: one preparation serves every step, a new mask object each."""
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 40, 8, generator=g)
+    v = torch.randn(2, 2, 40, 8, generator=g)
+    with torch.no_grad():
+        for S in range(5, 40, 7):
+            q = torch.randn(2, 4, 1, 8, generator=g)
+            mask = ak.causal(align="bottom_right")
+            got = ak.attention(q, k[:, :, :S], v[:, :, :S], mask)
+            torch.testing.assert_close(got, _reference(q, k[:, :, :S], v[:, :, :S], mask))
+    assert plans[0] == 1
+
+
+def test_the_lane_serves_only_calls_that_see_every_key():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
+    window = ak.sliding_window(3, align="bottom_right")  # every key while S <= 4
+    with torch.no_grad():
+        for S in (3, 4, 12):  # then a window that hides keys: planned, masked
+            got = ak.attention(q, k[:, :, :S], v[:, :, :S], window)
+            torch.testing.assert_close(got, _reference(q, k[:, :, :S], v[:, :, :S], window))
+        bottom = ak.causal(align="bottom_right")
+        q2 = torch.randn(1, 4, 2, 8, generator=g)  # two queries: the first misses a key
+        torch.testing.assert_close(ak.attention(q2, k, v, bottom), _reference(q2, k, v, bottom))
+        with pytest.raises(ak.ShapeContractError, match="K/V length mismatch"):
+            ak.attention(q, k, v[:, :, :11], bottom)
+        assert (ak.attention(q, k[:, :, :0], v[:, :, :0], bottom) == 0).all()  # no keys
+    qg = q.clone().requires_grad_()  # gradients through the lane's kernel
+    ak.attention(qg, k, v, ak.causal(align="bottom_right")).sum().backward()
+    qr = q.clone().requires_grad_()
+    _reference(qr, k, v, None).sum().backward()
+    torch.testing.assert_close(qg.grad, qr.grad)

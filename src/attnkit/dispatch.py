@@ -56,9 +56,16 @@ def attention_call(
 ) -> tuple[Tensor, Tensor | None]:
     """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached."""
     held = _held(mask)
+    lane = (
+        None if held is None
+        else _lane_key(q, k, v, mask, held, scale, softcap, dropout_p, backend, need_lse)
+    )  # fmt: skip
+    if lane is not None and (kernel := _LANE.get(lane)) is not None:
+        return kernel(q, k, v), None  # type: ignore[return-value]  # unchecked: never None
     key = (
         None if held is None
-        else _key(q, k, v, held.state(mask), scale, softcap, dropout_p, backend, need_lse)
+        else _key(q, k, v, k.shape, v.shape, held.state(mask), scale, softcap, dropout_p,
+                  backend, need_lse)
     )  # fmt: skip
     prepared = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
     if prepared is None:
@@ -77,7 +84,64 @@ def attention_call(
         )
         if key is not None:
             held.remember(key, prepared)  # type: ignore[union-attr]
+        if lane is not None and _serves_any_length(prepared.kernel):
+            if len(_LANE) >= 4 * PREPARED_PER_MASK:
+                _LANE.clear()
+            _LANE[lane] = prepared.kernel  # type: ignore[assignment]
     return prepared(q, k, v, mask)
+
+
+# ------------------------------------------------------------------ the decoding lane
+
+# A call where every query sees every key by the mask's structure alone (a decoding step:
+# bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the number of
+# keys S: kept under a key without S, it serves the next step of a growing cache (one more
+# key, a new mask object each step) with no validation or planning but its own checks.
+_LANE: dict[tuple[object, ...], Kernel] = {}
+
+
+def _lane_key(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskArg,
+    held: _Held,
+    scale: object,
+    softcap: object,
+    dropout_p: object,
+    backend: object,
+    need_lse: bool,
+) -> tuple[object, ...] | None:
+    """The lane's key, or None where the call is not one it serves: a mask holding
+    tensors or a bias, one that hides a pair, no keys, or k and v of other lengths. What
+    a cached key leaves out (S) is checked here: S >= 1, the same in k and v, and the
+    mask's own check for it."""
+    if need_lse or held.tensors or isinstance(mask, Tensor):
+        return None
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
+        return None
+    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        return None
+    L, S = q.shape[2], k.shape[2]
+    if S < 1 or v.shape[2] != S:
+        return None
+    if mask is not None:
+        if mask.has_bias:
+            return None
+        try:
+            if not mask.sees_all(L, S):
+                return None
+            mask.check(q.shape[0], q.shape[1], L, S)
+        except (ValueError, TypeError):  # the full path raises it, in its order
+            return None
+    k_shape, v_shape = (k.shape[0], k.shape[1], k.shape[3]), (v.shape[0], v.shape[1], v.shape[3])
+    return _key(q, k, v, k_shape, v_shape, (), scale, softcap, dropout_p, backend, False)
+
+
+def _serves_any_length(kernel: Kernel | None) -> bool:
+    """True for a kernel with nothing of S in it: no mask tensor, no `is_causal`."""
+    attn_mask = getattr(kernel, "attn_mask", True)
+    return kernel is not None and attn_mask is None and not getattr(kernel, "is_causal", True)
 
 
 def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
@@ -243,6 +307,8 @@ def _key(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
     mask_state: tuple[object, ...],
     scale: object,
     softcap: object,
@@ -250,8 +316,9 @@ def _key(
     backend: object,
     need_lse: bool,
 ) -> tuple[object, ...] | None:
-    """Everything validation, planning and preparing read; None where a call is not
-    cached (an argument that is not a plain tensor or number: the full path checks it)."""
+    """Everything validation, planning and preparing read (the sizes of k and v as
+    given: the lane leaves S out); None where a call is not cached (an argument that is
+    not a plain tensor or number: the full path checks it)."""
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return None
     if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
@@ -260,7 +327,7 @@ def _key(
         return None
     device = q.device
     return (
-        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+        q.shape, k_shape, v_shape, q.stride(), k.stride(), v.stride(),
         q.dtype, k.dtype, v.dtype, device, k.device, v.device,
         kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
@@ -273,3 +340,4 @@ def clear() -> None:
     """Forget every prepared call (tests; after changing a backend by hand)."""
     _BY_MASK.clear()
     _UNMASKED.plans.clear()
+    _LANE.clear()
