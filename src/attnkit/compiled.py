@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.backends import BACKENDS
+from attnkit.backends import BACKENDS, Backend
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall, _check_shapes, normalize_call
@@ -32,7 +32,7 @@ from attnkit.dispatch import run
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
 from attnkit.planner import backend_for_run
-from attnkit.precision import compute_dtype
+from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from attnkit.threads import in_fresh_thread
 
 __all__ = ["attention_backward_op", "attention_op", "traced_attention"]
@@ -146,21 +146,53 @@ def attention_op(
     if call.is_empty:
         out, lse = run(call, backend, need_lse=need_lse)
     else:
-        # the backend an eager call of inputs requiring grad (or not) would take
-        wanted = replace(call, q=call.q.detach().requires_grad_()) if requires_grad else call
-        chosen = backend_for_run(wanted, backend, need_lse=need_lse)
-        # keep the log-sum-exp for the backward op where it can use it (no second forward)
-        keep = need_lse or (
-            requires_grad
-            and _blockwise_backward(call, scale)
-            and chosen.can_use(call, need_lse=True) is None
-        )
+        chosen, keep = _op_plan(call, mask_tensors, mask_spec, backend, scale, need_lse,
+                                requires_grad)  # fmt: skip
         with torch.no_grad():
             out, lse = chosen.run(call, need_lse=keep)
         if requires_grad and not keep:
             # none kept: +inf, which no log-sum-exp is (-inf is a row that sees nothing)
             lse = q.new_full(q.shape[:3], torch.inf, dtype=compute_dtype(q.dtype))
     return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v))
+
+
+def _op_plan(
+    call: AttentionCall,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    backend: str,
+    scale: float | None,
+    need_lse: bool,
+    requires_grad: bool,
+) -> tuple[Backend, bool]:
+    """The backend an eager call of inputs requiring grad (or not) would take, and whether
+    to keep the log-sum-exp for the backward op (where it can use it: no second forward).
+    Kept per (mask spec, its tensors' identity, version and size, sizes, dtype, device,
+    options, flex's state): each op call of a compiled step plans once."""
+    q, k, v = call.q, call.k, call.v
+    key = (
+        mask_spec, tuple((t.data_ptr(), t._version, t.shape) for t in mask_tensors),
+        q.shape, k.shape, v.shape, q.dtype, q.device, backend, scale, call.softcap,
+        need_lse, requires_grad, BACKENDS["flex"].generation,  # type: ignore[attr-defined]
+        kernel_dtype(q.dtype, q.device) if q.dtype in HALF else None,
+    )  # fmt: skip
+    found = _OP_PLANS.get(key)
+    if found is None:
+        wanted = replace(call, q=q.detach().requires_grad_()) if requires_grad else call
+        chosen = backend_for_run(wanted, backend, need_lse=need_lse)
+        keep = need_lse or (
+            requires_grad
+            and _blockwise_backward(call, scale)
+            and chosen.can_use(call, need_lse=True) is None
+        )
+        if len(_OP_PLANS) >= OP_PLANS_KEPT:
+            _OP_PLANS.clear()
+        found = _OP_PLANS[key] = (chosen, keep)
+    return found
+
+
+_OP_PLANS: dict[tuple[object, ...], tuple[Backend, bool]] = {}
+OP_PLANS_KEPT = 64
 
 
 def _blockwise_backward(call: AttentionCall, scale: float | None) -> bool:
