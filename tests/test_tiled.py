@@ -362,3 +362,21 @@ def test_runs_shorter_than_a_tile_stay_in_the_tiles(tile):
         for r in g.row0:
             rows[g.batch, r : r + g.rows] += 1
     assert (rows == 1).all(), "every row in exactly one block"
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 128, 128), (2, 4, 2048, 2048), (1, 8, 4096, 1024),
+                                   (4, 8, 512, 512), (2, 8, 1, 600)])  # fmt: skip
+@pytest.mark.parametrize(
+    "mask", [ak.causal(align="top_left"), ak.sliding_window(63, align="bottom_right"), None]
+)
+def test_the_cost_floor_is_a_lower_bound_of_the_cost(shape, mask):
+    """The planner leaves tiled unpriced where its floor is no better than another's cost:
+    that is right only if no plan costs less than the floor."""
+    from attnkit.backends import BACKENDS
+    from attnkit.contracts import normalize_call
+
+    B, H, L, S = shape
+    q, k = torch.empty(B, H, L, 8), torch.empty(B, H, S, 8)
+    call = normalize_call(q, k, k, mask)
+    tiled = BACKENDS["tiled"]
+    assert tiled.cost_floor(call) <= tiled.cost(call, need_lse=False)

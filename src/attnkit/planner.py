@@ -113,10 +113,10 @@ def _pick(
     floored: set[str] = set()
     for n in (n for n in AUTO_ORDER if refusals[n] is None):
         backend = BACKENDS[n]
-        floor = getattr(backend, "cost_floor", None)
-        best = min(costs.values(), default=math.inf)
-        if floor is not None and floor(call) >= best:
-            costs[n] = floor(call)  # never cheaper: not priced (tiled's plan costs ms)
+        floor_of = getattr(backend, "cost_floor", None)
+        floor = -math.inf if floor_of is None else floor_of(call)
+        if floor >= min(costs.values(), default=math.inf):
+            costs[n] = floor  # never cheaper: not priced (tiled's plan costs ms)
             floored.add(n)
         else:
             costs[n] = backend.cost(call, need_lse=need_lse)

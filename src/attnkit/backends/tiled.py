@@ -469,9 +469,14 @@ class TiledBackend:
         return estimate
 
     def cost_floor(self, call: AttentionCall) -> float:
-        """No plan costs less than one group of blocks: the planner skips planning (ms
-        for a long cache) where another backend's whole call costs less than that."""
-        return cost.TILED_CALL
+        """A lower bound on any plan's cost, in O(1): one group of blocks, plus, under
+        SDPA's causal mask, its pairs (at least L·S/2 per head) at tiled's lowest per-pair
+        cost. The planner skips planning (ms for a long cache or a long causal prefill)
+        where another backend's whole call costs no more."""
+        d, mask = call.dims, call.mask
+        causal = mask is not None and not call.has_bias and mask.is_sdpa_causal(d.L, d.S)
+        pairs = d.B * d.H * d.L * d.S / 2 if causal else 0.0
+        return cost.TILED_CALL + min(cost.TILED_PAIR, cost.TILED_CAUSAL) * pairs
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus one chunk's temporaries (float32)."""
