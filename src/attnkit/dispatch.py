@@ -56,17 +56,11 @@ def attention_call(
 ) -> tuple[Tensor, Tensor | None]:
     """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached."""
     held = _held(mask)
-    lane = (
-        None if held is None
-        else _lane_key(q, k, v, mask, held, scale, softcap, dropout_p, backend, need_lse)
-    )  # fmt: skip
+    options = (scale, softcap, dropout_p, backend, need_lse)
+    lane = None if held is None else _lane_key(q, k, v, mask, held, options)
     if lane is not None and (kernel := _LANE.get(lane)) is not None:
         return kernel(q, k, v), None  # type: ignore[return-value]  # unchecked: never None
-    key = (
-        None if held is None
-        else _key(q, k, v, k.shape, v.shape, held.state(mask), scale, softcap, dropout_p,
-                  backend, need_lse)
-    )  # fmt: skip
+    key = None if held is None else _key(q, k, v, k.shape, v.shape, held.state(mask), options)
     prepared = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
     if prepared is None:
         call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
@@ -106,17 +100,13 @@ def _lane_key(
     v: Tensor,
     mask: MaskArg,
     held: _Held,
-    scale: object,
-    softcap: object,
-    dropout_p: object,
-    backend: object,
-    need_lse: bool,
+    options: tuple[object, ...],
 ) -> tuple[object, ...] | None:
     """The lane's key, or None where the call is not one it serves: a mask holding
     tensors or a bias, one that hides a pair, no keys, or k and v of other lengths. What
     a cached key leaves out (S) is checked here: S >= 1, the same in k and v, and the
     mask's own check for it."""
-    if need_lse or held.tensors or isinstance(mask, Tensor):
+    if options[-1] or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
         return None
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return None
@@ -135,7 +125,7 @@ def _lane_key(
         except (ValueError, TypeError):  # the full path raises it, in its order
             return None
     k_shape, v_shape = (k.shape[0], k.shape[1], k.shape[3]), (v.shape[0], v.shape[1], v.shape[3])
-    return _key(q, k, v, k_shape, v_shape, (), scale, softcap, dropout_p, backend, False)
+    return _key(q, k, v, k_shape, v_shape, (), options)
 
 
 def _serves_any_length(kernel: Kernel | None) -> bool:
@@ -310,15 +300,13 @@ def _key(
     k_shape: tuple[int, ...],
     v_shape: tuple[int, ...],
     mask_state: tuple[object, ...],
-    scale: object,
-    softcap: object,
-    dropout_p: object,
-    backend: object,
-    need_lse: bool,
+    options: tuple[object, ...],
 ) -> tuple[object, ...] | None:
     """Everything validation, planning and preparing read (the sizes of k and v as
-    given: the lane leaves S out); None where a call is not cached (an argument that is
-    not a plain tensor or number: the full path checks it)."""
+    given: the lane leaves S out; `options`: scale, softcap, dropout_p, backend,
+    need_lse); None where a call is not cached (an argument that is not a plain tensor
+    or number: the full path checks it)."""
+    scale, softcap, dropout_p, backend, _ = options
     if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
         return None
     if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
@@ -331,7 +319,7 @@ def _key(
         q.dtype, k.dtype, v.dtype, device, k.device, v.device,
         kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-        scale, softcap, dropout_p, backend, need_lse, mask_state,
+        *options, mask_state,
         _FLEX.generation,  # type: ignore[attr-defined]
     )  # fmt: skip
 
