@@ -9,7 +9,9 @@ step (H=8 query heads sharing Hkv=2 K/V heads, D=64, one layer). Side by side:
 - `paged`: `PagedKVCache.step` and `paged_attention` (writes the new keys and values,
   then attends), blocks of 16 tokens placed in shuffled order.
 Reported: median time of a decode step, tokens/s, the ratio to padded SDPA, and the
-memory each holds for the keys and values against the tokens stored. float32 and
+memory each holds for the keys and values against the tokens stored, and the stored
+keys and values over the step's time as a share of this machine's read bandwidth
+(measured in the same run: sums over 512 MiB). float32 and
 bfloat16. The machines these run on are shared and their memory bandwidth wanders
 (the same paged step measured 16 to 33 ms in one session), so the whole comparison runs
 `--trials` times on fresh caches: the ratio's range is over all trials.
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -119,6 +122,18 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, object]:
     }  # fmt: skip
 
 
+def read_bandwidth(mib: int = 512, runs: int = 5) -> float:
+    """Bytes per second this machine reads: the fastest of `runs` sums over `mib` MiB of
+    float32 (all of torch's threads), beyond any cache."""
+    x = torch.ones(mib * 2**20 // 4)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / min(times)
+
+
 def combine(runs: list[list[dict]]) -> list[dict]:  # type: ignore[type-arg]
     """One row per dtype from the rows of several processes: the median over processes of
     each one's median step, each process's median, and the ratio's range over every trial."""
@@ -158,17 +173,24 @@ def in_processes(args: argparse.Namespace) -> list[dict]:  # type: ignore[type-a
 
 def markdown(cpu: dict, rows: list[dict]) -> str:  # type: ignore[type-arg]
     processes = len(rows[0].get("process_seconds", {}).get("padded sdpa", [0]))
+    bandwidth = cpu.get("read_bytes_per_s")
+
+    def share(rate: float) -> str:  # the history read once per step, over the bandwidth
+        return f"{rate / 1e9:.1f} GB/s" + (f", {rate / bandwidth:.0%}" if bandwidth else "")
+
     units = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
     lines = [
         f"CPU: {cpu['model']} ({units}); {rows[0]['sequences']} sequences, lengths 128 to "
         f"{rows[0]['longest']}, H={H}, Hkv={HKV}, "
-        f"D={D}, blocks of {BLOCK}; step: the median over {processes} process(es) of each "
+        f"D={D}, blocks of {BLOCK}; read bandwidth measured "
+        f"{(bandwidth or 0) / 1e9:.1f} GB/s (sums over 512 MiB); step: the median over "
+        f"{processes} process(es) of each "
         f"one's median decode step ({len(rows[0]['trials'])} trials in all); by process: "
         "each process's median.",
         "",
         "| dtype | peer | step (ms) | by process (ms) | tokens/s | × padded sdpa | "
-        "range over trials | K/V held / stored |",
-        "|---|---|---|---|---|---|---|---|",
+        "range over trials | K/V held / stored | K/V stored / step (share of read bandwidth) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = r["seconds"]["padded sdpa"]
@@ -179,7 +201,8 @@ def markdown(cpu: dict, rows: list[dict]) -> str:  # type: ignore[type-arg]
             spread = ", ".join(f"{x * 1e3:.1f}" for x in each)
             lines.append(
                 f"| {r['dtype']} | {name} | {t * 1e3:.2f} | {spread} | {r['sequences'] / t:.0f} | "
-                f"{base / t:.2f} | {low:.2f}-{high:.2f} | {held:.2f} |"
+                f"{base / t:.2f} | {low:.2f}-{high:.2f} | {held:.2f} | "
+                f"{share(r['bytes_stored'] / t)} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -198,6 +221,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     cpu = cpu_description()
+    cpu["read_bytes_per_s"] = read_bandwidth()
     if args.processes > 0:
         rows = in_processes(args)
     else:

@@ -93,6 +93,7 @@ def test_paged_bench_compares_three_ways_of_decoding(tmp_path):
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
     assert all(set(r["seconds"]) == {"padded sdpa", "kvcache", "paged"} for r in rows)
     assert all(len(r["process_seconds"]["paged"]) == 2 for r in rows)  # one per process
+    assert json.loads((tmp_path / "paged.json").read_text())["cpu"]["read_bytes_per_s"] > 0
     assert "| float32 | paged |" in (tmp_path / "paged.md").read_text()
 
 
