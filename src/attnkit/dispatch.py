@@ -136,10 +136,16 @@ def _serves_any_length(kernel: Kernel | None) -> bool:
 
 def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
     """A validated call on backend `name` ("auto": the planner's choice), uncached."""
-    chosen = None if call.is_empty else backend_for_run(call, name, need_lse=need_lse)
-    if chosen is None and name != "auto":
-        get_backend(name)  # an unknown name still raises
-    return execute(call, chosen, need_lse=need_lse)
+    return execute(call, _choose(call, name, need_lse), need_lse=need_lse)
+
+
+def _choose(call: AttentionCall, name: str, need_lse: bool) -> Backend | None:
+    """The backend for `call`, None for an empty one (an unknown name still raises)."""
+    if call.is_empty:
+        if name != "auto":
+            get_backend(name)
+        return None
+    return backend_for_run(call, name, need_lse=need_lse)
 
 
 def execute(
@@ -225,9 +231,7 @@ def _prepare(
 ) -> _Prepared:
     """Plan `call` once (`scale`: as given, before its sign is folded into q); keep the
     backend's prepared kernel where `kernel_ok`."""
-    chosen = None if call.is_empty else backend_for_run(call, name, need_lse=need_lse)
-    if chosen is None and name != "auto":
-        get_backend(name)  # an unknown name still raises
+    chosen = _choose(call, name, need_lse)
     prepare = getattr(chosen, "prepare", None)
     kernel = prepare(call, need_lse=need_lse) if prepare is not None and kernel_ok else None
     return _Prepared(chosen, need_lse, call.dims, scale, call.softcap, call.dropout_p, kernel)

@@ -274,8 +274,8 @@ class SdpaBackend:
             q, k, v = q.to(work), k.to(work), v.to(work)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
-            if _check_instead_of_cleaning(call, need_lse) and not call.has_bias:
-                kernel = self._kernel(call, need_lse)
+            if _check_instead_of_cleaning(call, need_lse):
+                kernel = self._kernel(call, need_lse)  # None under a bias
                 out = None if kernel is None else kernel(call.q, call.k, call.v)
                 if out is not None:
                     return out, None
