@@ -147,6 +147,29 @@ def test_the_cache_holds_neither_masks_nor_inputs():
     assert not any(i in dispatch._BY_MASK for i in masks)  # their entries went with them
 
 
+def test_masks_built_anew_share_the_calls_of_their_structure(plans):
+    """A mask of numbers alone built anew each call (`causal()` in a loop) is prepared
+    once; a different field, type of field, class or a tensor makes another mask."""
+    q, k, v = _qkv(L=9)
+    for _ in range(3):
+        ak.attention(q, k, v, ak.causal() & ak.sliding_window(4))
+    assert plans[0] == 1
+    others = [
+        ak.causal() & ak.sliding_window(5),
+        ak.causal(offset=0) & ak.sliding_window(4),  # same pairs, another structure
+        ak.sliding_window(4) & ak.causal(),
+        ak.chunked(4),
+        ak.Mask.from_mod(lambda b, h, i, j: j <= i, "mine"),  # a function: its own
+        ak.Mask.from_mod(lambda b, h, i, j: j > i, "mine"),
+        ak.causal() & ak.key_padding(torch.tensor([9, 4])),  # tensors: its own
+        ak.causal() & ak.key_padding(torch.tensor([9, 5])),
+    ]
+    for mask in others:
+        torch.testing.assert_close(ak.attention(q, k, v, mask), _reference(q, k, v, mask))
+    assert plans[0] == 1 + len(others)
+    assert dispatch._structure((1, 2.0)) != dispatch._structure((True, 2))  # typed numbers
+
+
 def test_a_growing_cache_is_served_by_the_lane_and_stays_exact(plans):
     """A decoding step (every key seen: bottom-right causal at L = 1) runs one unmasked
     kernel whatever S: one preparation serves every step, a new mask object each."""

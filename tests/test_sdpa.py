@@ -71,3 +71,29 @@ def test_a_call_that_needs_gradients_is_cleaned_first(poison, monkeypatch):
     for got, want in zip(bad, clean, strict=True):
         assert torch.isfinite(got.grad).all()
         torch.testing.assert_close(got.grad.masked_fill(got.grad.isnan(), 0), want.grad)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_gqa_lse_and_flash_backward_with_and_without_the_ops_own_gqa(native, monkeypatch):
+    """The log-sum-exp path and the flash backward give K/V with fewer heads to the CPU
+    flash op where it groups them itself (`cpu_flash_gqa`), else repeated: same result."""
+    from attnkit.backends import BACKENDS
+    from attnkit.contracts import normalize_call
+
+    if native and not sdpa_module.cpu_flash_gqa():
+        pytest.skip("this torch's CPU flash op has no GQA")
+    monkeypatch.setattr(sdpa_module, "cpu_flash_gqa", lambda: native)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 10, 8, generator=g) for h in (6, 2, 2))
+    mask = ak.causal()
+    out, lse = ak.attention_with_lse(q, k, v, mask, backend="sdpa")
+    want_out, want_lse = ak.attention_with_lse(q, k, v, mask, backend="reference")
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    dout = torch.randn_like(out)
+    call = normalize_call(q, k, v, mask, scale=None, softcap=None, dropout_p=0.0)
+    grads = BACKENDS["sdpa"].backward(call, out, lse, dout, None)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ak.attention(*leaves, mask, backend="reference").backward(dout)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad)

@@ -16,6 +16,7 @@ __all__ = [
     "cpu_features",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
+    "cpu_flash_gqa",
     "dynamo_recompile_limit",
     "flex_attention_module",
     "half_matmul_is_fast",
@@ -53,6 +54,39 @@ def cpu_flash_attention_backward() -> Any | None:
     which lets a blocked forward pass reuse it block by block.
     """
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+@functools.cache
+def cpu_flash_gqa() -> bool:
+    """True if the CPU flash op and its backward take K/V with fewer heads than q (GQA,
+    each K/V head serving H/Hkv query heads, its gradient summed over them) and agree
+    with K/V repeated; where not, callers repeat K/V heads themselves."""
+    forward, backward = cpu_flash_attention(), cpu_flash_attention_backward()
+    if forward is None or backward is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, h, 3, 4, generator=g) for h in (2, 1, 1, 2))
+    repeated = [t.repeat_interleave(2, 1) for t in (k, v)]
+    try:
+        grouped = _flash_grads(forward, backward, (q, k, v), dout)
+        plain = _flash_grads(forward, backward, (q, *repeated), dout)
+    except RuntimeError:
+        return False
+    dk, dv = (g.reshape(1, 1, 2, 3, 4).sum(2) for g in plain[3:])
+    want = (*plain[:3], dk, dv)
+    return all(
+        a.shape == b.shape and torch.allclose(a, b) for a, b in zip(grouped, want, strict=True)
+    )
+
+
+def _flash_grads(
+    forward: Any, backward: Any, qkv: tuple[torch.Tensor, ...], dout: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """out, lse, dq, dk, dv of one causal CPU flash call."""
+    q, k, v = qkv
+    out, lse = forward(q, k, v, 0.0, True, attn_mask=None, scale=None)
+    dq, dk, dv = backward(dout, q, k, v, out, lse, 0.0, True, attn_mask=None, scale=None)
+    return out, lse, dq, dk, dv
 
 
 def dynamo_recompile_limit(limit: int) -> Any:

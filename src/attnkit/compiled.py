@@ -27,7 +27,7 @@ from torch import Tensor
 from attnkit.backends import BACKENDS, Backend
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.backends.tiled import TiledBackend
-from attnkit.contracts import AttentionCall, _check_shapes, normalize_call
+from attnkit.contracts import AttentionCall, _check_shapes, normalize_call, unit_last_stride
 from attnkit.dispatch import run
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
@@ -264,7 +264,27 @@ def attention_backward_op(
         grads = sdpa.backward(call, out, lse, dout, lse_grad)
         if grads is None:
             grads = tiled.backward(call, out, lse, dout, lse_grad)
-        return _fresh(grads[0], (q, k, v)), _fresh(grads[1], (q, k, v)), _fresh(grads[2], (q, k, v))
+        dq, dk, dv = grads
+    else:
+        dq, dk, dv = _recomputed_gradients(dout, dlse, q, k, v, mask_tensors, mask_spec,
+                                           backend, scale, softcap, need_lse)  # fmt: skip
+    return _fresh(dq, (q, k, v)), _fresh(dk, (q, k, v)), _fresh(dv, (q, k, v))
+
+
+def _recomputed_gradients(
+    dout: Tensor,
+    dlse: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask_tensors: list[Tensor],
+    mask_spec: str,
+    backend: str,
+    scale: float | None,
+    softcap: float | None,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv by the eager call rerun with autograd (zeros for an unused input)."""
 
     def recompute() -> tuple[Tensor | None, ...]:
         lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -278,11 +298,10 @@ def attention_backward_op(
             return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
 
     found = in_fresh_thread(recompute)  # it enables autograd there
-    leaves = (q, k, v)
     dq, dk, dv = (
-        torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves, strict=True)
+        torch.zeros_like(x) if g is None else g for g, x in zip(found, (q, k, v), strict=True)
     )
-    return _fresh(dq, (q, k, v)), _fresh(dk, (q, k, v)), _fresh(dv, (q, k, v))
+    return dq, dk, dv
 
 
 @attention_backward_op.register_fake
@@ -317,7 +336,7 @@ def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, 
     dout = torch.zeros_like(q[..., :1]).expand(*q.shape[:-1], v.shape[-1]) if dout is None else dout
     dlse = q.new_zeros(0, dtype=compute_dtype(q.dtype)) if dlse is None else dlse
     dq, dk, dv = attention_backward_op(
-        dout.contiguous(), dlse, out, lse, q, k, v, mask_tensors, *ctx.args
+        unit_last_stride(dout), dlse, out, lse, q, k, v, mask_tensors, *ctx.args
     )
     no_grads = [None] * len(mask_tensors)  # the structure of the inputs: a list there
     return dq, dk, dv, no_grads, None, None, None, None, None, None

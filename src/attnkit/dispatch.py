@@ -57,10 +57,14 @@ def attention_call(
     """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached."""
     held = _held(mask)
     options = (scale, softcap, dropout_p, backend, need_lse)
-    lane = None if held is None else _lane_key(q, k, v, mask, held, options)
+    plain = held is not None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+    lane = _lane_key(q, k, v, mask, held, options) if plain else None  # type: ignore[arg-type]
     if lane is not None and (kernel := _LANE.get(lane)) is not None:
         return kernel(q, k, v), None  # type: ignore[return-value]  # unchecked: never None
-    key = None if held is None else _key(q, k, v, k.shape, v.shape, held.state(mask), options)
+    key = None
+    if plain:
+        state = held.state(mask)  # type: ignore[union-attr]
+        key = _key(q, k, v, q.shape, k.shape, v.shape, state, options)
     prepared = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
     if prepared is None:
         call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
@@ -108,12 +112,11 @@ def _lane_key(
     mask's own check for it."""
     if options[-1] or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
         return None
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
         return None
-    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
-        return None
-    L, S = q.shape[2], k.shape[2]
-    if S < 1 or v.shape[2] != S:
+    L, S = q_shape[2], k_shape[2]
+    if S < 1 or v_shape[2] != S:
         return None
     if mask is not None:
         if mask.has_bias:
@@ -121,11 +124,12 @@ def _lane_key(
         try:
             if not mask.sees_all(L, S):
                 return None
-            mask.check(q.shape[0], q.shape[1], L, S)
+            mask.check(q_shape[0], q_shape[1], L, S)
         except (ValueError, TypeError):  # the full path raises it, in its order
             return None
-    k_shape, v_shape = (k.shape[0], k.shape[1], k.shape[3]), (v.shape[0], v.shape[1], v.shape[3])
-    return _key(q, k, v, k_shape, v_shape, (), options)
+    k_rest = (k_shape[0], k_shape[1], k_shape[3])  # (B, Hkv, D): S left out
+    v_rest = (v_shape[0], v_shape[1], v_shape[3])
+    return _key(q, k, v, q_shape, k_rest, v_rest, (), options)
 
 
 def _serves_any_length(kernel: Kernel | None) -> bool:
@@ -241,13 +245,12 @@ def _prepare(
 
 
 class _Held:
-    """The prepared calls of one mask object (or of calls without a mask), and the
-    tensors whose identity and version every key carries."""
+    """The prepared calls of one mask (or of calls without a mask), and the tensors
+    whose identity and version every key carries."""
 
     def __init__(self, tensors: tuple[Tensor, ...], limit: int) -> None:
         self.tensors, self.limit = tensors, limit  # a `Mask`'s (they die with it)
         self.plans: dict[tuple[object, ...], _Prepared] = {}
-        self.ref: weakref.ref[object] | None = None
 
     def state(self, mask: MaskArg) -> tuple[object, ...]:
         """The identity, version and size of each tensor the mask holds or is."""
@@ -263,35 +266,73 @@ class _Held:
 
 
 _UNMASKED = _Held((), 4 * PREPARED_PER_MASK)
-_BY_MASK: dict[int, _Held] = {}  # id(mask object) -> its calls, dropped when it dies
+# id(mask object) -> (a weak reference to it, its calls); the entry goes when it dies
+_BY_MASK: dict[int, tuple[weakref.ref[object], _Held]] = {}
+# a mask of numbers alone (`causal()`, `sliding_window(128)`, ...) by its structure: a new
+# object of the same structure (a mask built anew each step) shares its prepared calls
+_BY_STRUCTURE: dict[tuple[object, ...], _Held] = {}
+STRUCTURES_KEPT = 64
 
 
 def _held(mask: MaskArg) -> _Held | None:
     """The prepared calls of `mask`; None for a mask argument of another type."""
     if mask is None:
         return _UNMASKED
-    held = _BY_MASK.get(id(mask))
-    if held is not None and held.ref is not None and held.ref() is mask:
-        return held
+    entry = _BY_MASK.get(id(mask))
+    if entry is not None and entry[0]() is mask:
+        return entry[1]
     if isinstance(mask, Mask):
-        held = _Held(mask.tensors(), PREPARED_PER_MASK)
+        held = _by_structure(mask)
     elif type(mask) is Tensor:
         held = _Held((), PREPARED_PER_MASK)
     else:
         return None
-    held.ref = weakref.ref(mask, _forget(id(mask)))
-    _BY_MASK[id(mask)] = held
+    _BY_MASK[id(mask)] = (weakref.ref(mask, _forget(id(mask))), held)
     return held
 
 
+def _by_structure(mask: Mask) -> _Held:
+    """The calls of masks of `mask`'s structure where it holds numbers alone; its own
+    where it holds tensors or anything else (a function: `Mask.from_mod`)."""
+    structure = _structure(mask)
+    if structure is None:
+        return _Held(mask.tensors(), PREPARED_PER_MASK)
+    held = _BY_STRUCTURE.get(structure)
+    if held is None:
+        if len(_BY_STRUCTURE) >= STRUCTURES_KEPT:
+            _BY_STRUCTURE.clear()
+        held = _BY_STRUCTURE[structure] = _Held((), PREPARED_PER_MASK)
+    return held
+
+
+def _structure(value: object) -> tuple[object, ...] | None:
+    """A hashable value equal for masks that behave alike: each mask's class and fields,
+    each number with its type (True is not 1); None where a field is not a number, a
+    string, None, a mask or a tuple of them."""
+    if isinstance(value, Mask):
+        fields = []
+        for name, field in sorted(vars(value).items()):
+            inner = _structure(field)
+            if inner is None:
+                return None
+            fields.append((name, inner))
+        return (type(value), *fields)
+    if isinstance(value, tuple):
+        parts = [_structure(part) for part in value]
+        return None if any(p is None for p in parts) else (tuple, *parts)
+    if value is None or type(value) in (bool, int, float, str):
+        return (type(value), value)
+    return None
+
+
 def _forget(ident: int) -> Callable[[weakref.ref[object]], None]:
-    """The callback that drops a dead mask's calls (unless a new mask took its id)."""
+    """The callback that drops a dead mask's entry (unless a new mask took its id)."""
 
     by_mask = _BY_MASK  # held here: module globals are gone when the interpreter exits
 
     def forget(ref: weakref.ref[object]) -> None:
-        held = by_mask.get(ident)
-        if held is not None and held.ref is ref:
+        entry = by_mask.get(ident)
+        if entry is not None and entry[0] is ref:
             del by_mask[ident]
 
     return forget
@@ -301,25 +342,24 @@ def _key(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    q_shape: tuple[int, ...],
     k_shape: tuple[int, ...],
     v_shape: tuple[int, ...],
     mask_state: tuple[object, ...],
     options: tuple[object, ...],
 ) -> tuple[object, ...] | None:
-    """Everything validation, planning and preparing read (the sizes of k and v as
-    given: the lane leaves S out; `options`: scale, softcap, dropout_p, backend,
-    need_lse); None where a call is not cached (an argument that is not a plain tensor
-    or number: the full path checks it)."""
+    """Everything validation, planning and preparing read (of plain tensors q, k, v;
+    the sizes as given: the lane leaves S out; `options`: scale, softcap, dropout_p,
+    backend, need_lse); None where a call is not cached (an option that is not a plain
+    number: the full path checks it)."""
     scale, softcap, dropout_p, backend, _ = options
-    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor):
-        return None
     if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
         return None
     if type(backend) is not str:
         return None
     device = q.device
     return (
-        q.shape, k_shape, v_shape, q.stride(), k.stride(), v.stride(),
+        q_shape, k_shape, v_shape, q.stride(), k.stride(), v.stride(),
         q.dtype, k.dtype, v.dtype, device, k.device, v.device,
         kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
@@ -331,5 +371,6 @@ def _key(
 def clear() -> None:
     """Forget every prepared call (tests; after changing a backend by hand)."""
     _BY_MASK.clear()
+    _BY_STRUCTURE.clear()
     _UNMASKED.plans.clear()
     _LANE.clear()

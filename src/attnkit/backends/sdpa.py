@@ -19,6 +19,7 @@ from attnkit import cost
 from attnkit._compat import (
     cpu_flash_attention,
     cpu_flash_attention_backward,
+    cpu_flash_gqa,
     sdpa_zeroes_empty_rows,
 )
 from attnkit.backends.tiled import with_lse_gradient
@@ -213,7 +214,8 @@ class SdpaBackend:
     ) -> tuple[Tensor, Tensor, Tensor] | None:
         """Gradients of q, k, v from the call's output and log-sum-exp in one call of the
         CPU flash backward, for calls whose kernel needs no mask (dense, top-left causal);
-        None for others. GQA: K/V repeated, their gradients summed in float32."""
+        None for others. GQA: the op's own in float32; half K/V repeated, their gradients
+        summed in float32."""
         d = call.dims
         backward_op = cpu_flash_attention_backward()
         if backward_op is None or call.q.device.type != "cpu" or d.D != d.Dv:
@@ -223,7 +225,10 @@ class SdpaBackend:
             return None
         work = kernel_dtype(call.q.dtype, call.q.device)
         q, k, v = (t.to(work) for t in (call.q, call.k, call.v))
-        k, v = k.repeat_interleave(d.groups, 1), v.repeat_interleave(d.groups, 1)
+        # the op's own GQA sums a K/V head's G gradients in `work`: float32 only
+        repeat = d.groups > 1 and (work in HALF or not cpu_flash_gqa())
+        if repeat:
+            k, v = k.repeat_interleave(d.groups, 1), v.repeat_interleave(d.groups, 1)
         out, dout = out.to(work), unit_last_stride(dout.to(work))
         if dlse is not None:
             q, k, v, out, dout = with_lse_gradient(q, k, v, out, dout, dlse.to(work))
@@ -231,7 +236,9 @@ class SdpaBackend:
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=None, scale=call.scale
         )
         dq = gq[..., : d.D]
-        dk, dv = sum_groups(gk[..., : d.D], d.groups), sum_groups(gv[..., : d.Dv], d.groups)
+        dk, dv = gk[..., : d.D], gv[..., : d.Dv]
+        if repeat:
+            dk, dv = sum_groups(dk, d.groups), sum_groups(dv, d.groups)
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> _Kernel | None:
@@ -282,8 +289,10 @@ class SdpaBackend:
             q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse)
         # half K/V heads repeated by attnkit, so that their G gradients sum in float32
         # (PyTorch's CPU kernels sum them in half); float32 and forward-only calls use
-        # the kernel's own GQA
-        repeat = d.groups > 1 and (need_lse or (work in HALF and call.requires_grad))
+        # the kernel's own GQA (the flash op's where it has one)
+        repeat = d.groups > 1 and (
+            (need_lse and not cpu_flash_gqa()) or (work in HALF and call.requires_grad)
+        )
         if repeat:
             k, v = repeat_kv_exact_grad(k, d.groups), repeat_kv_exact_grad(v, d.groups)
         lse = None
