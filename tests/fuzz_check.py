@@ -207,7 +207,7 @@ def _call(fn: Callable[[], Outcome]) -> Outcome:
 
 
 def run_case(case: Case) -> list[Outcome]:
-    """Every backend (and attention_probs, explain) on one case."""
+    """Every backend (and attention_probs, explain, to_block_mask) on one case."""
     b = build(case)
     truth = oracle(case, b, torch.float64)
     ref = oracle(case, b, compute_dtype(case.dtype))
@@ -223,7 +223,8 @@ def run_case(case: Case) -> list[Outcome]:
             )
             result.backend, result.what = backend, result.what or what
             outcomes.append(result)
-    for what, fn in (("probs", _check_probs), ("explain", _check_explain)):
+    checks = (("probs", _check_probs), ("explain", _check_explain), ("blocks", _check_blocks))
+    for what, fn in checks:
         result = _call(lambda fn=fn: fn(case, b, truth, ref, kwargs))  # type: ignore[misc]
         result.backend, result.what = "api", what
         outcomes.append(result)
@@ -333,6 +334,46 @@ def _check_explain(case: Case, b: Built, truth: Truth, ref: Truth,
     flops = 2 * pairs * (case.D + case.Dv)
     problems = [None if plan.flops == flops else f"flops {plan.flops} != {flops}"]
     return _outcome("explain", problems)
+
+
+def _check_blocks(case: Case, b: Built, truth: Truth, ref: Truth,
+                  kwargs: dict[str, float | None]) -> Outcome:  # fmt: skip
+    """`Mask.to_block_mask`: its present and full blocks against the case's visibility
+    truth, reduced block by block (a block past L or S is padding: never full)."""
+    from attnkit._compat import flex_attention_module
+    from attnkit.masks import as_mask
+
+    mask = b.mask
+    empty = min(case.B, case.L, case.S) == 0  # to_block_mask refuses empty sizes
+    if flex_attention_module() is None or mask is None or empty:
+        return _outcome("blocks", [])
+    if isinstance(mask, torch.Tensor):
+        if mask.is_floating_point():
+            return _outcome("blocks", [])
+        mask = as_mask(mask)
+    bs = (4, 8, 16)[case.seed % 3]
+    got = mask.to_block_mask(case.B, case.H, case.L, case.S, block_size=bs)
+    nq, nkv = -(-case.L // bs), -(-case.S // bs)
+    visible = torch.nn.functional.pad(
+        b.visible.bool(), (0, nkv * bs - case.S, 0, nq * bs - case.L)
+    ).view(case.B, case.H, nq, bs, nkv, bs)
+    full = visible.all(-1).all(-2)
+    want = {"partial": visible.any(-1).any(-2) & ~full, "full": full}
+    found = {
+        "partial": _dense_blocks(got.kv_num_blocks, got.kv_indices),
+        "full": _dense_blocks(got.full_kv_num_blocks, got.full_kv_indices),
+    }
+    problems = [
+        None if torch.equal(found[k], want[k]) else f"{k} blocks differ (block_size {bs})"
+        for k in want
+    ]
+    return _outcome("blocks", problems)
+
+
+def _dense_blocks(count: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(B, H, nq, nkv) bool from a BlockMask's counts and indices (a permutation)."""
+    used = torch.arange(indices.shape[-1]) < count[..., None]
+    return torch.zeros_like(used).scatter_(-1, indices.long(), used)
 
 
 def _outcome(what: str, problems: list[str | None]) -> Outcome:

@@ -142,3 +142,15 @@ def test_small_calls_bench_times_generate_and_compiled_steps(tmp_path):
     assert [r["case"] for r in found["generate"]] == ["B=1", "B=4 padded"]
     assert all(r["attnkit_same_tokens"] for r in found["generate"])  # greedy: the same tokens
     assert found["compiled"]["ratio"] > 0
+
+
+def test_block_mask_bench_times_both_builds_and_checks_their_blocks(tmp_path):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    script = BENCH.parent / "block_mask.py"
+    done = subprocess.run([sys.executable, str(script), "--sizes", "512", "--runs", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "block_mask.json").read_text())["rows"]
+    assert len(rows) == 5 and all(r["same"] and r["to_block_mask_ms"] > 0 for r in rows)
+    assert "| causal | 512 |" in (tmp_path / "block_mask.md").read_text()

@@ -1,11 +1,12 @@
 """Backend `flex`: FlexAttention compiled by `torch.compile`, with a `Mask` as `mask_mod`.
 
 A `Mask`'s predicate is already a function of `(b, h, q_idx, kv_idx)`, so it is the
-`mask_mod` as it stands. The `BlockMask` is built once per mask and size and kept by
+`mask_mod` as it stands. The `BlockMask` (`Mask.to_block_mask`: from the key spans, no pair
+evaluated where each row sees one interval) is built once per mask and size and kept by
 the backend (never on the mask); the compiled kernel is cached by `torch.compile` per
 shape. Compiling costs seconds (about 20 s on the 2-core CPU machines), so `auto` only
 picks `flex` for a call whose kernel is already compiled ("warm"); `backend="flex"`
-compiles on first use. Preparing and running run in a fresh thread: inside a compiled
+compiles on first use. The kernel runs in a fresh thread: inside a compiled
 graph's op, FlexAttention's `vmap` fails in the op's dispatch state.
 """
 
@@ -21,7 +22,7 @@ from torch import Tensor
 from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.contracts import AttentionCall
-from attnkit.masks import Mask
+from attnkit.masks import Mask, blocks
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend, zero_unseen
 from attnkit.threads import in_fresh_thread
@@ -132,19 +133,10 @@ class FlexBackend:
         key = (d.B, d.H, d.L, d.S, call.q.device, mask.state())
         cache = self._prepared_by_mask.setdefault(mask, {})
         if key not in cache:
-            flex = flex_attention_module()
-            assert flex is not None
             if len(cache) >= PREPARED_PER_MASK:
                 cache.clear()
-            block_mask = in_fresh_thread(  # it may run inside a compiled graph's op
-                lambda: flex.create_block_mask(
-                    _mask_mod(mask, d.B, d.H, d.L, d.S, call.q.device),
-                    d.B if mask.batch_size else None,
-                    d.H if mask.head_dependent else None,
-                    d.L,
-                    d.S,
-                    device=call.q.device,
-                )
+            block_mask = blocks.block_mask(
+                mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
             )
             cache[key] = (block_mask, *mask.seen(d.B, d.H, d.L, d.S, call.q.device))
         return cache[key]
@@ -214,20 +206,3 @@ def _agrees_with_reference(
     got = out[:, :, rows]  # (B, H, R, Dv)
     tolerance = 1e-3 * max(1.0, float(want.abs().max()) if want.numel() else 1.0)
     return bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= tolerance
-
-
-def _mask_mod(mask: Mask, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
-    """The `Mask` as FlexAttention's mask_mod.
-
-    Flex evaluates it on whole blocks of 128, so with L or S not a multiple of 128 it asks
-    about positions past the end: a predicate that indexes a tensor (document ids,
-    per-row lengths, a tensor mask) would read out of bounds. Indices are clamped into
-    range and those positions hidden.
-    """
-    predicate = mask.predicate(B, H, L, S, device)
-
-    def mask_mod(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-        inside = (i < L) & (j < S)
-        return inside & predicate(b, h, i.clamp(max=L - 1), j.clamp(max=S - 1))
-
-    return mask_mod

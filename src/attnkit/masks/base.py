@@ -8,7 +8,7 @@ broadcasting `arange`s, so nothing builds the full (B, H, L, S) tensor unless as
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -203,6 +203,26 @@ class Mask:
     ) -> Tensor:
         """The full bool tensor (B, H, L, S), `True` = may attend (a broadcast view)."""
         return self.dense(B, H, L, S, device).expand(B, H, L, S)
+
+    def to_block_mask(
+        self,
+        B: int,
+        H: int,
+        L: int,
+        S: int,
+        *,
+        block_size: int = 128,
+        device: torch.device | str | None = None,
+    ) -> Any:
+        """FlexAttention's `BlockMask` of this mask for (B, H, L, S), the way to feed an
+        attnkit mask to `flex_attention` (on a GPU too): the same present and full
+        blocks as `create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size)`,
+        built from the key spans in O(blocks) where each row sees one interval
+        (`exact_spans`), else evaluated in row chunks; its `mask_mod` is this mask's
+        predicate (a bias such as `alibi` is not part of it: pass it as a score_mod)."""
+        from attnkit.masks.blocks import block_mask
+
+        return block_mask(self, B, H, L, S, block_size=block_size, device=device)
 
     def draw(self, L: int, S: int | None = None, *, batch: int = 0, head: int = 0) -> str:
         """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden."""
