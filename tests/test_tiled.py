@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import attnkit as ak
 from attnkit.backends.tileplan import GRANULE, TILES, plan_tiles
+from attnkit.masks import as_mask
 from attnkit.planner import count_allowed_pairs
 
 TILE = TILES[1]
@@ -35,6 +36,18 @@ def structured_masks(draw, B, L, S):
     if L == S:
         ids = torch.sort(torch.randint(0, 4, (B, S))).values
         leaves.append(ak.document(ids))
+    # bool tensors: one run of keys per row (their spans are read off the tensor), a
+    # padding row per batch, and a random one (runs: no spans)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    keys = torch.arange(S)
+    start = torch.randint(0, S + 1, (B, 1, L, 1), generator=g)
+    width = torch.randint(0, S + 1, (B, 1, L, 1), generator=g)
+    lengths = torch.randint(0, S + 1, (B, 1, 1, 1), generator=g)
+    leaves += [
+        as_mask((keys >= start) & (keys < start + width)),
+        as_mask(keys < lengths),
+        as_mask(torch.rand(1, 1, L, S, generator=g) > 0.5),
+    ]
     picked = draw(st.lists(st.sampled_from(leaves), min_size=1, max_size=3))
     mask = picked[0]
     for other in picked[1:]:
@@ -164,7 +177,9 @@ def test_exact_spans_describe_each_row_exactly_and_count_pairs(data, size):
         (ak.document(torch.tensor([0, 1, 0])), False),
         (ak.causal() | ak.prefix_lm(1), False),
         (~ak.causal(), False),
-        (ak.causal() & torch.ones(3, 3, dtype=torch.bool), False),
+        (ak.causal() & torch.ones(3, 3, dtype=torch.bool), True),  # a run per row
+        (ak.causal() & torch.tensor([[1, 0, 1], [1, 1, 1], [1, 1, 1]]).bool(), False),
+        (as_mask(torch.ones(2, 3, 3, 3, dtype=torch.bool)), False),  # per head
     ],
     ids=str,
 )

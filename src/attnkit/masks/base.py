@@ -388,11 +388,38 @@ class _TensorMask(Mask):
     def __init__(self, tensor: Tensor) -> None:
         if tensor.dim() > 4:
             check_broadcastable("mask", tuple(tensor.shape), (0, 0, 0, 0))
-        tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+        if tensor.dim() < 4:
+            tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
         # an expanded dim (stride 0) holds one value: keep size 1 there, and one compact
         # copy (compiled kernels that index the mask take dense tensors only)
-        index = tuple(slice(0, 1) if st == 0 else slice(None) for st in tensor.stride())
-        self.tensor = tensor[index].contiguous()  # (B|1, H|1, L|1, S|1)
+        if 0 in tensor.stride() or not tensor.is_contiguous():
+            index = tuple(slice(0, 1) if st == 0 else slice(None) for st in tensor.stride())
+            tensor = tensor[index].contiguous()
+        self.tensor = tensor  # (B|1, H|1, L|1, S|1): the caller's own where it can be
+
+    def intervals(self, S: int) -> tuple[Tensor, Tensor] | None:
+        """(lo, hi), (B|1, L|1): each row's one run of visible keys, or None where a row
+        holds more than one or the heads differ (`masks.intervals`, found once per
+        version of the tensor)."""
+        if self.head_dependent or self.tensor.dtype != torch.bool:
+            return None
+        from attnkit.masks.intervals import row_intervals_of
+
+        return row_intervals_of(self.tensor, S)
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return self.intervals(S) is not None
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        found = self.intervals(S)
+        if found is None:
+            return super().key_bounds(B, L, S, first, last)
+        from attnkit.masks.intervals import range_bounds
+
+        lo, hi = (t.to(first.device) for t in found)  # (B|1, L|1)
+        return range_bounds(lo, hi, first, last)
 
     @property
     def batch_size(self) -> int | None:
