@@ -21,9 +21,11 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 AGAINST = {torch.float64: "reference", torch.float32: "auto"}
 
 
-def inputs(Hkv: int, dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, ...]:
+def inputs(Hkv: int, dtype: torch.dtype, seed: int = 0, Dv: int = DV) -> tuple[Tensor, ...]:
+    """q, k, v, dout, dlse; Dv == D takes the fused backward (each piece's gradients from
+    the rows' global out and lse), Dv != D the pieces' own autograd."""
     g = torch.Generator().manual_seed(seed)
-    shapes = [(B, H, L, D), (B, Hkv, L, D), (B, Hkv, L, DV), (B, H, L, DV), (B, H, L)]
+    shapes = [(B, H, L, D), (B, Hkv, L, D), (B, Hkv, L, Dv), (B, H, L, Dv), (B, H, L)]
     return tuple(torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes)
 
 
@@ -101,9 +103,10 @@ def matrix(
     Hkv: int,
     strategies: tuple[str, ...],
     names: tuple[str, ...] | None = None,
+    Dv: int = DV,
 ) -> None:
     """Every mask (or those `names`) × layout × strategy (ulysses where the heads split)."""
-    q, k, v, dout, dlse = inputs(Hkv, dtype)
+    q, k, v, dout, dlse = inputs(Hkv, dtype, Dv=Dv)
     for name, mask in masks(P).items():
         if names is not None and name not in names:
             continue
@@ -132,9 +135,9 @@ def options(rank: int, P: int) -> None:
         check(rank, q, k, v, dout, dlse, ak.causal(), "zigzag", strategy, softcap=2.0)
 
 
-def poisoned(rank: int, P: int) -> None:
+def poisoned(rank: int, P: int, Dv: int = DV) -> None:
     """NaN and Inf in keys and values no query sees never reach outputs or gradients."""
-    q, k, v, dout, dlse = inputs(2, torch.float64)
+    q, k, v, dout, dlse = inputs(2, torch.float64, Dv=Dv)
     lengths = torch.tensor([40, 13])
     hidden = torch.arange(L)[None, :] >= lengths[:, None]  # (B, S)
     bad_k = k.masked_fill(hidden[:, None, :, None], float("nan"))
@@ -294,9 +297,13 @@ def suite(rank: int, P: int, full: bool) -> None:
             every if full else ("ring", "ulysses"),
             None if full else few,
         )
+    fused = ("ring", "allgather")  # D == Dv: the fused backward from the global out, lse
+    matrix(rank, P, torch.float64, 2, fused, None if full or P == 2 else few, Dv=D)
+    matrix(rank, P, torch.float32, 1, fused, few, Dv=D)
     options(rank, P)
     module(rank, P)
     poisoned(rank, P)
+    poisoned(rank, P, Dv=D)
     traffic(rank, P)
     agreement(rank, P)
     layouts(rank, P)

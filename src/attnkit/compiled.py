@@ -25,10 +25,9 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import BACKENDS, Backend
-from attnkit.backends.sdpa import SdpaBackend
-from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall, _check_shapes, normalize_call, unit_last_stride
 from attnkit.dispatch import run
+from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
 from attnkit.planner import backend_for_run
@@ -181,9 +180,7 @@ def _op_plan(
         wanted = replace(call, q=q.detach().requires_grad_()) if requires_grad else call
         chosen = backend_for_run(wanted, backend, need_lse=need_lse)
         keep = need_lse or (
-            requires_grad
-            and _blockwise_backward(call, scale)
-            and chosen.can_use(call, need_lse=True) is None
+            requires_grad and serves(call, scale) and chosen.can_use(call, need_lse=True) is None
         )
         if len(_OP_PLANS) >= OP_PLANS_KEPT:
             _OP_PLANS.clear()
@@ -193,15 +190,6 @@ def _op_plan(
 
 _OP_PLANS: dict[tuple[object, ...], tuple[Backend, bool]] = {}
 OP_PLANS_KEPT = 64
-
-
-def _blockwise_backward(call: AttentionCall, scale: float | None) -> bool:
-    """True if the backward op can take the tiled backend's blockwise backward from the
-    forward's output and log-sum-exp (a positive scale: folding a sign into q would need
-    the chain rule outside)."""
-    if scale is not None and scale <= 0:
-        return False
-    return BACKENDS["tiled"].can_use(call, need_lse=True) is None
 
 
 def _fresh(t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -251,19 +239,11 @@ def attention_backward_op(
     """dq, dk, dv of `attnkit::attention`: blockwise from the forward's `out` and `lse`
     (tiled's backward) where it can, else the eager call rerun with autograd."""
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
-    tiled, sdpa = BACKENDS["tiled"], BACKENDS["sdpa"]
-    if (
-        lse.numel()
-        and not call.is_empty
-        and _blockwise_backward(call, scale)
-        and not bool(torch.isposinf(lse).any())
-    ):
-        assert isinstance(tiled, TiledBackend) and isinstance(sdpa, SdpaBackend)
-        lse_grad = dlse if need_lse and dlse.numel() else None
-        # one flash backward for the whole batch where no mask is needed, else blockwise
-        grads = sdpa.backward(call, out, lse, dout, lse_grad)
-        if grads is None:
-            grads = tiled.backward(call, out, lse, dout, lse_grad)
+    lse_grad = dlse if need_lse and dlse.numel() else None
+    grads = None
+    if lse.numel() and serves(call, scale):
+        grads = fused_gradients(call, out, lse, dout, lse_grad)
+    if grads is not None:
         dq, dk, dv = grads
     else:
         dq, dk, dv = _recomputed_gradients(dout, dlse, q, k, v, mask_tensors, mask_spec,

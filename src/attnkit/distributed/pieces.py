@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit.contracts import normalize_call
 from attnkit.distributed.layout import Layout, Span
 from attnkit.functional import attention_with_lse
+from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
 from attnkit.masks.window import window
 from attnkit.precision import compute_dtype
@@ -95,6 +97,45 @@ class Problem:
             outs.append(acc.out)
             lses.append(acc.lse)
         return torch.cat(outs, 2), torch.cat(lses, 2)
+
+    def fused_backward(self, q: Tensor) -> bool:
+        """True if every piece's gradients can come from the rows' global output and
+        log-sum-exp (`gradients.fused_gradients`), with no piece recomputed."""
+        probe = normalize_call(
+            q[:, :, :1], q.new_empty(q.shape[0], self.Hkv, 1, self.D),
+            q.new_empty(q.shape[0], self.Hkv, 1, self.Dv), None, scale=self.scale,
+            softcap=self.softcap, dropout_p=0.0,
+        )  # fmt: skip
+        return serves(probe, self.scale)
+
+    def piece_grads(
+        self, r: int, s: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        dout: Tensor, dlse: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+        """dq, dk, dv (compute dtype) of rank r's queries against rank s's keys, from the
+        rows' global `out`, `lse` and their gradients: one fused backward per rectangle
+        (dS = P ⊙ (dP − rowsum(dO ⊙ O)), P from the global lse); None where a rectangle
+        cannot take it."""
+        work = compute_dtype(q.dtype)  # piece gradients sum across pieces in float32
+        q, k, v = q.to(work), k.to(work), v.to(work)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (q0, q1), (k0, k1), part in self.rectangles(r, s):
+            call = normalize_call(
+                q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], part, scale=self.scale,
+                softcap=self.softcap, dropout_p=0.0,
+            )  # fmt: skip
+            if not serves(call, self.scale):
+                return None
+            lse_grad = None if dlse is None else dlse[:, :, q0:q1]
+            grads = fused_gradients(
+                call, out[:, :, q0:q1], lse[:, :, q0:q1], dout[:, :, q0:q1], lse_grad
+            )
+            if grads is None:
+                return None
+            dq[:, :, q0:q1] += grads[0]
+            dk[:, :, k0:k1] += grads[1]
+            dv[:, :, k0:k1] += grads[2]
+        return dq, dk, dv
 
 
 def _sees_some(mask: Mask, B: int, L: int, S: int) -> bool:

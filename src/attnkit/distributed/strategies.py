@@ -74,18 +74,23 @@ class _KeysToQueries(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor]:
         r = group.rank
         acc = Accumulator(q.shape[0], problem.H, q.shape[2], problem.Dv, q)
-        kept: dict[int, _Piece] = {}
         grad = any(ctx.needs_input_grad[:3])
+        fused = grad and problem.fused_backward(q)  # gradients from the global out, lse
+        kept: dict[int, _Piece | tuple[Tensor, Tensor]] = {}
         for s, k_s, v_s in _fetch(strategy, group, needs, k, v, _FORWARD):
-            if grad and (s == r or strategy == "allgather"):
+            keep = grad and (s == r or strategy == "allgather")
+            if keep and not fused:
                 kept[s] = piece = _Piece(problem, r, s, q, k_s, v_s)
                 acc.add(piece.out.detach(), piece.lse.detach())
-            else:
-                acc.add(*problem.piece(r, s, q, k_s, v_s))
+                continue
+            if keep:
+                kept[s] = (k_s, v_s)  # the shard alone: no graph, no piece recomputed
+            acc.add(*problem.piece(r, s, q, k_s, v_s))
         ctx.save_for_backward(q, k, v, acc.out, acc.lse)
         ctx.problem, ctx.group, ctx.strategy, ctx.needs, ctx.kept = (
             problem, group, strategy, needs, kept
         )  # fmt: skip
+        ctx.fused = fused
         return acc.out.to(q.dtype), acc.lse
 
     @staticmethod
@@ -95,22 +100,30 @@ class _KeysToQueries(torch.autograd.Function):
         ctx.kept = None  # the graphs are used once
         r, D = group.rank, problem.D
         dout = dout.to(out.dtype)
-        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
+        lse_grad = None if dlse is None else dlse.to(lse.dtype)
         dq = q.new_zeros(q.shape, dtype=out.dtype)  # (B, H, n, D), compute dtype
         returns = _Returns(ctx.strategy, group, needs, k, v, out.dtype)
 
-        def take(s: int, piece: _Piece) -> None:
+        def take(s: int, held: _Piece | tuple[Tensor, Tensor]) -> None:
+            """Add the gradients of rank s's piece: fused from the global out and lse
+            where it can, else by autograd through the piece (kept or recomputed)."""
             nonlocal dq
-            dq_s, dk_s, dv_s = piece.grads(out, lse, dout, dlse)
-            dq = dq + dq_s
-            returns.add(s, dk_s, dv_s)
+            found = None
+            if ctx.fused and not isinstance(held, _Piece):
+                found = problem.piece_grads(r, s, q, *held, out, lse, dout, lse_grad)
+            if found is None:
+                piece = held if isinstance(held, _Piece) else _Piece(problem, r, s, q, *held)
+                zeros = torch.zeros_like(lse) if lse_grad is None else lse_grad
+                found = piece.grads(out, lse, dout, zeros)
+            dq = dq + found[0]
+            returns.add(s, found[1], found[2])
 
         for s, piece in kept.items():
             take(s, piece)
         if ctx.strategy == "ring":  # every rank takes part: its peers need its K/V again
             for s, k_s, v_s in _fetch("ring", group, needs, k, v, _BACKWARD):
                 if s not in kept:
-                    take(s, _Piece(problem, r, s, q, k_s, v_s))
+                    take(s, (k_s, v_s))
         dkv = returns.finish()
         dk, dv = dkv[..., :D].to(k.dtype), dkv[..., D:].to(v.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None, None

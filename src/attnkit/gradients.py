@@ -1,0 +1,44 @@
+"""Gradients of an attention call from its output and log-sum-exp, with no second forward.
+
+With the row's output O and log-sum-exp of the whole softmax, the weights of any subset
+of its keys are P = exp(s - lse), and the score gradients dS = P ⊙ (dP − rowsum(dO ⊙ O))
+(plus P·dlse for a gradient of the log-sum-exp): what the CPU flash backward computes,
+given O and lse. So a call's gradients, or those of any rectangle of a larger problem
+(a context-parallel piece: the rows' global O and lse, a shard of keys), come from one
+fused backward: one call for the whole batch where no mask is needed (`sdpa`), block by
+block over the mask's spans otherwise (`tiled`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attnkit.backends import BACKENDS
+from attnkit.contracts import AttentionCall
+
+__all__ = ["fused_gradients", "serves"]
+
+
+def serves(call: AttentionCall, scale: float | None) -> bool:
+    """True if `fused_gradients` can take `call` (`scale` as the caller gave it: a sign
+    folded into q would need the chain rule outside): where tiled's blockwise backward
+    runs (CPU, no softcap, D == Dv, ...)."""
+    if call.is_empty or (scale is not None and scale <= 0):
+        return False
+    return BACKENDS["tiled"].can_use(call, need_lse=True) is None
+
+
+def fused_gradients(
+    call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """dq, dk, dv of `call` (as `normalize_call` made it) from the output and
+    log-sum-exp of its rows (the call's own, or a larger problem's), in the inputs'
+    dtypes; None where lse holds +inf (no log-sum-exp was kept)."""
+    if bool(torch.isposinf(lse).any()):
+        return None
+    sdpa, tiled = BACKENDS["sdpa"], BACKENDS["tiled"]
+    grads = sdpa.backward(call, out, lse, dout, dlse)  # type: ignore[attr-defined]
+    if grads is None:
+        grads = tiled.backward(call, out, lse, dout, dlse)  # type: ignore[attr-defined]
+    return grads  # type: ignore[no-any-return]
