@@ -1,28 +1,82 @@
-"""The CPU cost model of the planner, in one place.
+"""The CPU cost model of the planner: one table of factors, measured on the running CPU.
 
 Unit: the time SDPA's dense fused kernel spends on one query-key pair of one head. The
-SDPA factors come from the first full `make bench` (benchmarks/results/bench.json of
-2026-11-30: per-pair time against dense SDPA at the same S, S = 4096 and 16384); the
-tiled factors from kernel timings of (n, 8, R, K) blocks on the same 2-core machine
-(PyTorch 2.13, float32, D=64). They only need to rank the backends, not predict seconds.
+factors only need to rank the backends, not predict seconds, but their ratios differ
+from CPU to CPU (AVX2, AVX512, AMX; the thread count; the torch version), so `table()`
+is the one `attnkit.calibrate` measured here, at first use, in about a second, and kept
+in the user's cache directory for this CPU, thread count and torch version.
+`ATTNKIT_CALIBRATION=off` gives the built-in table (what the tests use);
+`ATTNKIT_CALIBRATION=/some/file.json` keeps the measured table in that file instead.
 """
 
 from __future__ import annotations
 
-SDPA_DENSE = 1.0  # F.scaled_dot_product_attention, no mask
-SDPA_CAUSAL = 1.0  # is_causal=True, per pair it computes (about half of L×S)
-SDPA_MASKED = 1.25  # with a mask tensor: the kernel reads it and skips no block
-TILED_PAIR = 1.2  # tiled, per pair inside blocks of 256+ rows (short blocks: tiled_pair)
-TILED_CAUSAL = 1.15  # tiled, per pair of a long causal run (is_causal, 768+ rows)
-TILED_PREDICATE = 2.2  # tiled, factor on masks holding an L×S tensor (`has_dense_tensor`):
-# gathering each block's mask costs more than the pairs it skips (a (2, 1, 2048, 2048)
-# bool mask, fp32, H=4: tiled 276 ms, sdpa 134 ms, plain SDPA 130 ms; 2026-11-30)
-TILED_CALL = 50_000.0  # tiled, per group of blocks (masks, copies, Python)
-FLEX_PAIR = 2.4  # compiled FlexAttention, per pair inside its 128×128 blocks (warm)
-BLOCKWISE = 4.0  # the reference's math in row blocks over key spans (checkpointed)
-REFERENCE = 6.0  # the readable loop materializes (B, H, L, S) scores several times
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["BUILT_IN", "CostTable", "table", "tiled_pair", "use"]
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Per-pair factors of each kernel in units of dense SDPA's, and where they came from."""
+
+    sdpa_dense: float = 1.0  # F.scaled_dot_product_attention, no mask (the unit)
+    sdpa_causal: float = 1.0  # is_causal=True, per pair it computes (about half of L×S)
+    sdpa_masked: float = 1.25  # with a mask tensor: the kernel reads it and skips no block
+    tiled_pair: float = 1.2  # tiled, per pair inside blocks of 256+ rows
+    tiled_causal: float = 1.15  # tiled, per pair of a long causal run (is_causal, 768+ rows)
+    # tiled, factor on masks whose blocks are gathered from an L×S tensor (no spans): more
+    # than the pairs it skips (a (2, 1, 2048, 2048) random bool mask, fp32, H=4: tiled
+    # 276 ms, sdpa 134 ms; 2026-11-30)
+    tiled_predicate: float = 2.2
+    tiled_call: float = 50_000.0  # tiled, per group of blocks (masks, copies, Python)
+    flex_pair: float = 2.4  # compiled FlexAttention, per pair in its 128×128 blocks (warm)
+    blockwise: float = 4.0  # the reference's math in row blocks over key spans
+    reference: float = 6.0  # the readable loop materializes (B, H, L, S) scores
+    source: str = (
+        "built in (timings of a 2-core AVX2 CPU, PyTorch 2.13, float32, D=64; "
+        "ATTNKIT_CALIBRATION=off or no calibration yet)"
+    )
+
+    def factors(self) -> dict[str, float]:
+        """The numbers alone, by name."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "source"
+        }
+
+    def summary(self) -> str:
+        """One line for `explain`: the main figures and where they came from."""
+        return (
+            f"cost model: sdpa masked {self.sdpa_masked:.2f}, causal {self.sdpa_causal:.2f}; "
+            f"tiled {self.tiled_pair:.2f} per pair, causal runs {self.tiled_causal:.2f}, "
+            f"{self.tiled_call:,.0f} per call; blockwise {self.blockwise:.1f}, reference "
+            f"{self.reference:.1f} (× dense SDPA per pair); {self.source}"
+        )
+
+
+BUILT_IN = CostTable()
+_ACTIVE: CostTable | None = None
+
+
+def table() -> CostTable:
+    """The table the planner prices with: measured on this CPU (`attnkit.calibrate`,
+    once per process; from the cache when this CPU was measured before) unless
+    `ATTNKIT_CALIBRATION=off`."""
+    global _ACTIVE
+    if _ACTIVE is None:
+        from attnkit.calibrate import active_table
+
+        _ACTIVE = active_table()
+    return _ACTIVE
+
+
+def use(found: CostTable | None) -> None:
+    """Price with `found` from now on (None: decide again at the next call of `table`)."""
+    global _ACTIVE
+    _ACTIVE = found
 
 
 def tiled_pair(rows: int) -> float:
     """Tiled's per-pair cost on blocks of `rows` query rows: short blocks use the op less well."""
-    return float(TILED_PAIR * (256 / min(max(rows, 1), 256)) ** 0.1)
+    return float(table().tiled_pair * (256 / min(max(rows, 1), 256)) ** 0.1)

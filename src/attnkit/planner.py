@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnkit import cost
 from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
 from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall
@@ -195,6 +196,8 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
             f"tiled: {tiles.calls} block group(s), tiles of {tiles.tile} rows, {runs} causal"
             f" run(s) whole; {share:.1%} of the L×S pairs computed"
         )
+    if name == "auto":  # the figures it priced with, and where they came from
+        notes.append(cost.table().summary())
     return Plan(
         backend=backend.name,
         reasons=reasons,

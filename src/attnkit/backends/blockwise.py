@@ -42,11 +42,13 @@ class BlockwiseBackend:
         d = call.dims
         rows = _rows(call)
         pairs = sum((hi - lo) * (r1 - r0) for r0, r1, lo, hi in _blocks(call, rows))
-        return cost.BLOCKWISE * d.B * d.H * pairs + cost.TILED_CALL * math.ceil(d.L / rows)
+        return cost.table().blockwise * d.B * d.H * pairs + cost.table().tiled_call * math.ceil(
+            d.L / rows
+        )
 
     def cost_floor(self, call: AttentionCall) -> float:
         """At least one block's call: the planner prices no further below that."""
-        return cost.TILED_CALL
+        return cost.table().tiled_call
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

@@ -114,7 +114,7 @@ class FlexBackend:
             blocks += int(block_mask.full_kv_num_blocks.sum()) * (
                 call.dims.B // block_mask.full_kv_num_blocks.shape[0]
             )
-        return float(cost.FLEX_PAIR * blocks * tile * call.dims.H)
+        return float(cost.table().flex_pair * blocks * tile * call.dims.H)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

@@ -21,7 +21,7 @@ class ReferenceBackend:
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d = call.dims
-        return cost.REFERENCE * d.B * d.H * d.L * d.S
+        return cost.table().reference * d.B * d.H * d.L * d.S
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

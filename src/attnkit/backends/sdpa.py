@@ -192,8 +192,8 @@ class SdpaBackend:
         d = call.dims
         pairs = d.B * d.H * d.L * d.S
         if self._is_causal(call):
-            return cost.SDPA_CAUSAL * pairs / 2
-        return (cost.SDPA_DENSE if call.is_dense else cost.SDPA_MASKED) * pairs
+            return cost.table().sdpa_causal * pairs / 2
+        return (cost.table().sdpa_dense if call.is_dense else cost.table().sdpa_masked) * pairs
 
     @staticmethod
     def _is_causal(call: AttentionCall) -> bool:

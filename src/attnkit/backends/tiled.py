@@ -464,8 +464,8 @@ class TiledBackend:
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d, mask = call.dims, call.mask
         estimate = self.plan(call).cost(d.H, d.groups)
-        if mask is not None and mask.has_dense_tensor:
-            estimate *= cost.TILED_PREDICATE  # block masks gathered from an L×S tensor
+        if mask is not None and mask.has_dense_tensor and not mask.exact_spans(d.B, d.L, d.S):
+            estimate *= cost.table().tiled_predicate  # block masks gathered from an L×S tensor
         return estimate
 
     def cost_floor(self, call: AttentionCall) -> float:
@@ -476,7 +476,10 @@ class TiledBackend:
         d, mask = call.dims, call.mask
         causal = mask is not None and not call.has_bias and mask.is_sdpa_causal(d.L, d.S)
         pairs = d.B * d.H * d.L * d.S / 2 if causal else 0.0
-        return cost.TILED_CALL + min(cost.TILED_PAIR, cost.TILED_CAUSAL) * pairs
+        return (
+            cost.table().tiled_call
+            + min(cost.table().tiled_pair, cost.table().tiled_causal) * pairs
+        )
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus one chunk's temporaries (float32)."""

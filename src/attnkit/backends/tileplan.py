@@ -142,13 +142,13 @@ class TilePlan:
         pairs = sum(
             g.size
             * (
-                cost.TILED_CAUSAL * g.rows * (g.rows + _query_split(g.rows)) / 2
+                cost.table().tiled_causal * g.rows * (g.rows + _query_split(g.rows)) / 2
                 if g.causal
                 else cost.tiled_pair(g.rows * group_heads) * g.rows * g.keys
             )
             for g in self.groups
         )
-        return heads * pairs + cost.TILED_CALL * self.calls
+        return heads * pairs + cost.table().tiled_call * self.calls
 
 
 def _query_split(rows: int) -> int:

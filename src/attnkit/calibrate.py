@@ -1,0 +1,197 @@
+"""Measure the planner's cost table on the CPU it runs on (`attnkit.cost`).
+
+Each factor of the table is measured by timing one representative call against dense
+SDPA on the same machine: SDPA with a mask tensor and with `is_causal`, the tiled
+backend on a tiny call (its per-call cost), a sliding window (per pair in blocks) and a
+long causal run, blockwise and the reference on a small causal call. A tiled or
+blockwise factor is the built-in one scaled by measured time over the time the built-in
+table predicts for that call. About a second, once per CPU model, thread count and
+torch version: the table is kept as JSON in `$XDG_CACHE_HOME/attnkit` (else
+`~/.cache/attnkit`). FlexAttention's factor stays built in (measuring it compiles).
+
+`ATTNKIT_CALIBRATION`: unset, measure (or read the cache); `off`, the built-in table;
+a file path, measure once and keep the table there.
+
+    python -m attnkit.calibrate        # measure now and print the table
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import cost
+from attnkit.backends import get_backend
+from attnkit.contracts import normalize_call
+from attnkit.cost import BUILT_IN, CostTable
+from attnkit.functional import attention
+from attnkit.masks import Mask, causal, sliding_window
+
+__all__ = ["active_table", "cache_path", "measure"]
+
+OFF = ("off", "0", "false", "builtin", "built-in")
+_log = logging.getLogger("attnkit")
+
+
+def active_table() -> CostTable:
+    """The table `cost.table()` prices with, as `ATTNKIT_CALIBRATION` says."""
+    setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
+    if setting.lower() in OFF:
+        return BUILT_IN
+    path = Path(setting).expanduser() if setting else cache_path()
+    found = _read(path)
+    if found is not None:
+        return found
+    _log.info("attnkit: measuring the cost model on this CPU (about a second, once) ...")
+    measured = measure()
+    _write(path, measured)
+    return measured
+
+
+def machine_key() -> dict[str, object]:
+    """What a table is measured for: the CPU, its units, the threads, torch, attnkit."""
+    from attnkit import __version__
+    from attnkit._compat import cpu_features
+
+    return {
+        "cpu": _cpu_model(), "features": cpu_features(), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "attnkit": __version__,
+    }  # fmt: skip
+
+
+def cache_path() -> Path:
+    """This machine's table in the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    digest = hashlib.sha1(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()
+    return Path(base) / "attnkit" / f"cost-{digest[:16]}.json"
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _read(path: Path) -> CostTable | None:
+    """The table kept at `path` for this machine, or None (absent, unreadable, or
+    measured on another machine, thread count or version)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("machine") != machine_key():
+        return None
+    factors = data.get("factors")
+    names = set(BUILT_IN.factors())
+    if not isinstance(factors, dict) or set(factors) != names:
+        return None
+    if not all(isinstance(x, (int, float)) and 0 < x < 1e12 for x in factors.values()):
+        return None
+    return CostTable(**factors, source=f"measured on this CPU, kept in {path}")
+
+
+def _write(path: Path, found: CostTable) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"machine": machine_key(), "factors": found.factors(), "when": time.time()}
+        path.write_text(json.dumps(data, indent=1))
+    except OSError as err:  # a read-only home: measured again by the next process
+        _log.info("attnkit: cannot keep the cost table at %s (%s)", path, err)
+
+
+# ------------------------------------------------------------------ the measurements
+
+
+def measure() -> CostTable:
+    """The cost table of this CPU, timed now (the built-in table prices meanwhile)."""
+    previous = cost._ACTIVE
+    cost.use(BUILT_IN)  # the backends plan with it while they are timed
+    try:
+        with torch.no_grad():
+            factors = _measured()
+    finally:
+        cost.use(previous)
+    when = time.strftime("%Y-%m-%d")
+    return CostTable(**factors, source=f"measured on this CPU ({_cpu_model()}, {when})")
+
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _measured() -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+
+    def qkv(L: int) -> Inputs:
+        q, k, v = (torch.randn(1, 8, L, 64, generator=g) for _ in range(3))
+        return q, k, v
+
+    q, k, v = qkv(1024)
+    pairs = 8 * 1024 * 1024
+    unit = _best(lambda: F.scaled_dot_product_attention(q, k, v)) / pairs  # s per pair
+    band = (causal() & sliding_window(127)).dense(1, 1, 1024, 1024)  # (1, 1, L, S)
+    masked = _best(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=band)) / pairs
+    causal_pairs = 8 * 1024 * 1025 / 2
+    is_causal = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    found = BUILT_IN.factors()
+    found["sdpa_masked"] = masked / unit
+    found["sdpa_causal"] = is_causal / causal_pairs / unit
+    found["tiled_call"] = _seconds(qkv(64), causal(), "tiled") / unit
+    scaled: dict[str, tuple[Inputs, Mask, str]] = {
+        "tiled_pair": (qkv(4096), sliding_window(255) & causal(), "tiled"),
+        "tiled_causal": (qkv(2048), causal(), "tiled"),
+        "blockwise": (qkv(512), causal(), "blockwise"),
+        "reference": (qkv(512), causal(), "reference"),
+    }
+    for name, (inputs, mask, backend) in scaled.items():
+        predicted, calls = _predicted(inputs, mask, backend)
+        spent = _seconds(inputs, mask, backend) / unit
+        if backend == "tiled":  # the pairs' share: the calls' cost as just measured
+            predicted -= BUILT_IN.tiled_call * calls
+            spent -= found["tiled_call"] * calls
+        found[name] = BUILT_IN.factors()[name] * max(spent, 0.05 * predicted) / predicted
+    return found
+
+
+def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int]:
+    """The built-in table's cost of a call, and its tiled groups (0 for other backends)."""
+    call = normalize_call(*inputs, mask, scale=None, softcap=None, dropout_p=0.0)
+    chosen = get_backend(backend)
+    calls = chosen.plan(call).calls if backend == "tiled" else 0  # type: ignore[attr-defined]
+    return chosen.cost(call, need_lse=False), calls
+
+
+def _seconds(inputs: Inputs, mask: Mask, backend: str) -> float:
+    return _best(lambda: attention(*inputs, mask, backend=backend))
+
+
+def _best(fn: Callable[[], object], runs: int = 3) -> float:
+    """The shortest of `runs` timed calls after one untimed (the least disturbed)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> int:
+    found = measure()
+    print(json.dumps({"machine": machine_key(), "factors": found.factors()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""attnkit.calibrate: the cost table measured on this CPU, kept per machine, off on demand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import calibrate, cost
+
+
+@pytest.fixture
+def fresh_table(monkeypatch):
+    """`cost.table()` decides again under the test's environment, and forgets after."""
+    cost.use(None)
+    yield monkeypatch
+    cost.use(None)
+
+
+def test_a_measured_table_is_kept_and_read_back(fresh_table, tmp_path):
+    path = tmp_path / "cost.json"
+    fresh_table.setenv("ATTNKIT_CALIBRATION", str(path))
+    measured = cost.table()
+    assert "measured on this CPU" in measured.source
+    factors = measured.factors()
+    assert factors.keys() == cost.BUILT_IN.factors().keys()
+    assert all(math.isfinite(x) and x > 0 for x in factors.values())
+    assert factors["sdpa_dense"] == 1.0  # the unit
+    kept = json.loads(path.read_text())
+    assert kept["machine"] == calibrate.machine_key() and kept["factors"] == factors
+
+    def no_second_measurement():
+        raise AssertionError("measured again: the kept table was not read")
+
+    fresh_table.setattr(calibrate, "measure", no_second_measurement)
+    cost.use(None)
+    again = cost.table()
+    assert again.factors() == factors and str(path) in again.source
+    q = torch.randn(1, 2, 64, 16)
+    assert str(path) in str(ak.explain(q, q, q, ak.causal()))  # explain says where from
+
+
+def test_a_table_of_another_machine_or_a_broken_file_is_measured_again(fresh_table, tmp_path):
+    path = tmp_path / "cost.json"
+    fresh_table.setenv("ATTNKIT_CALIBRATION", str(path))
+    fake = cost.CostTable(tiled_pair=9.0, source="measured here (a test)")
+    fresh_table.setattr(calibrate, "measure", lambda: fake)
+    for content in ("not json", json.dumps({"machine": {"cpu": "elsewhere"}, "factors": {}})):
+        path.write_text(content)
+        cost.use(None)
+        assert cost.table() is fake
+    assert json.loads(path.read_text())["factors"]["tiled_pair"] == 9.0
+
+
+def test_off_gives_the_built_in_table_and_a_table_decides_auto(fresh_table):
+    fresh_table.setenv("ATTNKIT_CALIBRATION", "off")
+    assert cost.table() is cost.BUILT_IN
+    q = torch.randn(1, 2, 512, 16)
+    mask = ak.sliding_window(16) & ak.causal()
+    assert ak.explain(q, q, q, mask).backend == "tiled"
+    cost.use(cost.CostTable(tiled_pair=50.0, tiled_causal=50.0, source="a test"))
+    plan = ak.explain(q, q, q, mask)
+    assert plan.backend == "sdpa" and "a test" in str(plan)
