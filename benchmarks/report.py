@@ -64,11 +64,14 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
         f"{meta['threads']} threads, {_repeats(meta)}, peers timed round-robin, H=8, D=64; "
         "times in ms; useful GFLOP/s count allowed pairs only; % roofline against the "
         "row's dtype (half: the better of its own and float32's, which half inputs can "
-        "always take); memory = peak extra MiB of one call in a fresh process (float32).",
+        "always take); per pair = auto's useful GFLOP/s over SDPA's without a mask at the "
+        "same S and pass (half: the better of its dtype and float32; 1.0: a visible pair "
+        "costs what a dense one does); "
+        "memory = peak extra MiB of one call in a fresh process (float32).",
         "",
         "| dtype | S | pattern | pass | naive | SDPA | Flex | auto (backend) | auto GFLOP/s | "
-        "% roofline | auto vs best peer | MiB SDPA | MiB auto |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "% roofline | per pair | auto vs best peer | MiB SDPA | MiB auto |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype, S, pattern, pass_ in keys:
         row = {p: index.get((dtype, S, pattern, pass_, p)) for p in PEER_NAMES}
@@ -76,15 +79,22 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
         peers = [row[p]["ms"] for p in ("naive", "sdpa", "flex") if row[p] and "ms" in row[p]]
         speedup = f"{min(peers) / auto['ms']:.2f}×" if auto and "ms" in auto and peers else "–"
         flex = _cell(row["flex"]) + _compile(row["flex"])
+        dense = [  # half rows: the better of SDPA in its own dtype and in float32
+            d["gflops"] for dt in {dtype, "float32"}
+            if (d := index.get((dt, S, "none", pass_, "sdpa"))) and d.get("gflops")
+        ]  # fmt: skip
+        per_pair = (
+            f"{auto['gflops'] / max(dense):.2f}" if auto and "gflops" in auto and dense else "–"
+        )
         lines.append(
             f"| {dtype} | {S} | {pattern} | {pass_} | {_cell(row['naive'])} | "
             f"{_cell(row['sdpa'])} | "
             f"{flex} | {_cell(auto)} ({auto.get('backend', '?') if auto else '?'})"
             f"{_compile(auto) if auto and auto.get('backend') == 'flex' else ''} | "
-            f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | {speedup} | "
+            f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | {per_pair} | {speedup} | "
             f"{_mib(row['sdpa'])} | {_mib(auto)} |"
             if auto and "ms" in auto
-            else f"| {dtype} | {S} | {pattern} | {pass_} | – | – | – | – | – | – | – | – | – |"
+            else f"| {dtype} | {S} | {pattern} | {pass_} |" + " – |" * 10
         )
     text = "\n".join(lines) + "\n"
     path.write_text(text)

@@ -243,45 +243,25 @@ def attention_backward_op(
     grads = None
     if lse.numel() and serves(call, scale):
         grads = fused_gradients(call, out, lse, dout, lse_grad)
-    if grads is not None:
-        dq, dk, dv = grads
-    else:
-        dq, dk, dv = _recomputed_gradients(dout, dlse, q, k, v, mask_tensors, mask_spec,
-                                           backend, scale, softcap, need_lse)  # fmt: skip
-    return _fresh(dq, (q, k, v)), _fresh(dk, (q, k, v)), _fresh(dv, (q, k, v))
+    if grads is None:  # no lse kept (+inf), or a call the fused backward cannot take
 
+        def recompute() -> tuple[Tensor | None, ...]:
+            lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with torch.enable_grad():
+                call = _call(lq, lk, lv, mask_tensors, mask_spec, scale, softcap)
+                out, lse = run(call, backend, need_lse=need_lse)
+                outputs, grads = [out], [dout]
+                if need_lse and lse is not None and dlse.numel():
+                    outputs.append(lse)
+                    grads.append(dlse)
+                return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
 
-def _recomputed_gradients(
-    dout: Tensor,
-    dlse: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask_tensors: list[Tensor],
-    mask_spec: str,
-    backend: str,
-    scale: float | None,
-    softcap: float | None,
-    need_lse: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv by the eager call rerun with autograd (zeros for an unused input)."""
-
-    def recompute() -> tuple[Tensor | None, ...]:
-        lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            call = _call(lq, lk, lv, mask_tensors, mask_spec, scale, softcap)
-            out, lse = run(call, backend, need_lse=need_lse)
-            outputs, grads = [out], [dout]
-            if need_lse and lse is not None and dlse.numel():
-                outputs.append(lse)
-                grads.append(dlse)
-            return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
-
-    found = in_fresh_thread(recompute)  # it enables autograd there
-    dq, dk, dv = (
-        torch.zeros_like(x) if g is None else g for g, x in zip(found, (q, k, v), strict=True)
-    )
-    return dq, dk, dv
+        found = in_fresh_thread(recompute)  # it enables autograd there
+        dq, dk, dv = (
+            torch.zeros_like(x) if g is None else g for g, x in zip(found, (q, k, v), strict=True)
+        )
+        grads = dq, dk, dv
+    return _fresh(grads[0], (q, k, v)), _fresh(grads[1], (q, k, v)), _fresh(grads[2], (q, k, v))
 
 
 @attention_backward_op.register_fake

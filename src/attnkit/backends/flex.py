@@ -6,7 +6,7 @@ evaluated where each row sees one interval) is built once per mask and size and 
 the backend (never on the mask); the compiled kernel is cached by `torch.compile` per
 shape. Compiling costs seconds (about 20 s on the 2-core CPU machines), so `auto` only
 picks `flex` for a call whose kernel is already compiled ("warm"); `backend="flex"`
-compiles on first use. The kernel runs in a fresh thread: inside a compiled
+compiles on first use. Preparing and running run in a fresh thread: inside a compiled
 graph's op, FlexAttention's `vmap` fails in the op's dispatch state.
 """
 
@@ -135,8 +135,10 @@ class FlexBackend:
         if key not in cache:
             if len(cache) >= PREPARED_PER_MASK:
                 cache.clear()
-            block_mask = blocks.block_mask(
-                mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
+            block_mask = in_fresh_thread(  # vmap inside: it fails in a compiled graph's op
+                lambda: blocks.block_mask(
+                    mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
+                )
             )
             cache[key] = (block_mask, *mask.seen(d.B, d.H, d.L, d.S, call.q.device))
         return cache[key]
