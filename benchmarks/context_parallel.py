@@ -169,7 +169,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     one = {
         (r["S"], r["pattern"], r["pass"]): r["seconds"]
         for r in rows
-        if r["world"] == 1 and r["strategy"] == "ring"
+        if r["world"] == 1 and r["strategy"] == "single"  # attnkit.attention, one process
     }
     lines = [
         f"CPU: {meta['cpu']['model']}, {meta['cores']} cores; float32 matmul roofline "

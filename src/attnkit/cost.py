@@ -3,7 +3,7 @@
 Unit: the time SDPA's dense fused kernel spends on one query-key pair of one head. The
 factors only need to rank the backends, not predict seconds, but their ratios differ
 from CPU to CPU (AVX2, AVX512, AMX; the thread count; the torch version), so `table()`
-is the one `attnkit.calibrate` measured here, at first use, in about a second, and kept
+is the one `attnkit.calibrate` measured here, at first use, in one to two seconds, and kept
 in the user's cache directory for this CPU, thread count and torch version.
 `ATTNKIT_CALIBRATION=off` gives the built-in table (what the tests use);
 `ATTNKIT_CALIBRATION=/some/file.json` keeps the measured table in that file instead.
