@@ -3,10 +3,10 @@
 For each mask (B=1, H=1, blocks of 128) and S in `--sizes`: the median time of
 `mask.to_block_mask(1, 1, S, S)` and of FlexAttention's `create_block_mask` with the
 mask's own `mask_mod` (it evaluates the predicate on all S² pairs), their ratio, and
-whether both give the same present and full blocks. The masks whose rows each see one
-key interval (sliding window, documents, padded causal, causal) take the span path; the
-banded bool tensor is evaluated in row chunks (no spans to read), as `create_block_mask`
-evaluates it.
+whether both give the same present and full blocks. Every mask here has rows that each
+see one key interval, so all take the span path: the structured kinds from their
+fields, the banded bool tensor from its runs (read off the tensor in one pass, kept per
+tensor object and version, so the first of the timed calls pays it).
 
     python benchmarks/block_mask.py
     python benchmarks/block_mask.py --sizes 4096 --runs 3

@@ -298,8 +298,11 @@ def suite(rank: int, P: int, full: bool) -> None:
             None if full else few,
         )
     fused = ("ring", "allgather")  # D == Dv: the fused backward from the global out, lse
-    matrix(rank, P, torch.float64, 2, fused, None if full or P == 2 else few, Dv=D)
-    matrix(rank, P, torch.float32, 1, fused, few, Dv=D)
+    if full or P == 2:
+        matrix(rank, P, torch.float64, 2, fused, Dv=D)
+        matrix(rank, P, torch.float32, 1, fused, few, Dv=D)
+    else:
+        matrix(rank, P, torch.float64, 2, fused, few, Dv=D)
     options(rank, P)
     module(rank, P)
     poisoned(rank, P)

@@ -83,6 +83,7 @@ def test_spans_and_chunks_agree_where_both_apply():
             assert torch.equal(a.expand_as(b), b), name
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_with_the_block_mask_equals_the_reference():
     flex = flex_attention_module()
     g = torch.Generator().manual_seed(1)
