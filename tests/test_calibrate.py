@@ -64,3 +64,19 @@ def test_off_gives_the_built_in_table_and_a_table_decides_auto(fresh_table):
     cost.use(cost.CostTable(tiled_pair=50.0, tiled_causal=50.0, source="a test"))
     plan = ak.explain(q, q, q, mask)
     assert plan.backend == "sdpa" and "a test" in str(plan)
+
+
+def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_path):
+    fresh_table.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cost.json"))
+
+    def failing():
+        raise RuntimeError("no timer here")
+
+    fresh_table.setattr(calibrate, "measure", failing)
+    found = cost.table()
+    assert found.factors() == cost.BUILT_IN.factors() and "no timer here" in found.source
+    q = torch.randn(1, 2, 64, 16)
+    torch.testing.assert_close(
+        ak.attention(q, q, q, ak.causal()), ak.attention(q, q, q, ak.causal(), backend="reference")
+    )
+    assert not (tmp_path / "cost.json").exists()

@@ -18,6 +18,7 @@ a file path, measure once and keep the table there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -53,7 +54,11 @@ def active_table() -> CostTable:
     if found is not None:
         return found
     _log.info("attnkit: measuring the cost model on this CPU (one to two seconds, once) ...")
-    measured = measure()
+    try:
+        measured = measure()
+    except Exception as err:  # a timing that fails must never fail the call that prices
+        _log.warning("attnkit: cost calibration failed (%s); the built-in table prices", err)
+        return dataclasses.replace(BUILT_IN, source=f"built in (calibration failed: {err})")
     _write(path, measured)
     return measured
 
