@@ -401,7 +401,7 @@ class _TensorMask(Mask):
         """(lo, hi), (B|1, L|1): each row's one run of visible keys, or None where a row
         holds more than one or the heads differ (`masks.intervals`, found once per
         version of the tensor)."""
-        if self.head_dependent or self.tensor.dtype != torch.bool:
+        if self.head_dependent:
             return None
         from attnkit.masks.intervals import row_intervals_of
 

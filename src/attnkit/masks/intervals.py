@@ -64,6 +64,8 @@ def range_bounds(lo: Tensor, hi: Tensor, first: Tensor, last: Tensor) -> tuple[T
     (B|1, T); rows that see nothing take no part (a range of such rows gives 0, 0)."""
     if lo.shape[1] == 1:  # every row the same
         return lo.expand(-1, first.shape[0]), hi.expand(-1, first.shape[0])
+    if torch.equal(first, last):  # one row a range (tiled's and the planner's row spans)
+        return lo[:, first], hi[:, first]
     seen = hi > lo
     big = int(hi.max()) + 1 if hi.numel() else 1
     low = _range_min(torch.where(seen, lo, big), first, last)  # (B|1, T)
