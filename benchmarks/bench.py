@@ -11,7 +11,7 @@ for the backward, flash-attention's convention), the share of the fp32 matrix-mu
 roofline measured in the same run, and the peak extra memory of one call measured in
 a fresh subprocess. Results go to JSON, a markdown table and a PNG plot.
 
-    python benchmarks/bench.py           # S in 1024 4096 16384 (about two hours on 2 cores)
+    python benchmarks/bench.py           # S in 1024 4096 16384 (about 90 minutes on 2 cores)
     python benchmarks/bench.py --sizes 1024 --repeats 3 --no-memory   # a quick look
 """
 
@@ -40,6 +40,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PEERS = ("naive", "sdpa", "flex", "auto")
 PASSES = ("fwd", "fwd+bwd")
 NAIVE_BUDGET = 6 * 2**30  # bytes of (B, H, L, S) float32 scores the naive path may build
+# the naive backward runs at S <= this only: 4-6× SDPA's there in every pattern, it is
+# never the best peer, and at S=4096 its rounds alone took a quarter of the bench's time
+NAIVE_GRAD_MAX_S = 1024
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -137,6 +140,8 @@ class Peers:
             need = 3 * c.B * H * c.S * c.S * 4
             if need > NAIVE_BUDGET:
                 return f"skipped: would build {need / 2**30:.0f} GiB of scores"
+            if grad and c.S > NAIVE_GRAD_MAX_S:
+                return f"skipped: naive forward+backward runs at S <= {NAIVE_GRAD_MAX_S} only"
             dense = self.dense_mask()
             return lambda q, k, v: ak.scaled_dot_product_attention(q, k, v, dense)[0]
         if peer == "sdpa":

@@ -80,3 +80,21 @@ def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_pa
         ak.attention(q, q, q, ak.causal()), ak.attention(q, q, q, ak.causal(), backend="reference")
     )
     assert not (tmp_path / "cost.json").exists()
+
+
+def test_the_measured_cost_of_short_blocks_picks_the_tile_height(fresh_table):
+    """A CPU where short blocks run badly (a large `tiled_short`) gets taller tiles."""
+    from attnkit.backends.tileplan import best_plan
+
+    mask = ak.sliding_window(255) & ak.causal()
+    heights = {}
+    for short in (0.01, 0.5):
+        cost.use(cost.CostTable(tiled_short=short, source="a test"))
+        heights[short] = best_plan(mask, 1, 8, 8, 4096, 4096).tile
+    assert heights[0.01] < heights[0.5]
+
+
+def test_the_short_block_exponent_is_measured_in_bounds():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 512, 64, generator=g) for _ in range(3))
+    assert 0.01 <= calibrate._short_blocks((q, k, v)) <= 0.5

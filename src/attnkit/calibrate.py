@@ -3,12 +3,13 @@
 Each factor of the table is measured by timing one representative call against dense
 SDPA on the same machine: SDPA with a mask tensor and with `is_causal` (tiled's causal
 runs are that kernel: their factor moves with it), the tiled backend on a tiny call (its
-per-call cost) and a sliding window (per pair in blocks), blockwise and the reference on
-a small causal call. A tiled or
-blockwise factor is the built-in one scaled by measured time over the time the built-in
-table predicts for that call. One to two seconds, once per CPU model, thread count and
-torch version: the table is kept as JSON in `$XDG_CACHE_HOME/attnkit` (else
-`~/.cache/attnkit`). FlexAttention's factor stays built in (measuring it compiles).
+per-call cost) and a sliding window (per pair in blocks), the flash op on blocks of 64
+and 256 rows (how much more short blocks cost: the tile heights' ranking), blockwise and
+the reference on a small causal call. A tiled or blockwise factor is the built-in one
+scaled by measured time over the time the built-in table predicts for that call. One to
+two seconds, once per CPU model, thread count and torch version: the table is kept as
+JSON in `$XDG_CACHE_HOME/attnkit` (else `~/.cache/attnkit`). FlexAttention's factor
+stays built in (measuring it compiles).
 
 `ATTNKIT_CALIBRATION`: unset, measure (or read the cache); `off`, the built-in table;
 a file path, measure once and keep the table there.
@@ -22,10 +23,11 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -160,27 +162,69 @@ def _measured() -> dict[str, float]:
     # apart, the two would rank one kernel against itself by timing noise)
     found["tiled_causal"] = BUILT_IN.tiled_causal * found["sdpa_causal"] / BUILT_IN.sdpa_causal
     found["tiled_call"] = _seconds(qkv(64), causal(), "tiled") / unit
+    found["tiled_short"] = _short_blocks(qkv(2048))
     scaled: dict[str, tuple[Inputs, Mask, str]] = {
         "tiled_pair": (qkv(4096), sliding_window(255) & causal(), "tiled"),
         "blockwise": (qkv(512), causal(), "blockwise"),
         "reference": (qkv(512), causal(), "reference"),
     }
     for name, (inputs, mask, backend) in scaled.items():
-        predicted, calls = _predicted(inputs, mask, backend)
+        predicted, calls, tile = _predicted(inputs, mask, backend)
         spent = _seconds(inputs, mask, backend) / unit
         if backend == "tiled":  # the pairs' share: the calls' cost as just measured
             predicted -= BUILT_IN.tiled_call * calls
             spent -= found["tiled_call"] * calls
+            # ... on blocks of `tile` rows: priced with the short-block exponent just found
+            predicted *= (256 / tile) ** (found["tiled_short"] - BUILT_IN.tiled_short)
         found[name] = BUILT_IN.factors()[name] * max(spent, 0.05 * predicted) / predicted
     return found
 
 
-def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int]:
-    """The built-in table's cost of a call, and its tiled groups (0 for other backends)."""
+def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int, int]:
+    """The built-in table's cost of a call, and its tiled groups and tile height (0 and
+    256 for other backends)."""
     call = normalize_call(*inputs, mask, scale=None, softcap=None, dropout_p=0.0)
     chosen = get_backend(backend)
-    calls = chosen.plan(call).calls if backend == "tiled" else 0  # type: ignore[attr-defined]
-    return chosen.cost(call, need_lse=False), calls
+    if backend != "tiled":
+        return chosen.cost(call, need_lse=False), 0, 256
+    plan = chosen.plan(call)  # type: ignore[attr-defined]
+    return chosen.cost(call, need_lse=False), plan.calls, min(plan.tile, 256)
+
+
+def _short_blocks(inputs: Inputs, window: int = 256) -> float:
+    """The exponent e of short blocks' per-pair cost, (256 / R) ** e: the flash op timed on
+    one sliding band in blocks of R = 64 and of R = 256 rows (window + R keys each, one
+    call, no mask: the mask's cost is in `tiled_pair`)."""
+    from attnkit._compat import cpu_flash_attention
+
+    flash = cpu_flash_attention()
+    if flash is None:
+        return BUILT_IN.tiled_short
+    q, k, v = (t[0] for t in inputs)  # (H, L, D)
+    calls, pairs = [], []
+    for R in (64, 256):
+        W = window + R
+        qb = q[:, window:].unfold(1, R, R).permute(1, 0, 3, 2)  # (n, H, R, D), a view
+        kb, vb = (t[:, window - W + R :].unfold(1, W, R).permute(1, 0, 3, 2) for t in (k, v))
+        n = min(qb.shape[0], kb.shape[0])
+        calls.append(lambda a=qb[:n], b=kb[:n], c=vb[:n]: flash(a, b, c, 0.0, False, scale=0.125))
+        pairs.append(n * R * W)
+    short, tall = _interleaved(calls)  # the two alike disturbed: their ratio is steadier
+    ratio = (short / pairs[0]) / (tall / pairs[1])
+    return min(max(math.log(ratio) / math.log(4), 0.01), 0.5)
+
+
+def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[float]:
+    """The shortest time of each call over `runs` rounds that call each once in turn."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(runs):
+        for fn, spent in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [min(t) for t in times]
 
 
 def _seconds(inputs: Inputs, mask: Mask, backend: str) -> float:
@@ -189,13 +233,7 @@ def _seconds(inputs: Inputs, mask: Mask, backend: str) -> float:
 
 def _best(fn: Callable[[], object], runs: int = 3) -> float:
     """The shortest of `runs` timed calls after one untimed (the least disturbed)."""
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return _interleaved([fn], runs)[0]
 
 
 def main() -> int:

@@ -25,6 +25,10 @@ class CostTable:
     sdpa_causal: float = 1.0  # is_causal=True, per pair it computes (about half of L×S)
     sdpa_masked: float = 1.25  # with a mask tensor: the kernel reads it and skips no block
     tiled_pair: float = 1.2  # tiled, per pair inside blocks of 256+ rows
+    # tiled, blocks of R < 256 rows cost (256 / R) ** this per pair more: the op runs
+    # short blocks less well (fp32 sliding band: R=64 0.78, R=256 0.88-0.91 of dense
+    # SDPA's per-pair speed on a 2-core AVX2 CPU, benchmarks/tile_levers.py; 2026-12-01)
+    tiled_short: float = 0.1
     tiled_causal: float = 1.15  # tiled, per pair of a long causal run (is_causal, 768+ rows)
     # tiled, factor on masks whose blocks are gathered from an L×S tensor (no spans): more
     # than the pairs it skips (a (2, 1, 2048, 2048) random bool mask, fp32, H=4: tiled
@@ -49,7 +53,8 @@ class CostTable:
         """One line for `explain`: the main figures and where they came from."""
         return (
             f"cost model: sdpa masked {self.sdpa_masked:.2f}, causal {self.sdpa_causal:.2f}; "
-            f"tiled {self.tiled_pair:.2f} per pair, causal runs {self.tiled_causal:.2f}, "
+            f"tiled {self.tiled_pair:.2f} per pair (short blocks ×(256/rows)^"
+            f"{self.tiled_short:.2f}), causal runs {self.tiled_causal:.2f}, "
             f"{self.tiled_call:,.0f} per call; blockwise {self.blockwise:.1f}, reference "
             f"{self.reference:.1f} (× dense SDPA per pair); {self.source}"
         )
@@ -79,4 +84,5 @@ def use(found: CostTable | None) -> None:
 
 def tiled_pair(rows: int) -> float:
     """Tiled's per-pair cost on blocks of `rows` query rows: short blocks use the op less well."""
-    return float(table().tiled_pair * (256 / min(max(rows, 1), 256)) ** 0.1)
+    found = table()
+    return float(found.tiled_pair * (256 / min(max(rows, 1), 256)) ** found.tiled_short)
