@@ -192,6 +192,7 @@ def test_tiled_runs_chunks_and_irregular_blocks_exactly(monkeypatch):
     import attnkit.backends.tiled as tiled
 
     monkeypatch.setattr(tiled, "CHUNK_BYTES", 1)  # one block per kernel call
+    monkeypatch.setattr(tiled, "FORWARD_CHUNK_BYTES", 1)
     monkeypatch.setattr(tiled, "BACKWARD_KEYS", 40)  # the backward cuts spans, uneven tail
     ids = torch.tensor([0] * 70 + [1] * 13 + [2] * 150 + [3] * 67)
     mask = ak.document(ids) & ak.causal() & ak.key_padding(torch.tensor([300, 250]))

@@ -34,9 +34,13 @@ from attnkit.masks.base import seen_from_spans
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import zero_unseen
 
-__all__ = ["CHUNK_BYTES", "TiledBackend", "with_lse_gradient"]
+__all__ = ["CHUNK_BYTES", "FORWARD_CHUNK_BYTES", "TiledBackend", "with_lse_gradient"]
 
-CHUNK_BYTES = 2 << 20  # temporaries of one kernel call: block rows, outputs, masks, copies
+CHUNK_BYTES = 2 << 20  # temporaries of one backward call: block rows, gradients, masks
+# ... of one forward call: fewer, larger calls run 4-8% faster (sliding window and
+# documents, S=4096 fp32, 2 vs 32 MiB, round-robin; benchmarks/tile_levers.py's "one
+# call"); the backward's larger gradients do not gain
+FORWARD_CHUNK_BYTES = 32 << 20
 PLANS_PER_MASK = 8  # problem sizes remembered per mask object
 BACKWARD_KEYS = 1024  # the backward cuts key spans to this width (its key gradients)
 
@@ -230,16 +234,17 @@ def _block_keys(x: Tensor, g: Group) -> Tensor:
     return x[:, keys].view(x.shape[0], g.size, g.keys, -1).transpose(0, 1)
 
 
-def _chunk_blocks(g: Group, H: int, Hkv: int, D: int, bias: bool) -> int:
-    """How many blocks of `g` one kernel call takes so its temporaries stay near CHUNK_BYTES."""
+def _chunk_blocks(g: Group, H: int, Hkv: int, D: int, bias: bool, budget: int) -> int:
+    """How many blocks of `g` one kernel call takes so its temporaries stay near `budget`
+    bytes."""
     per_block = H * g.rows * (3 * D + 2) + (H if bias else H // Hkv) * g.rows * g.keys
     if g.key_step is None:
         per_block += 2 * Hkv * g.keys * D
-    return max(1, CHUNK_BYTES // (4 * per_block))
+    return max(1, budget // (4 * per_block))
 
 
 def _calls(
-    group: Group, H: int, Hkv: int, D: int, bias: bool
+    group: Group, H: int, Hkv: int, D: int, bias: bool, budget: int
 ) -> Iterator[tuple[Group, Callable[[Tensor], Tensor]]]:
     """Each kernel call of `group`: a chunk of its blocks, and the query heads it takes.
 
@@ -252,7 +257,7 @@ def _calls(
         per_head = [_head_picker(Hkv, G, i) for i in range(G)]
     else:
         per_head = [_all_heads]
-    for g in group.chunks(_chunk_blocks(group, H, Hkv, D, bias)):
+    for g in group.chunks(_chunk_blocks(group, H, Hkv, D, bias, budget)):
         for heads in per_head:
             yield g, heads
 
@@ -303,7 +308,7 @@ class _TiledAttention(torch.autograd.Function):
         flash = cpu_flash_attention()
         assert flash is not None
         seen_rows, seen_keys = vis.seen(
-            plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None)
+            plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None, CHUNK_BYTES)
         )
         q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
         # results merge and land in float32 (compute_dtype) whatever the kernel's dtype
@@ -315,7 +320,8 @@ class _TiledAttention(torch.autograd.Function):
         bands = (part for g in plan.groups for part in g.bands(_band_rows(Hkv, v.shape[-1])))
         for group in bands:
             b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)  # None if causal
-            for g, heads in _calls(group, H, Hkv, D, vis.bias is not None):
+            calls = _calls(group, H, Hkv, D, vis.bias is not None, FORWARD_CHUNK_BYTES)
+            for g, heads in calls:
                 ob, lb = flash(
                     _block_rows(heads(q[b]), g, Hkv),
                     _block_keys(k[b], g),
@@ -371,7 +377,7 @@ def _blocks_backward(
     pieces = (part for g in plan.groups for part in g.pieces(BACKWARD_KEYS))
     for group in pieces:
         b, masks = group.batch, vis.masks(group, H // Hkv, q.dtype)
-        for g, heads in _calls(group, H, Hkv, D, vis.bias is not None):
+        for g, heads in _calls(group, H, Hkv, D, vis.bias is not None, CHUNK_BYTES):
             kb, vb = _block_keys(k[b], g), _block_keys(v[b], g)
             qb, go, ob, lb = (_block_rows(heads(t[b]), g, Hkv) for t in (q, dout, out, safe_lse))
             if dlse is not None:
@@ -484,7 +490,7 @@ class TiledBackend:
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus one chunk's temporaries (float32)."""
         d = call.dims
-        return 4 * d.B * d.H * d.L * (d.Dv + 1) + CHUNK_BYTES
+        return 4 * d.B * d.H * d.L * (d.Dv + 1) + FORWARD_CHUNK_BYTES
 
     def _visibility(self, call: AttentionCall) -> tuple[_Visibility, TilePlan]:
         prepared, d, device = self._prepared(call), call.dims, call.q.device
@@ -512,7 +518,7 @@ class TiledBackend:
         vis, plan = self._visibility(call)
         d = call.dims
         seen_rows, seen_keys = vis.seen(
-            plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, vis.bias is not None)
+            plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, vis.bias is not None, CHUNK_BYTES)
         )
         q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
         grads = _blocks_backward(q, k, v, out, lse, dout, dlse, vis, plan, call.scale)
