@@ -28,8 +28,8 @@ bench: $(STAMP)
 	cd benchmarks && ../$(PY) bench.py && ../$(PY) small_calls.py && ../$(PY) block_mask.py && ../$(PY) tile_levers.py
 
 # the long differential campaign: CASES random cases of SEED on each surface (core
-# backends, distributed, paged, transformers; or SURFACE=one of them) against a float64
-# oracle, a summary table per surface (replay one: tests/fuzz.py --surface X --case I)
+# backends, distributed, paged, transformers, dropins; or SURFACE=one of them) against a
+# float64 oracle, a summary table per surface (replay one: tests/fuzz.py --surface X --case I)
 fuzz: $(STAMP)
 	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED) --surface $(SURFACE)
 

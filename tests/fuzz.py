@@ -10,8 +10,10 @@ Surfaces: `core` (`attention`, `attention_with_lse`, `attention_probs`, `explain
 backend: tests/fuzz_check.py), `distributed` (`attnkit.distributed` in 2-4 gloo
 processes: tests/fuzz_distributed.py), `paged` (`PagedKVCache` + `paged_attention`
 programs: tests/fuzz_paged.py), `transformers` (the mask bridge against transformers'
-own masks: tests/fuzz_transformers.py). Case `i` of seed `s` of a surface is always the
-same (see fuzz_cases.RandomDraw). Exit status 1 if anything was wrong or crashed.
+own masks: tests/fuzz_transformers.py), `dropins` (`attnkit.sdpa` against torch's SDPA,
+`attnkit.varlen_attn` against its documented formula: tests/fuzz_dropins.py). Case `i`
+of seed `s` of a surface is always the same (see fuzz_cases.RandomDraw). Exit status 1
+if anything was wrong or crashed.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from pathlib import Path
 import torch
 
 import fuzz_distributed
+import fuzz_dropins
 import fuzz_paged
 import fuzz_transformers
 from fuzz_cases import Draw, RandomDraw, draw_case
 from fuzz_check import Outcome, run_case
 
-SURFACES = ("core", "distributed", "paged", "transformers")
+SURFACES = ("core", "distributed", "paged", "transformers", "dropins")
 Results = Iterator[tuple[int, str, list[Outcome]]]
 
 
@@ -70,6 +73,7 @@ RUNNERS: dict[str, Callable[..., Results]] = {
     "distributed": _distributed,
     "paged": _programs("paged", fuzz_paged.program),
     "transformers": _programs("transformers", fuzz_transformers.check),
+    "dropins": _programs("dropins", fuzz_dropins.check),
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 import attnkit as ak
+from attnkit.masks import row_spans
 
 T = TypeVar("T")
 
@@ -132,7 +133,7 @@ def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
     kind = draw.choice(
         (
             "causal", "sliding", "lengths", "valid", "document", "prefix", "prefix_lengths",
-            "bool", "offset", "chunked", "mod",
+            "bool", "offset", "chunked", "mod", "row_spans",
         )
     )  # fmt: skip
     align = _align(draw, L, S)
@@ -190,6 +191,15 @@ def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
             return ak.document(q_ids(g), kv_ids(g))
 
         return MaskSpec(f"document({style})", documents)
+    if kind == "row_spans":  # each row's key interval given as such (varlen_attn's mask)
+        per_batch = B > 1 and chance(draw, 50)
+
+        def spans(c: Case, g: torch.Generator) -> ak.Mask:
+            shape = (B, L) if per_batch else (L,)
+            lo = torch.randint(-1, S + 1, shape, generator=g)
+            return row_spans(lo, lo + torch.randint(-1, S + 2, shape, generator=g))  # empty too
+
+        return MaskSpec(f"row_spans(per_batch={per_batch})", spans)
     if kind == "prefix":
         n = draw.int(0, S + 1)
         return MaskSpec(f"prefix_lm({n}, {align})", lambda c, g: ak.prefix_lm(n, align=align))

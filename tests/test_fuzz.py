@@ -1,6 +1,7 @@
 """The differential fuzz harness in the suite: random calls on every surface against a
 float64 oracle (tests/fuzz_cases.py draws core calls, tests/fuzz_check.py judges them;
-tests/fuzz_distributed.py, fuzz_paged.py and fuzz_transformers.py are the other surfaces).
+tests/fuzz_distributed.py, fuzz_paged.py, fuzz_transformers.py and fuzz_dropins.py are the
+other surfaces).
 
 `make test` runs a fixed sample of each (derandomized: CI sees the same ones) in about a
 minute and a half; `make fuzz` runs the long campaign (tests/fuzz.py).
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 import fuzz
 import fuzz_distributed
+import fuzz_dropins
 import fuzz_paged
 import fuzz_transformers
 from fuzz_cases import HypothesisDraw, RandomDraw, draw_case
@@ -53,11 +55,13 @@ def test_a_sample_of_the_distributed_surface_keeps_the_rule(tmp_path):
     assert ran >= {"ring", "allgather", "auto"}, ran
 
 
-def test_a_sample_of_the_paged_and_transformers_surfaces_keeps_the_rule():
+def test_a_sample_of_the_paged_transformers_and_dropins_surfaces_keeps_the_rule():
     for index in range(60):
         fuzz_paged.program(RandomDraw(3, index))
     for index in range(150):
         fuzz_transformers.check(RandomDraw(3, index))
+    for index in range(150):
+        fuzz_dropins.check(RandomDraw(3, index))
 
 
 def test_campaign_prints_a_summary_table(capsys):

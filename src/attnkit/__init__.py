@@ -11,6 +11,7 @@ from attnkit.contracts import (
     attention_score_elements,
     check_attention_contract,
 )
+from attnkit.dropins import sdpa, varlen_attn
 from attnkit.errors import MaskError, OutOfBlocksError, RanksDisagreeError, ShapeContractError
 from attnkit.functional import attention, attention_probs, attention_with_lse, explain
 from attnkit.heads import merge_heads, split_heads
@@ -83,6 +84,8 @@ __all__ = [
     "paged_attention",
     "prefix_lm",
     "scaled_dot_product_attention",
+    "sdpa",
     "sliding_window",
     "split_heads",
+    "varlen_attn",
 ]

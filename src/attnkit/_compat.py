@@ -6,13 +6,14 @@ Core code asks these names; it never inspects `torch.__version__` itself.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
     "SDPA_HAS_GQA",
     "TORCH_VERSION",
+    "AuxRequest",
     "cpu_features",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
@@ -104,6 +105,16 @@ def dynamo_recompile_limit(limit: int) -> Any:
     if not hasattr(dynamo_config, name):
         return contextlib.nullcontext()
     return dynamo_config.patch(**{name: max(limit, getattr(dynamo_config, name))})
+
+
+try:  # torch's varlen_attn (2.9+) and the request for its extra outputs
+    from torch.nn.attention.varlen import AuxRequest
+except ImportError:  # older torch: the same NamedTuple, so code written for either works
+
+    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
+        """Which extra outputs `varlen_attn` returns: `lse=True` adds the log-sum-exp."""
+
+        lse: bool = False
 
 
 def flex_attention_module() -> Any | None:

@@ -17,6 +17,7 @@ from attnkit.compiled import traced_attention
 from attnkit.contracts import check_sinks, normalize_call
 from attnkit.dispatch import attention_call
 from attnkit.errors import ShapeContractError
+from attnkit.habits import points_habits
 from attnkit.masks import Mask
 from attnkit.planner import Plan, plan_call
 from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
@@ -35,6 +36,7 @@ def _eager(fn: Fn) -> Fn:
     return cast(Fn, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
+@points_habits
 def attention(
     q: Tensor,
     k: Tensor,
@@ -78,6 +80,7 @@ def attention(
     )[0]  # fmt: skip
 
 
+@points_habits
 def attention_with_lse(
     q: Tensor,
     k: Tensor,
@@ -135,6 +138,7 @@ def _row_index(
 
 
 @_eager
+@points_habits
 def attention_probs(
     q: Tensor,
     k: Tensor,
@@ -175,6 +179,7 @@ def attention_probs(
     return weights.to(q.dtype)
 
 
+@points_habits
 def explain(
     q: Tensor,
     k: Tensor,

@@ -11,6 +11,7 @@ from attnkit.backends import backend_names
 from attnkit.cache import KVCache
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.functional import attention
+from attnkit.habits import points_habits
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import Mask
 from attnkit.paged import PagedLayer
@@ -152,6 +153,7 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rope(q, k, offset)
         return q, k, v
 
+    @points_habits
     def forward(
         self,
         query: Tensor,

@@ -31,6 +31,7 @@ from attnkit.masks.kinds import (
     document,
     key_padding,
     prefix_lm,
+    row_spans,
     sliding_window,
 )
 
@@ -52,5 +53,6 @@ __all__ = [
     "key_padding",
     "or_masks",
     "prefix_lm",
+    "row_spans",
     "sliding_window",
 ]

@@ -25,7 +25,15 @@ from attnkit.masks.base import (
     causal_offset,
 )
 
-__all__ = ["causal", "chunked", "document", "key_padding", "prefix_lm", "sliding_window"]
+__all__ = [
+    "causal",
+    "chunked",
+    "document",
+    "key_padding",
+    "prefix_lm",
+    "row_spans",
+    "sliding_window",
+]
 
 
 class _Positional(Mask):
@@ -461,3 +469,65 @@ def prefix_lm(
     ■ ■ ■ ■
     """
     return _PrefixLM(prefix_len, align, offset)
+
+
+class _RowSpans(Mask):
+    def __init__(self, lo: Tensor, hi: Tensor) -> None:
+        for name, t in (("lo", lo), ("hi", hi)):
+            if t.is_floating_point() or t.dtype == torch.bool or t.dim() not in (1, 2):
+                raise MaskError(
+                    f"row_spans {name} must be an integer (L,) or (B, L) tensor of key "
+                    f"positions, got dtype {t.dtype} and shape {tuple(t.shape)}."
+                )
+        if lo.shape != hi.shape:
+            raise MaskError(
+                f"row_spans lo and hi need one shape, got {tuple(lo.shape)} and {tuple(hi.shape)}."
+            )
+        lo, hi = (t.long() if t.dim() == 2 else t.long()[None] for t in (lo, hi))
+        empty = hi <= lo
+        self.lo = torch.where(empty, 0, lo)  # (B|1, L); a row that sees nothing: [0, 0)
+        self.hi = torch.where(empty, 0, hi)
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.lo.shape[0]
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        _check_batch("row_spans", self.lo.shape[0], B)
+        if self.lo.shape[1] != L:
+            raise ShapeContractError(
+                f"row_spans has spans for {self.lo.shape[1]} query rows but the call has "
+                f"L={L}; give one span per query row."
+            )
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        lo, hi = (t.to(device).expand(B, L).contiguous() for t in (self.lo, self.hi))
+        return lambda b, h, i, j: (j >= lo[b, i]) & (j < hi[b, i])
+
+    def key_bounds(
+        self, B: int, L: int, S: int, first: Tensor, last: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        from attnkit.masks.intervals import range_bounds
+
+        lo, hi = (t.to(first.device).clamp(0, S) for t in (self.lo, self.hi))
+        return range_bounds(lo, hi, first, last)
+
+    def exact_spans(self, B: int, L: int, S: int) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return f"row_spans(B={self.batch_size})"
+
+
+def row_spans(lo: Tensor, hi: Tensor) -> Mask:
+    """Query row i sees exactly the keys lo[i] <= j < hi[i]: any mask of one key interval
+    per row, given as its intervals ((L,) or (B, L) integer tensors; hi <= lo: the row
+    sees nothing). Packed sequences with per-sequence windows (`attnkit.varlen_attn`)
+    are such a mask.
+
+    >>> print(row_spans(torch.tensor([0, 0, 1]), torch.tensor([1, 3, 2])).draw(3))
+    ■ · ·
+    ■ ■ ■
+    · ■ ·
+    """
+    return _RowSpans(lo, hi)

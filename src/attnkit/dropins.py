@@ -1,0 +1,214 @@
+"""Drop-ins: PyTorch's attention calls with their exact signatures, run by attnkit.
+
+`sdpa` is `torch.nn.functional.scaled_dot_product_attention` and `varlen_attn` is
+`torch.nn.attention.varlen.varlen_attn`: swap the import and the call runs on attnkit's
+planner (a bool mask with structure, packed sequences, may run block-sparse), exact,
+with backward, on CPU too. What differs is written in each docstring.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnkit._compat import AuxRequest
+from attnkit.functional import attention, attention_with_lse
+from attnkit.masks import causal, row_spans
+
+__all__ = ["AuxRequest", "sdpa", "varlen_attn"]
+
+_TOP_LEFT = causal(align="top_left")  # SDPA's is_causal (built once: a value)
+
+
+def sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """`F.scaled_dot_product_attention`, on attnkit.
+
+    Args:
+        query: (N, ..., Hq, L, E); key: (N, ..., H, S, E); value: (N, ..., H, S, Ev):
+            leading dims broadcast as torch's; H == Hq, or with `enable_gqa` Hq % H == 0.
+        attn_mask: bool (True = may attend) or float (added to the scores), broadcastable
+            to (N, ..., Hq, L, S).
+        dropout_p: dropout on the weights (applied whenever > 0, as torch's).
+        is_causal: query i sees keys j <= i (top-left); refused together with attn_mask.
+        scale: default 1/sqrt(E).
+        enable_gqa: key and value may have fewer heads than query.
+    Returns:
+        (N, ..., Hq, L, Ev) in query's dtype.
+
+    Differs from torch: a query row that sees no key gives 0 (torch's CPU kernels do
+    too; some of its GPU kernels give NaN), and its gradients are 0.
+    """
+    if is_causal and attn_mask is not None:
+        raise RuntimeError(
+            "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
+            "is_causal=True (pass the causal part inside attn_mask, or attnkit masks: "
+            "attnkit.attention(q, k, v, ak.causal() & ...))"
+        )
+    rank = max(query.dim(), key.dim(), value.dim(), 3)
+    q, k, v = (t.reshape((1,) * (rank - t.dim()) + t.shape) for t in (query, key, value))
+    Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if enable_gqa:
+        if Hk != Hv or Hq % Hk:
+            raise RuntimeError(
+                f"sdpa with enable_gqa: query heads ({Hq}) must be a multiple of key and "
+                f"value heads, which must be equal (got key {Hk}, value {Hv})"
+            )
+        lead = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+        heads = (Hq, Hk)
+    else:  # heads broadcast as any other leading dim
+        lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        lead, heads = lead[:-1], (lead[-1], lead[-1])
+    B = math.prod(lead)
+    q = q.expand(*lead, heads[0], *q.shape[-2:]).reshape(B, heads[0], *q.shape[-2:])
+    k, v = (t.expand(*lead, heads[1], *t.shape[-2:]).reshape(B, heads[1], *t.shape[-2:])
+            for t in (k, v))  # fmt: skip
+    mask = _TOP_LEFT if is_causal else _batched_mask(attn_mask, lead, heads[0])
+    out = attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)  # (B, Hq, L, Ev)
+    shape = (*lead, heads[0], *out.shape[-2:])
+    return out.reshape(shape[len(shape) - max(query.dim(), key.dim(), value.dim()) :])
+
+
+def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's broadcasting of leading dims, with its error on a mismatch."""
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
+    except RuntimeError as err:
+        raise RuntimeError(f"sdpa: the leading dims of query, key and value: {err}") from None
+
+
+def _batched_mask(mask: Tensor | None, lead: tuple[int, ...], H: int) -> Tensor | None:
+    """attn_mask broadcastable to (*lead, H, L, S) -> (B | 1, H | 1, L | 1, S | 1)."""
+    if mask is None:
+        return None
+    rank = len(lead) + 3
+    if mask.dim() > rank:
+        raise RuntimeError(
+            f"sdpa: attn_mask of shape {tuple(mask.shape)} has more dims than the call "
+            f"({rank}: (*batch, heads, L, S))"
+        )
+    m = mask.reshape((1,) * (rank - mask.dim()) + mask.shape)
+    if all(n == 1 for n in m.shape[:-3]):  # no batch: broadcast by attention itself
+        return m.reshape(1, *m.shape[-3:])
+    m = m.expand(*lead, *m.shape[-3:])
+    return m.reshape(math.prod(lead), *m.shape[-3:])
+
+
+def varlen_attn(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seq_q: Tensor,
+    cu_seq_k: Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: AuxRequest | None = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: Tensor | None = None,
+    block_table: Tensor | None = None,
+    num_splits: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`torch.nn.attention.varlen.varlen_attn`, on attnkit (CPU included, with backward).
+
+    Args:
+        query: (T_q, H, D) packed sequences; key, value: (T_k, Hkv, D), or with
+            `block_table` pages (total_pages, page_size, Hkv, D).
+        cu_seq_q, cu_seq_k: (N + 1,) cumulative lengths (sequence n is rows
+            cu[n]..cu[n+1]-1); cu_seq_k may be None with `block_table`.
+        max_q, max_k: the longest sequences (accepted; attnkit reads the lengths).
+        return_aux: `AuxRequest(lse=True)` also returns the log-sum-exp (T_q, H).
+        window_size: (left, right), flash-attention's convention: query i of a sequence
+            sees its keys j with i' - left <= j <= i' + right, i' = i + (len_k - len_q)
+            (bottom-right aligned); -1 is unlimited; (-1, 0) is causal.
+        enable_gqa: key and value may have fewer heads than query (H % Hkv == 0).
+        seqused_k: (N,) keys used per sequence (the first seqused_k[n] of its keys).
+        block_table: (N, max_pages) int32 page ids of each sequence's keys, in order;
+            needs `seqused_k`.
+        num_splits: accepted; attnkit's result never depends on the batch's make-up.
+    Returns:
+        (T_q, H, D), and lse (T_q, H) with `return_aux.lse`.
+
+    Differs from torch: runs on any device attnkit serves; a query that sees no key
+    gives 0 (lse -inf); backward works with `seqused_k` and `block_table` too. The
+    packed sequences are one `row_spans` mask (each query's keys as an interval): no
+    per-sequence loop, and the tiled backend skips what no query of a tile sees.
+    """
+    Hq = query.shape[1]
+    Hkv = key.shape[2] if block_table is not None else key.shape[1]
+    if not enable_gqa and Hq != Hkv:
+        raise ValueError(
+            f"Expect query and key/value to have the same number of heads but got Hq={Hq} "
+            f"and Hkv={Hkv}. Try setting enable_gqa=True for GQA."
+        )
+    if enable_gqa and Hq % Hkv != 0:
+        raise ValueError(
+            "Expect number of query heads to be a multiple of kv heads for GQA but got "
+            f"Hq={Hq} and Hkv={Hkv}."
+        )
+    if len(window_size) != 2:
+        raise ValueError(f"window_size must have length 2, got {len(window_size)}")
+    if block_table is not None:
+        if seqused_k is None:
+            raise ValueError("varlen_attn with block_table needs seqused_k (keys per sequence)")
+        key, value, cu_seq_k = _gather_pages(key, value, block_table, seqused_k)
+    elif cu_seq_k is None:
+        raise ValueError("varlen_attn needs cu_seq_k (or block_table with seqused_k)")
+    lo, hi = _packed_spans(cu_seq_q, cu_seq_k, query.shape[0], window_size, seqused_k)
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, H, T, D)
+    out, lse = attention_with_lse(q, k, v, row_spans(lo, hi), scale=scale)
+    out = out[0].transpose(0, 1)  # (T_q, H, Dv)
+    if return_aux is not None and return_aux.lse:
+        return out, lse[0].transpose(0, 1)  # (T_q, H)
+    return out
+
+
+def _packed_spans(
+    cu_q: Tensor, cu_k: Tensor, T_q: int, window: tuple[int, int], used: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """(T_q,) first and end key of each packed query's keys: its sequence's keys, cut by
+    the window around its bottom-right aligned position."""
+    cu_q, cu_k = cu_q.long(), cu_k.long().to(cu_q.device)
+    rows = torch.arange(T_q, device=cu_q.device)
+    seq = torch.searchsorted(cu_q, rows, right=True) - 1  # (T_q,) its sequence
+    checkable = not torch.compiler.is_compiling()  # data-dependent: eager calls only
+    if checkable and (int(cu_q[-1]) != T_q or bool((cu_q[1:] < cu_q[:-1]).any())):
+        raise ValueError(
+            f"cu_seq_q must rise from 0 to the {T_q} packed queries, got {cu_q.tolist()}"
+        )
+    seq = seq.clamp(0, cu_q.shape[0] - 2)
+    len_q = (cu_q[1:] - cu_q[:-1])[seq]
+    len_k = (cu_k[1:] - cu_k[:-1] if used is None else used.long().to(cu_q.device))[seq]
+    first_key = cu_k[seq]
+    at = rows - cu_q[seq] + len_k - len_q  # the aligned key position i'
+    left, right = window
+    lo = torch.zeros_like(at) if left < 0 else (at - left).clamp(min=0)
+    hi = len_k if right < 0 else torch.minimum(at + right + 1, len_k)
+    return first_key + lo, first_key + torch.maximum(hi, lo)
+
+
+def _gather_pages(
+    key: Tensor, value: Tensor, block_table: Tensor, used: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Paged keys and values (pages, page_size, Hkv, D) -> packed (T_k, Hkv, D): each
+    sequence's pages in table order, in one gather, and their cumulative lengths."""
+    page_size = key.shape[1]
+    count = (used.long() + page_size - 1) // page_size  # (N,) pages in use
+    taken = torch.arange(block_table.shape[1], device=block_table.device) < count[:, None]
+    pages = block_table[taken].long()  # (pages used,) sequence by sequence
+    cu_k = torch.nn.functional.pad((count * page_size).cumsum(0), (1, 0))
+    k, v = (t[pages].flatten(0, 1) for t in (key, value))  # (pages·page_size, Hkv, D)
+    return k, v, cu_k

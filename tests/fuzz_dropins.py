@@ -1,0 +1,129 @@
+"""The drop-ins' surface of the differential harness: random `attnkit.sdpa` calls against
+torch's SDPA in float64, random `attnkit.varlen_attn` calls (packed, windowed, GQA,
+paged) against the float64 formula of torch's documented convention.
+
+`check(draw)` runs one call drawn through a `fuzz_cases.Draw` and raises AssertionError
+on a wrong output, log-sum-exp or gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.dropins import AuxRequest, sdpa, varlen_attn
+from fuzz_cases import Draw
+
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-4}, torch.float64: {}}
+
+
+def varlen_formula(q, k, v, cu_q, cu_k, window, scale=None, used=None):
+    """torch's documented varlen convention, one sequence at a time, in float64: query i
+    of a sequence sees keys j with i' - left <= j <= i' + right, i' = i + len_k - len_q.
+    Returns out (T_q, H, Dv) and lse (T_q, H)."""
+    outs, lses = [], []
+    G = q.shape[1] // k.shape[1]
+    for n in range(len(cu_q) - 1):
+        qs = q[cu_q[n] : cu_q[n + 1]].double()
+        len_k = int(cu_k[n + 1] - cu_k[n]) if used is None else int(used[n])
+        ks, vs = (t[cu_k[n] : cu_k[n] + len_k].double().repeat_interleave(G, 1) for t in (k, v))
+        s = torch.einsum("lhd,shd->hls", qs, ks) * (scale or q.shape[-1] ** -0.5)
+        i = torch.arange(qs.shape[0])[:, None] + len_k - qs.shape[0]
+        j = torch.arange(len_k)[None]
+        ok = torch.ones(qs.shape[0], len_k, dtype=torch.bool)
+        if window[0] >= 0:
+            ok &= j >= i - window[0]
+        if window[1] >= 0:
+            ok &= j <= i + window[1]
+        s = s.masked_fill(~ok, -torch.inf)
+        lse = torch.logsumexp(s, -1)  # (H, l)
+        p = torch.where(ok, torch.exp(s - torch.where(lse.isfinite(), lse, 0)[..., None]), 0)
+        outs.append(torch.einsum("hls,shd->lhd", p, vs))
+        lses.append(lse.T)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def check(draw: Draw) -> str:
+    return _sdpa(draw) if draw.choice(("sdpa", "varlen")) == "sdpa" else _varlen(draw)
+
+
+def _grads_close(got, inputs, want, truth_inputs, dtype) -> None:
+    """d(q, k, v) of `got` against those of the float64 `want`, for one random dout."""
+    dout = torch.randn_like(want)
+    grads = torch.autograd.grad(got, inputs, dout.to(got.dtype))
+    expected = torch.autograd.grad(want, truth_inputs, dout)
+    for name, a, b in zip("qkv", grads, expected, strict=True):
+        torch.testing.assert_close(a, b.to(a.dtype), **TOLERANCE[dtype], msg=f"d{name}")
+
+
+def _sdpa(draw: Draw) -> str:
+    dtype = draw.choice((torch.float32, torch.float64))
+    rank, L, S = draw.int(2, 5), draw.int(1, 9), draw.int(1, 9)
+    D, Dv = draw.int(1, 8), draw.int(1, 8)
+    Hkv = draw.int(1, 3)
+    H = Hkv * (draw.int(1, 3) if rank >= 3 else 1)
+    lead = [draw.int(1, 3) for _ in range(max(rank - 3, 0))]
+    heads = [H] if rank >= 3 else []
+    kv_heads = [Hkv] if rank >= 3 else []
+    shapes = ([*lead, *heads, L, D], [*lead, *kv_heads, S, D], [*lead, *kv_heads, S, Dv])
+    g = torch.Generator().manual_seed(draw.int(0, 10**6))
+    inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    kind = draw.choice(("none", "causal", "bool", "float"))
+    mask = None
+    if kind in ("bool", "float"):
+        shape = [*[draw.choice((1, n)) for n in (*lead, *heads)], draw.choice((1, L)), S]
+        mask = torch.rand(shape, generator=g) > 0.3
+        if kind == "float":
+            mask = torch.where(
+                mask, torch.randn(shape, generator=g, dtype=torch.float64), -torch.inf
+            )
+    scale = draw.choice((None, 0.5))
+    kwargs = {"is_causal": kind == "causal", "scale": scale, "enable_gqa": H != Hkv}
+    q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
+    given = mask.to(dtype) if kind == "float" and mask is not None else mask
+    got = sdpa(q, k, v, given, **kwargs)
+    truth_in = [t.requires_grad_() for t in inputs]
+    want = F.scaled_dot_product_attention(*truth_in, mask, **kwargs)
+    text = f"sdpa {dtype} {[list(s) for s in shapes]} mask {kind} " + (
+        f"{list(mask.shape)} scale {scale}" if mask is not None else f"scale {scale}"
+    )
+    assert got.shape == want.shape, f"{text}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    want = torch.nan_to_num(want, nan=0.0)  # torch's empty rows: NaN on some paths; attnkit 0
+    torch.testing.assert_close(got, want.to(dtype), **TOLERANCE[dtype], msg=text)
+    if not torch.isnan(torch.autograd.grad(want.sum(), truth_in, retain_graph=True)[0]).any():
+        _grads_close(got, (q, k, v), want, truth_in, dtype)
+    return text
+
+
+def _varlen(draw: Draw) -> str:
+    dtype = draw.choice((torch.float32, torch.float64))
+    N, Hkv, D = draw.int(1, 4), draw.int(1, 3), draw.int(1, 8)
+    H = Hkv * draw.int(1, 3)
+    len_q = [draw.int(0, 7) for _ in range(N)]
+    len_k = [draw.int(0, 9) for _ in range(N)]
+    left, right = draw.choice((-1, 0, 1, 3)), draw.choice((-1, 0, 0, 2))
+    used = None
+    if draw.choice((False, True)):  # a cache slot longer than its keys
+        used = [draw.int(0, n) for n in len_k]
+    g = torch.Generator().manual_seed(draw.int(0, 10**6))
+    q = torch.randn(sum(len_q), H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(len_k), Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    seqused = None if used is None else torch.tensor(used, dtype=torch.int32)
+    text = f"varlen {dtype} H={H} Hkv={Hkv} q {len_q} k {len_k} used {used} window {(left, right)}"
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = varlen_attn(
+        *inputs, cu_q, cu_k, max(len_q), max(len_k), return_aux=AuxRequest(lse=True),
+        window_size=(left, right), enable_gqa=H != Hkv, seqused_k=seqused,
+    )  # fmt: skip
+    truth_in = [t.requires_grad_() for t in (q, k, v)]
+    want, want_lse = varlen_formula(*truth_in, cu_q, cu_k, (left, right), used=used)
+    torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
+    torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)
+    if out.numel():
+        _grads_close(out, inputs, want, truth_in, dtype)
+    return text
