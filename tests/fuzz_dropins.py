@@ -1,6 +1,7 @@
 """The drop-ins' surface of the differential harness: random `attnkit.sdpa` calls against
 torch's SDPA in float64, random `attnkit.varlen_attn` calls (packed, windowed, GQA,
-paged) against the float64 formula of torch's documented convention.
+`seqused_k`) against the float64 formula of torch's documented convention, random
+`flash_attn_func` calls (causal, windows, softcap, ALiBi) against flash-attention's.
 
 `check(draw)` runs one call drawn through a `fuzz_cases.Draw` and raises AssertionError
 on a wrong output, log-sum-exp or gradient.
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.dropins import AuxRequest, sdpa, varlen_attn
+from attnkit.flash_attn import flash_attn_func
 from fuzz_cases import Draw
 
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-4}, torch.float64: {}}
@@ -43,12 +45,38 @@ def varlen_formula(q, k, v, cu_q, cu_k, window, scale=None, used=None):
     return torch.cat(outs), torch.cat(lses)
 
 
+def flash_formula(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
+    """flash-attention's documented convention, one sequence: q (L, H, D), k and v
+    (S, Hkv, D) -> out (L, H, Dv), lse (H, L), float64."""
+    L, H, D = q.shape
+    S, G = k.shape[0], H // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = torch.einsum("lhd,shd->hls", q, k) * (D**-0.5 if scale is None else scale)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(L)[:, None] + S - L  # the aligned position
+    j = torch.arange(S)[None]
+    if slopes is not None:
+        s = s - slopes.double()[:, None, None] * (i - j).abs()
+    left, right = window[0], 0 if causal else window[1]
+    ok = torch.ones(L, S, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    s = s.masked_fill(~ok, -torch.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(ok, torch.exp(s - torch.where(lse.isfinite(), lse, 0)[..., None]), 0)
+    return torch.einsum("hls,shd->lhd", p, v), lse
+
+
 def cumulative(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
 def check(draw: Draw) -> str:
-    return _sdpa(draw) if draw.choice(("sdpa", "varlen")) == "sdpa" else _varlen(draw)
+    kind = draw.choice(("sdpa", "varlen", "flash"))
+    return _sdpa(draw) if kind == "sdpa" else _varlen(draw) if kind == "varlen" else _flash(draw)
 
 
 def _grads_close(got, inputs, want, truth_inputs, dtype) -> None:
@@ -126,4 +154,40 @@ def _varlen(draw: Draw) -> str:
     torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)
     if out.numel():
         _grads_close(out, inputs, want, truth_in, dtype)
+    return text
+
+
+def _flash(draw: Draw) -> str:
+    """flash_attn_func: random sizes, causal, windows, softcap, ALiBi per head or per batch."""
+    dtype = draw.choice((torch.float32, torch.float64))
+    B, L, S, Hkv, D = draw.int(1, 3), draw.int(1, 9), draw.int(1, 9), draw.int(1, 3), draw.int(1, 8)
+    H = Hkv * draw.int(1, 3)
+    causal = draw.choice((False, True))
+    window = (draw.choice((-1, 0, 2, 5)), draw.choice((-1, 0, 1, 3)))
+    softcap = draw.choice((0.0, 0.0, 1.5))
+    g = torch.Generator().manual_seed(draw.int(0, 10**6))
+    slopes = draw.choice((None, (H,), (B, H)))
+    alibi = None if slopes is None else torch.rand(slopes, generator=g)
+    q = torch.randn(B, L, H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    text = (f"flash_attn_func {dtype} B={B} L={L} S={S} H={H} Hkv={Hkv} D={D} causal={causal} "
+            f"window={window} softcap={softcap} alibi={slopes}")  # fmt: skip
+    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse, _ = flash_attn_func(
+        *inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
+        return_attn_probs=True,
+    )  # fmt: skip
+    truth_in = [t.requires_grad_() for t in (q, k, v)]
+    batch_slopes = [alibi if alibi is None or alibi.dim() == 1 else alibi[b] for b in range(B)]
+    per_row = [
+        flash_formula(
+            truth_in[0][b], truth_in[1][b], truth_in[2][b], causal=causal, window=window,
+            softcap=softcap, slopes=batch_slopes[b],
+        )
+        for b in range(B)
+    ]  # fmt: skip
+    want, want_lse = torch.stack([o for o, _ in per_row]), torch.stack([m for _, m in per_row])
+    torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
+    torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)
+    _grads_close(out, inputs, want, truth_in, dtype)
     return text

@@ -5,6 +5,7 @@ See DESIGN.md for the conventions: `True` = may attend, causal alignment never g
 empty rows give zeros.
 """
 
+from attnkit import flash_attn
 from attnkit.cache import KVCache
 from attnkit.contracts import (
     attention_contract_ok,
@@ -74,6 +75,7 @@ __all__ = [
     "chunked",
     "document",
     "explain",
+    "flash_attn",
     "from_additive_mask",
     "from_hf_attention_mask",
     "from_key_padding_mask",

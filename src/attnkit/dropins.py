@@ -9,6 +9,7 @@ with backward, on CPU too. What differs is written in each docstring.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -164,43 +165,70 @@ def varlen_attn(
     if block_table is not None:
         if seqused_k is None:
             raise ValueError("varlen_attn with block_table needs seqused_k (keys per sequence)")
-        key, value, cu_seq_k = _gather_pages(key, value, block_table, seqused_k)
+        key, value, cu_seq_k = gather_pages(key, value, block_table, seqused_k)
     elif cu_seq_k is None:
         raise ValueError("varlen_attn needs cu_seq_k (or block_table with seqused_k)")
-    lo, hi = _packed_spans(cu_seq_q, cu_seq_k, query.shape[0], window_size, seqused_k)
+    spans, _ = packed_spans(cu_seq_q, cu_seq_k, query.shape[0], window_size, seqused_k)
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, H, T, D)
-    out, lse = attention_with_lse(q, k, v, row_spans(lo, hi), scale=scale)
+    out, lse = attention_with_lse(q, k, v, row_spans(spans.lo, spans.hi), scale=scale)
     out = out[0].transpose(0, 1)  # (T_q, H, Dv)
     if return_aux is not None and return_aux.lse:
         return out, lse[0].transpose(0, 1)  # (T_q, H)
     return out
 
 
-def _packed_spans(
-    cu_q: Tensor, cu_k: Tensor, T_q: int, window: tuple[int, int], used: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """(T_q,) first and end key of each packed query's keys: its sequence's keys, cut by
-    the window around its bottom-right aligned position."""
-    cu_q, cu_k = cu_q.long(), cu_k.long().to(cu_q.device)
-    rows = torch.arange(T_q, device=cu_q.device)
-    seq = torch.searchsorted(cu_q, rows, right=True) - 1  # (T_q,) its sequence
+@dataclass(frozen=True)
+class KeySpans:
+    """Per query row: its keys [lo, hi) and its aligned key position `at` (the i' of
+    flash-attention's convention, for ALiBi), integer tensors of one shape."""
+
+    lo: Tensor
+    hi: Tensor
+    at: Tensor
+
+    def one_batch_row(self) -> KeySpans:
+        """Spans of packed rows (T,) as one batch row (1, T)."""
+        return KeySpans(self.lo[None], self.hi[None], self.at[None])
+
+
+def window_spans(
+    first_key: Tensor, len_k: Tensor, len_q: Tensor | int, row: Tensor, window: tuple[int, int]
+) -> KeySpans:
+    """The keys of query `row` of a sequence of `len_q` queries whose keys are
+    first_key .. first_key + len_k - 1: those within (left, right) of its bottom-right
+    aligned position i' = row + len_k - len_q (-1: unlimited), flash-attention's window."""
+    at = row + len_k - len_q
+    left, right = window
+    lo = torch.zeros_like(at) if left < 0 else (at - left).clamp(min=0)
+    hi = len_k + torch.zeros_like(at) if right < 0 else torch.minimum(at + right + 1, len_k)
+    return KeySpans(first_key + lo, first_key + torch.maximum(hi, lo), first_key + at)
+
+
+def packed_rows(cu_q: Tensor, T_q: int) -> tuple[Tensor, Tensor]:
+    """(T_q,) each packed query's sequence and its row within it."""
+    cu_q = cu_q.long()
     checkable = not torch.compiler.is_compiling()  # data-dependent: eager calls only
     if checkable and (int(cu_q[-1]) != T_q or bool((cu_q[1:] < cu_q[:-1]).any())):
         raise ValueError(
             f"cu_seq_q must rise from 0 to the {T_q} packed queries, got {cu_q.tolist()}"
         )
-    seq = seq.clamp(0, cu_q.shape[0] - 2)
-    len_q = (cu_q[1:] - cu_q[:-1])[seq]
-    len_k = (cu_k[1:] - cu_k[:-1] if used is None else used.long().to(cu_q.device))[seq]
-    first_key = cu_k[seq]
-    at = rows - cu_q[seq] + len_k - len_q  # the aligned key position i'
-    left, right = window
-    lo = torch.zeros_like(at) if left < 0 else (at - left).clamp(min=0)
-    hi = len_k if right < 0 else torch.minimum(at + right + 1, len_k)
-    return first_key + lo, first_key + torch.maximum(hi, lo)
+    rows = torch.arange(T_q, device=cu_q.device)
+    seq = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp(0, cu_q.shape[0] - 2)
+    return seq, rows - cu_q[seq]
 
 
-def _gather_pages(
+def packed_spans(
+    cu_q: Tensor, cu_k: Tensor, T_q: int, window: tuple[int, int], used: Tensor | None
+) -> tuple[KeySpans, Tensor]:
+    """Each packed query's keys (its sequence's, cut by the window) and its sequence."""
+    seq, row = packed_rows(cu_q, T_q)
+    cu_q, cu_k = cu_q.long(), cu_k.long().to(cu_q.device)
+    len_k = cu_k[1:] - cu_k[:-1] if used is None else used.long().to(cu_q.device)
+    spans = window_spans(cu_k[seq], len_k[seq], (cu_q[1:] - cu_q[:-1])[seq], row, window)
+    return spans, seq
+
+
+def gather_pages(
     key: Tensor, value: Tensor, block_table: Tensor, used: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Paged keys and values (pages, page_size, Hkv, D) -> packed (T_k, Hkv, D): each

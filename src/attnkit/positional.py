@@ -116,23 +116,44 @@ def alibi_bias(
 
 
 class _ALiBi(Mask):
-    """Every key visible; adds `-slope_h · |i' - j|` to the scores (a structured bias)."""
+    """Every key visible; adds `-slope · |i' - j|` to the scores (a structured bias).
 
-    def __init__(self, slopes: Tensor, align: str | None) -> None:
+    `slopes`: (H,) per head, (B, H) per batch row and head, or (B, L, H) per query row
+    too (packed sequences, each with its own slopes). `positions`: None (i' = i + the
+    alignment's offset) or (B|1, L), each query row's aligned key position i'.
+    """
+
+    def __init__(self, slopes: Tensor, align: str | None, positions: Tensor | None = None) -> None:
         self.slopes = slopes
         self.align = align
+        self.positions = positions
 
     @property
     def num_heads(self) -> int:
-        return int(self.slopes.shape[0])
+        return int(self.slopes.shape[-1])
+
+    @property
+    def batch_size(self) -> int | None:
+        sizes = [t.shape[0] for t in (self.slopes, self.positions) if t is not None and t.dim() > 1]
+        return max(sizes) if sizes else None
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
-        causal_offset(self.align, L, S, who="alibi")
-        if H != self.slopes.shape[0]:
+        if self.positions is None:
+            causal_offset(self.align, L, S, who="alibi")
+        if H != self.slopes.shape[-1]:
             raise ShapeContractError(
-                f"alibi has {self.slopes.shape[0]} slopes (one per head) but the call has "
+                f"alibi has {self.slopes.shape[-1]} slopes (one per head) but the call has "
                 f"H={H} query heads; build it with alibi({H})."
             )
+        for name, t, rows in (("slopes", self.slopes, 3), ("positions", self.positions, 2)):
+            if t is not None and t.dim() > 1 and t.shape[0] not in (1, B):
+                raise ShapeContractError(
+                    f"alibi {name} hold {t.shape[0]} batch rows but the call has B={B}."
+                )
+            if t is not None and t.dim() == rows and t.shape[1] != L:
+                raise ShapeContractError(
+                    f"alibi {name} hold {t.shape[1]} query rows but the call has L={L}."
+                )
 
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         return lambda b, h, i, j: (i >= 0) & (j >= 0)  # every pair: a bias hides nothing
@@ -145,13 +166,24 @@ class _ALiBi(Mask):
         return True
 
     def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
-        offset = causal_offset(self.align, L, S, who="alibi")
         slopes = self.slopes.to(device)
-        return lambda b, h, i, j: -slopes[h] * (i + offset - j).abs()
+        if slopes.dim() > 1:
+            slopes = slopes.expand(B, *slopes.shape[1:])
+        at = None if self.positions is None else self.positions.to(device).expand(B, L)
+        offset = 0 if at is not None else causal_offset(self.align, L, S, who="alibi")
+
+        def aligned(b: Tensor, i: Tensor) -> Tensor:  # query row i's aligned key position
+            return i + offset if at is None else at[b, i]
+
+        if slopes.dim() == 1:
+            return lambda b, h, i, j: -slopes[h] * (aligned(b, i) - j).abs()
+        if slopes.dim() == 2:
+            return lambda b, h, i, j: -slopes[b, h] * (aligned(b, i) - j).abs()
+        return lambda b, h, i, j: -slopes[b, i, h] * (aligned(b, i) - j).abs()
 
     def describe(self) -> str:
         align = "" if self.align is None else f", align={self.align!r}"
-        return f"alibi(H={self.slopes.shape[0]}{align})"
+        return f"alibi(H={self.slopes.shape[-1]}{align})"
 
 
 def alibi(num_heads: int, *, align: str | None = None) -> Mask:

@@ -1,0 +1,268 @@
+"""flash-attention 2's functions with their signatures, on attnkit (CPU included).
+
+`flash_attn_func`, `flash_attn_varlen_func` and `flash_attn_with_kvcache` as the
+`flash_attn` package defines them: layout (B, L, H, D) (packed (T, H, D) for varlen),
+`causal` aligned bottom-right (query i sees keys j <= i + S - L), `window_size=(left,
+right)` around that aligned position (-1: unlimited), `softcap` (0: none) on the scaled
+scores, `alibi_slopes` (H,) or (B, H) adding `-slope · |i + S - L - j|`, GQA/MQA by head
+count. Code written for them runs unchanged:
+
+    from attnkit.flash_attn import flash_attn_func   # instead of: from flash_attn import ...
+
+What differs (each docstring says it again): any dtype and device attnkit serves, not
+only half on CUDA; a query that sees no key gives 0 and log-sum-exp -inf;
+`return_attn_probs=True` returns `(out, softmax_lse, None)` (the probabilities are
+`attnkit.attention_probs`); `deterministic` is accepted (attnkit's backward always is);
+`dropout_p` is applied as attnkit's dropout (the same distribution, other random draws).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.dropins import KeySpans, gather_pages, packed_spans, window_spans
+from attnkit.functional import attention_with_lse
+from attnkit.masks import Mask, row_spans
+from attnkit.positional import _ALiBi
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+Window = tuple[int, int]
+
+
+def flash_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attention's `flash_attn_func`: q (B, L, H, D), k and v (B, S, Hkv, D).
+
+    Returns out (B, L, H, D); with `return_attn_probs`, (out, softmax_lse (B, H, L), None).
+    Backward for q, k, v. Differs: see the module's docstring.
+    """
+    B, L, S = q.shape[0], q.shape[1], k.shape[1]
+    index = torch.arange(L, device=q.device)[None].expand(B, L)
+    first = torch.zeros(B, 1, dtype=torch.long, device=q.device)
+    spans = window_spans(first, torch.full_like(first, S), L, index, _window(causal, window_size))
+    mask = _mask(spans, alibi_slopes)
+    out, lse = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                       softmax_scale, softcap, dropout_p)  # fmt: skip
+    out = out.transpose(1, 2)  # (B, L, H, Dv)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Tensor | None = None,
+) -> Any:
+    """flash-attention's `flash_attn_varlen_func`: packed q (T_q, H, D), k and v
+    (T_k, Hkv, D), or with `block_table` (N, max_pages) pages (pages, page_size, Hkv, D)
+    holding each sequence's cu_seqlens_k lengths.
+
+    Returns out (T_q, H, D); with `return_attn_probs`, (out, softmax_lse (H, T_q), None).
+    Backward for q, k, v. Differs: see the module's docstring.
+    """
+    if block_table is not None:
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(block_table.device)
+        k, v, cu_seqlens_k = gather_pages(k, v, block_table, lengths)
+        used: Tensor | None = lengths
+    else:
+        used = None
+    window = _window(causal, window_size)
+    spans, seq = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], window, used)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per query row
+        alibi_slopes = alibi_slopes[seq.to(alibi_slopes.device)][None]  # (1, T_q, H)
+    mask = _mask(spans.one_batch_row(), alibi_slopes)
+    qp, kp, vp = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
+    out, lse = _attend(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
+    out = out[0].transpose(0, 1)  # (T_q, H, Dv)
+    return (out, lse[0], None) if return_attn_probs else out
+
+
+def flash_attn_with_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    rotary_cos: Tensor | None = None,
+    rotary_sin: Tensor | None = None,
+    cache_seqlens: int | Tensor | None = None,
+    cache_batch_idx: Tensor | None = None,
+    cache_leftpad: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> Any:
+    """flash-attention's `flash_attn_with_kvcache`: q (B, L, H, D) against a cache
+    (B_cache, S_cache, Hkv, D), or with `block_table` (B, max_pages) pages
+    (pages, page_size, Hkv, D).
+
+    `k`, `v` (B, L_new, Hkv, D), if given, are written into the cache in place at
+    positions cache_seqlens.. of each sequence, then attended with the rest. The keys of
+    sequence b are cache positions cache_leftpad[b] .. cache_seqlens[b] + L_new - 1.
+    `rotary_cos`/`rotary_sin` (S_ro, rotary_dim / 2) rotate the new keys at their
+    positions, and q at positions cache_seqlens.. (causal or local) or all at
+    cache_seqlens (otherwise); `rotary_interleaved` pairs dims (0, 1), (2, 3), ... else
+    (0, rotary_dim / 2), ... (GPT-NeoX). Returns out (B, L, H, D); with
+    `return_softmax_lse`, (out, lse (B, H, L)). `num_splits` is accepted. No backward,
+    as in flash-attention. Differs: see the module's docstring.
+    """
+    B, L = q.shape[0], q.shape[1]
+    dev = q.device
+    seqlens = _lengths(cache_seqlens, B, k_cache.shape[1] if block_table is None else None, dev)
+    new = 0 if k is None else k.shape[1]
+    if rotary_cos is not None and rotary_sin is not None:
+        local = causal or tuple(window_size) != (-1, -1)
+        q_at = seqlens[:, None] + (torch.arange(L, device=dev)[None] if local else 0)
+        q = _rotate(q, rotary_cos, rotary_sin, q_at.expand(B, L), rotary_interleaved)
+        if k is not None:
+            k_at = seqlens[:, None] + torch.arange(new, device=dev)[None]
+            k = _rotate(k, rotary_cos, rotary_sin, k_at, rotary_interleaved)
+    rows = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
+    if k is not None and v is not None:
+        _write(k_cache, v_cache, k, v, seqlens, rows, block_table)
+    keys, values = _cached(k_cache, v_cache, rows, block_table)  # (B, S, Hkv, D)
+    first = (
+        torch.zeros(B, dtype=torch.long, device=dev)
+        if cache_leftpad is None
+        else cache_leftpad.long().to(dev)
+    )[:, None]
+    end = (seqlens + new)[:, None]
+    index = torch.arange(L, device=dev)[None].expand(B, L)
+    spans = window_spans(first, end - first, L, index, _window(causal, window_size))
+    mask = _mask(spans, alibi_slopes)
+    with torch.no_grad():
+        out, lse = _attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                           mask, softmax_scale, softcap, 0.0)  # fmt: skip
+    out = out.transpose(1, 2)  # (B, L, H, Dv)
+    return (out, lse) if return_softmax_lse else out
+
+
+# ------------------------------------------------------------------ the shared steps
+
+
+def _window(causal: bool, window_size: Window) -> Window:
+    """flash-attention's window with `causal` folded in (it sets the right side to 0)."""
+    left, right = (int(w) for w in window_size)
+    return (left, 0) if causal else (left, right)
+
+
+def _mask(spans: KeySpans, alibi_slopes: Tensor | None) -> Mask:
+    """Each row's key interval, and ALiBi around each row's aligned position."""
+    mask = row_spans(spans.lo, spans.hi)
+    if alibi_slopes is None:
+        return mask
+    return mask & _ALiBi(alibi_slopes.float(), None, positions=spans.at)
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask,
+    scale: float | None,
+    softcap: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """attnkit's call on (B, H, L, D): out and lse (B, H, L)."""
+    return attention_with_lse(
+        q, k, v, mask, scale=scale, softcap=softcap if softcap > 0 else None, dropout_p=dropout_p
+    )
+
+
+def _lengths(
+    cache_seqlens: int | Tensor | None, B: int, cache_len: int | None, device: torch.device
+) -> Tensor:
+    """(B,) cached positions per sequence (before the new keys)."""
+    if cache_seqlens is None:
+        if cache_len is None:
+            raise ValueError("flash_attn_with_kvcache with block_table needs cache_seqlens")
+        return torch.full((B,), cache_len, dtype=torch.long, device=device)
+    if isinstance(cache_seqlens, int):
+        return torch.full((B,), cache_seqlens, dtype=torch.long, device=device)
+    return cache_seqlens.long().to(device).expand(B)
+
+
+def _slots(
+    positions: Tensor, rows: Tensor, block_table: Tensor | None, page_size: int
+) -> tuple[Tensor, Tensor]:
+    """(B, n) cache positions of each sequence -> the (first, second) indices of the
+    cache tensors: (batch row, position), or with pages (page, slot)."""
+    if block_table is None:
+        return rows[:, None].expand_as(positions), positions
+    pages = block_table.long().gather(1, positions // page_size)
+    return pages, positions % page_size
+
+
+def _write(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seqlens: Tensor,
+    rows: Tensor,
+    block_table: Tensor | None,
+) -> None:
+    """New keys and values (B, n, Hkv, D) into the cache at positions seqlens.., in place."""
+    positions = seqlens[:, None] + torch.arange(k.shape[1], device=k.device)[None]  # (B, n)
+    first, second = _slots(positions, rows, block_table, k_cache.shape[1])
+    k_cache[first, second] = k.to(k_cache.dtype)
+    v_cache[first, second] = v.to(v_cache.dtype)
+
+
+def _cached(
+    k_cache: Tensor, v_cache: Tensor, rows: Tensor, block_table: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Each sequence's cache (B, S, Hkv, D): its rows, or its pages in table order."""
+    if block_table is None:
+        return k_cache[rows], v_cache[rows]
+    pages = block_table.long()  # (B, max_pages)
+    return tuple(t[pages].flatten(1, 2) for t in (k_cache, v_cache))  # type: ignore[return-value]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
+    """Rotary embedding of the first rotary_dim = 2·cos.shape[1] dims of x (B, n, H, D) at
+    `positions` (B, n), flash-attention's convention (interleaved: pairs (0, 1), (2, 3),
+    ...; else (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ...)."""
+    half = cos.shape[1]
+    c, s = (t[positions][:, :, None].to(torch.float32) for t in (cos, sin))  # (B, n, 1, half)
+    rot, rest = x[..., : 2 * half].float(), x[..., 2 * half :]
+    if interleaved:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        turned = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    else:
+        a, b = rot[..., :half], rot[..., half:]
+        turned = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    return torch.cat([turned.to(x.dtype), rest], dim=-1)

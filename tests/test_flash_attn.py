@@ -1,0 +1,197 @@
+"""attnkit.flash_attn against a float64 formula written from flash-attention's documented
+conventions: causal bottom-right, the window around i + S - L, softcap on the scaled
+scores, ALiBi `-slope · |i + S - L - j|`, GQA by head count, lse of the scaled scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from fuzz_dropins import cumulative
+from fuzz_dropins import flash_formula as formula
+
+OPTIONS = {
+    "plain": {},
+    "causal": {"causal": True},
+    "causal window": {"causal": True, "window": (3, -1)},
+    "local": {"window": (2, 1)},
+    "softcap": {"causal": True, "softcap": 2.0},
+    "alibi": {"causal": True, "alibi": True},
+    "alibi local softcap": {"window": (4, 2), "alibi": True, "softcap": 1.5},
+}
+
+
+def _call_options(opts):
+    return {
+        "causal": opts.get("causal", False),
+        "window_size": opts.get("window", (-1, -1)),
+        "softcap": opts.get("softcap", 0.0),
+    }
+
+
+def _formula_options(opts, slopes):
+    return {
+        "causal": opts.get("causal", False),
+        "window": opts.get("window", (-1, -1)),
+        "softcap": opts.get("softcap", 0.0),
+        "slopes": slopes,
+    }
+
+
+@pytest.mark.parametrize("sizes", [(5, 5), (3, 8), (7, 4)], ids=["L=S", "L<S", "L>S"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("name", OPTIONS)
+def test_flash_attn_func_equals_the_formula(name, heads, sizes):
+    opts, (H, Hkv), (L, S), B = OPTIONS[name], heads, sizes, 2
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, L, H, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(B, S, Hkv, 8, generator=g).requires_grad_() for _ in range(2))
+    slopes = torch.rand(B, H, generator=g) if opts.get("alibi") else None  # (B, H)
+    out, lse, none = flash_attn_func(
+        q, k, v, softmax_scale=0.3, alibi_slopes=slopes, return_attn_probs=True,
+        **_call_options(opts),
+    )  # fmt: skip
+    assert none is None and out.shape == (B, L, H, 8) and lse.shape == (B, H, L)
+    for b in range(B):
+        want, want_lse = formula(
+            q[b], k[b], v[b], scale=0.3,
+            **_formula_options(opts, None if slopes is None else slopes[b]),
+        )  # fmt: skip
+        torch.testing.assert_close(out[b], want.float())
+        torch.testing.assert_close(lse[b], want_lse.float())
+        dout = torch.randn_like(out[b])
+        grads = torch.autograd.grad(out[b], (q, k, v), dout, retain_graph=True)
+        expected = torch.autograd.grad(want, (q, k, v), dout.double(), retain_graph=True)
+        for a, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(a, e.float())
+
+
+@pytest.mark.parametrize("name", ["plain", "causal", "local", "alibi local softcap"])
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+def test_flash_attn_varlen_func_equals_the_formula(name, paged):
+    opts, H, Hkv, D, page = OPTIONS[name], 4, 2, 8, 4
+    len_q, len_k = [3, 1, 6, 0], [5, 9, 6, 2]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(sum(len_q), H, D, generator=g).requires_grad_()
+    k, v = (torch.randn(sum(len_k), Hkv, D, generator=g).requires_grad_() for _ in range(2))
+    slopes = torch.rand(len(len_q), H, generator=g) if opts.get("alibi") else None
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    keys, values, table = k, v, None
+    if paged:  # each sequence's keys in pages of a shuffled pool
+        count = [-(-n // page) for n in len_k]
+        order = torch.randperm(sum(count), generator=g)
+        table = torch.zeros(len(len_k), max(count), dtype=torch.int32)
+        keys, values = (torch.zeros(sum(count), page, Hkv, D) for _ in range(2))
+        taken = iter(order.tolist())
+        for n, length in enumerate(len_k):
+            for p in range(count[n]):
+                table[n, p] = pid = next(taken)
+                rows = slice(int(cu_k[n]) + p * page, int(cu_k[n]) + min(length, (p + 1) * page))
+                keys[pid, : rows.stop - rows.start] = k[rows].detach()
+                values[pid, : rows.stop - rows.start] = v[rows].detach()
+    out, lse, _ = flash_attn_varlen_func(
+        q, keys, values, cu_q, cu_k, max(len_q), max(len_k), softmax_scale=0.4,
+        alibi_slopes=slopes, return_attn_probs=True, block_table=table, **_call_options(opts),
+    )  # fmt: skip
+    assert lse.shape == (H, sum(len_q))
+    for n in range(len(len_q)):
+        rows, cols = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
+        want, want_lse = formula(
+            q[rows], k[cols], v[cols], scale=0.4,
+            **_formula_options(opts, None if slopes is None else slopes[n]),
+        )  # fmt: skip
+        torch.testing.assert_close(out[rows], want.float())
+        torch.testing.assert_close(lse[:, rows], want_lse.float())
+    if not paged:
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        outs = [formula(q[cu_q[n] : cu_q[n + 1]], k[cu_k[n] : cu_k[n + 1]],
+                        v[cu_k[n] : cu_k[n + 1]], scale=0.4,
+                        **_formula_options(opts, None if slopes is None else slopes[n]))[0]
+                for n in range(len(len_q))]  # fmt: skip
+        expected = torch.autograd.grad(torch.cat(outs), (q, k, v), dout.double())
+        for a, e in zip(grads, expected, strict=True):
+            torch.testing.assert_close(a, e.float())
+
+
+def _rotary(x, cos, sin, positions, interleaved):
+    """flash-attention's rotary on the first 2·cos.shape[1] dims, one sequence (n, H, D)."""
+    half = cos.shape[1]
+    out = x.clone().double()
+    c, s = cos[positions][:, None].double(), sin[positions][:, None].double()
+    if interleaved:
+        a, b = x[..., 0 : 2 * half : 2].double(), x[..., 1 : 2 * half : 2].double()
+        out[..., 0 : 2 * half : 2], out[..., 1 : 2 * half : 2] = a * c - b * s, a * s + b * c
+    else:
+        a, b = x[..., :half].double(), x[..., half : 2 * half].double()
+        out[..., :half], out[..., half : 2 * half] = a * c - b * s, a * s + b * c
+    return out
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+@pytest.mark.parametrize("rotary", [None, True, False], ids=["no rotary", "interleaved", "neox"])
+@pytest.mark.parametrize("name", ["causal", "causal window", "alibi local softcap", "plain"])
+def test_flash_attn_with_kvcache_appends_in_place_and_equals_the_formula(name, rotary, paged):
+    opts, B, H, Hkv, D, L, page = OPTIONS[name], 3, 4, 2, 8, 2, 4
+    g = torch.Generator().manual_seed(2)
+    seqlens = torch.tensor([5, 0, 9], dtype=torch.int32)
+    leftpad = torch.tensor([1, 0, 3], dtype=torch.int32)
+    S_cache = 12
+    cache_k, cache_v = (torch.randn(B + 1, S_cache, Hkv, D, generator=g) for _ in range(2))
+    batch_idx = torch.tensor([2, 0, 3])  # sequence b lives in cache row batch_idx[b]
+    q = torch.randn(B, L, H, D, generator=g)
+    k, v = (torch.randn(B, L, Hkv, D, generator=g) for _ in range(2))
+    cos = sin = None
+    if rotary is not None:
+        angles = torch.rand(S_cache + 2, 2, generator=g) * 6
+        cos, sin = angles.cos(), angles.sin()
+    slopes = torch.rand(H, generator=g) if opts.get("alibi") else None
+    before_k, before_v = cache_k.clone(), cache_v.clone()
+    if paged:  # the same rows in pages: row r, positions p.. -> page table[b, p // page]
+        pages = S_cache // page
+        table = torch.randperm((B + 1) * pages, generator=g).view(B + 1, pages)[batch_idx]
+        pool_k, pool_v = (torch.zeros((B + 1) * pages, page, Hkv, D) for _ in range(2))
+        for b in range(B):
+            for p in range(pages):
+                pool_k[table[b, p]] = cache_k[batch_idx[b], p * page : (p + 1) * page]
+                pool_v[table[b, p]] = cache_v[batch_idx[b], p * page : (p + 1) * page]
+        args = {"k_cache": pool_k, "v_cache": pool_v, "block_table": table.int()}
+    else:
+        args = {"k_cache": cache_k, "v_cache": cache_v, "cache_batch_idx": batch_idx.int()}
+    out, lse = flash_attn_with_kvcache(
+        q, k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+        cache_leftpad=leftpad, softmax_scale=0.5, alibi_slopes=slopes,
+        rotary_interleaved=bool(rotary), return_softmax_lse=True, **args, **_call_options(opts),
+    )  # fmt: skip
+    assert out.shape == (B, L, H, D) and lse.shape == (B, H, L)
+    local = opts.get("causal", False) or opts.get("window", (-1, -1)) != (-1, -1)
+    for b in range(B):
+        start, end = int(seqlens[b]), int(seqlens[b]) + L
+        new_k = (
+            k[b] if rotary is None else _rotary(k[b], cos, sin, torch.arange(start, end), rotary)
+        )
+        written = args["k_cache"]
+        if paged:
+            got_k = torch.cat([written[table[b, p]] for p in range(S_cache // page)])
+        else:
+            got_k = written[batch_idx[b]]
+        torch.testing.assert_close(got_k[start:end], new_k.float())  # written in place
+        torch.testing.assert_close(got_k[end:], before_k[batch_idx[b], end:])  # nothing else
+        keys = torch.cat([before_k[batch_idx[b], :start], new_k.float()])[int(leftpad[b]) :]
+        values = torch.cat([before_v[batch_idx[b], :start], v[b]])[int(leftpad[b]) :]
+        positions = torch.arange(start, end) if local else torch.full((L,), start)
+        qb = q[b] if rotary is None else _rotary(q[b], cos, sin, positions, rotary).float()
+        want, want_lse = formula(qb, keys, values, scale=0.5, **_formula_options(opts, slopes))
+        torch.testing.assert_close(out[b], want.float())
+        torch.testing.assert_close(lse[b], want_lse.float())
+
+
+def test_flash_attn_func_runs_compiled_fullgraph():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 6, 4, 8, generator=g) for _ in range(3))
+    fn = torch.compile(
+        lambda q, k, v: flash_attn_func(q, k, v, causal=True, window_size=(2, 0)), fullgraph=True
+    )
+    want = torch.stack([formula(q[b], k[b], v[b], causal=True, window=(2, 0))[0] for b in range(2)])
+    torch.testing.assert_close(fn(q, k, v), want.float())
