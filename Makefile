@@ -25,7 +25,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	cd benchmarks && ../$(PY) bench.py && ../$(PY) small_calls.py && ../$(PY) block_mask.py && ../$(PY) tile_levers.py
+	cd benchmarks && ../$(PY) bench.py && ../$(PY) small_calls.py && ../$(PY) block_mask.py && ../$(PY) tile_levers.py && ../$(PY) dropins.py
 
 # the long differential campaign: CASES random cases of SEED on each surface (core
 # backends, distributed, paged, transformers, dropins; or SURFACE=one of them) against a

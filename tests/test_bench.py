@@ -154,3 +154,20 @@ def test_block_mask_bench_times_both_builds_and_checks_their_blocks(tmp_path):
     rows = json.loads((tmp_path / "block_mask.json").read_text())["rows"]
     assert len(rows) == 5 and all(r["same"] and r["to_block_mask_ms"] > 0 for r in rows)
     assert "| causal | 512 |" in (tmp_path / "block_mask.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "table"),
+    [
+        ("tile_levers.py", ["--dtypes", "float32", "--size", "512", "--runs", "1"], "tile_levers"),
+        ("dropins.py", ["--size", "128", "--runs", "1"], "dropins"),
+    ],
+)
+def test_kernel_and_dropin_benches_write_their_tables(tmp_path, script, args, table):
+    done = subprocess.run([sys.executable, str(BENCH.parent / script), *args, "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / f"{table}.json").read_text())["rows"]
+    assert rows and all(r["ms" if table == "tile_levers" else "attnkit_ms"] > 0 for r in rows)
+    assert "| " in (tmp_path / f"{table}.md").read_text()

@@ -195,3 +195,30 @@ def test_flash_attn_func_runs_compiled_fullgraph():
     )
     want = torch.stack([formula(q[b], k[b], v[b], causal=True, window=(2, 0))[0] for b in range(2)])
     torch.testing.assert_close(fn(q, k, v), want.float())
+
+
+def test_flash_attn_varlen_and_kvcache_run_compiled_fullgraph():
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(9, 4, 8, generator=g), torch.randn(12, 2, 8, generator=g)
+    cu_q, cu_k = cumulative([4, 5]), cumulative([5, 7])
+
+    def varlen(q, k, cu_q, cu_k):
+        return flash_attn_varlen_func(q, k, k, cu_q, cu_k, 5, 7, causal=True)
+
+    torch.testing.assert_close(torch.compile(varlen, fullgraph=True)(q, k, cu_q, cu_k),
+                               varlen(q, k, cu_q, cu_k))  # fmt: skip
+    cache = torch.randn(2, 10, 2, 8, generator=g)
+    q1, k1 = torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 2, 8, generator=g)
+    lengths = torch.tensor([3, 6], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k, lengths):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=k, cache_seqlens=lengths,
+                                       causal=True)  # fmt: skip
+
+    eager_cache = cache.clone()
+    want = step(q1, eager_cache, eager_cache.clone(), k1, lengths)
+    compiled_cache = cache.clone()
+    got = torch.compile(step, fullgraph=True)(q1, compiled_cache, compiled_cache.clone(), k1,
+                                              lengths)  # fmt: skip
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(compiled_cache, eager_cache)  # the same in-place write
