@@ -77,7 +77,8 @@ def test_sdpa_equals_torch(shapes, dtype):
 
 @pytest.mark.parametrize("shapes", [SHAPES["rank4 L<S"], SHAPES["GQA"], SHAPES["rank5"]])
 def test_sdpa_bfloat16_within_the_rule_of_torchs_own(shapes):
-    """bfloat16: error against float64 at most 2x torch's own bfloat16 SDPA's, + floor."""
+    """bfloat16: error against float64 at most 2x torch's own bfloat16 SDPA's, + floor,
+    outputs and gradients."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
     for name, mask in _masks(shapes[0], shapes[1][-2], torch.bfloat16).items():
@@ -85,7 +86,14 @@ def test_sdpa_bfloat16_within_the_rule_of_torchs_own(shapes):
         half_in, m16, _ = _both(q, k, v, mask, torch.bfloat16)
         truth = F.scaled_dot_product_attention(*truth_in, m64, **kwargs)
         torch_half = F.scaled_dot_product_attention(*half_in, m16, **kwargs)
-        assert_rule(f"sdpa bf16 {name}", sdpa(*half_in, m16, **kwargs), torch_half, truth)
+        ours = sdpa(*half_in, m16, **kwargs)
+        assert_rule(f"sdpa bf16 {name}", ours, torch_half, truth)
+        dout = torch.randn_like(truth)
+        truth_grads = torch.autograd.grad(truth, truth_in, dout)
+        torch_grads = torch.autograd.grad(torch_half, half_in, dout.bfloat16())
+        our_grads = torch.autograd.grad(ours, half_in, dout.bfloat16())
+        for which, got, ref, exact in zip("qkv", our_grads, torch_grads, truth_grads, strict=True):
+            assert_rule(f"sdpa bf16 {name} d{which}", got, ref, exact)
 
 
 def test_sdpa_refuses_what_torch_refuses_and_runs_compiled_fullgraph():
