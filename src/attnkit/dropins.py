@@ -57,6 +57,18 @@ def sdpa(
             "is_causal=True (pass the causal part inside attn_mask, or attnkit masks: "
             "attnkit.attention(q, k, v, ak.causal() & ...))"
         )
+    (q, k, v), lead = _flattened(query, key, value, enable_gqa)  # (B, H|Hkv, L|S, E|Ev)
+    mask = _TOP_LEFT if is_causal else _batched_mask(attn_mask, lead)
+    out = attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)  # (B, Hq, L, Ev)
+    shape = (*lead, *out.shape[1:])
+    return out.reshape(shape[len(shape) - max(query.dim(), key.dim(), value.dim()) :])
+
+
+def _flattened(
+    query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool
+) -> tuple[tuple[Tensor, Tensor, Tensor], tuple[int, ...]]:
+    """SDPA's (N, ..., H, L, E) inputs as attention's (B, H, L, E), with their leading
+    dims broadcast as torch's (heads too, without GQA), and those leading dims."""
     rank = max(query.dim(), key.dim(), value.dim(), 3)
     q, k, v = (t.reshape((1,) * (rank - t.dim()) + t.shape) for t in (query, key, value))
     Hq, Hk, Hv = q.shape[-3], k.shape[-3], v.shape[-3]
@@ -67,18 +79,14 @@ def sdpa(
                 f"value heads, which must be equal (got key {Hk}, value {Hv})"
             )
         lead = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-        heads = (Hq, Hk)
+        heads = (Hq, Hk, Hk)
     else:  # heads broadcast as any other leading dim
         lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-        lead, heads = lead[:-1], (lead[-1], lead[-1])
+        lead, heads = lead[:-1], (lead[-1],) * 3
     B = math.prod(lead)
-    q = q.expand(*lead, heads[0], *q.shape[-2:]).reshape(B, heads[0], *q.shape[-2:])
-    k, v = (t.expand(*lead, heads[1], *t.shape[-2:]).reshape(B, heads[1], *t.shape[-2:])
-            for t in (k, v))  # fmt: skip
-    mask = _TOP_LEFT if is_causal else _batched_mask(attn_mask, lead, heads[0])
-    out = attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)  # (B, Hq, L, Ev)
-    shape = (*lead, heads[0], *out.shape[-2:])
-    return out.reshape(shape[len(shape) - max(query.dim(), key.dim(), value.dim()) :])
+    flat = tuple(t.expand(*lead, h, *t.shape[-2:]).reshape(B, h, *t.shape[-2:])
+                 for t, h in zip((q, k, v), heads, strict=True))  # fmt: skip
+    return flat, lead  # type: ignore[return-value]
 
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
@@ -89,7 +97,7 @@ def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
         raise RuntimeError(f"sdpa: the leading dims of query, key and value: {err}") from None
 
 
-def _batched_mask(mask: Tensor | None, lead: tuple[int, ...], H: int) -> Tensor | None:
+def _batched_mask(mask: Tensor | None, lead: tuple[int, ...]) -> Tensor | None:
     """attn_mask broadcastable to (*lead, H, L, S) -> (B | 1, H | 1, L | 1, S | 1)."""
     if mask is None:
         return None
@@ -139,7 +147,7 @@ def varlen_attn(
         seqused_k: (N,) keys used per sequence (the first seqused_k[n] of its keys).
         block_table: (N, max_pages) int32 page ids of each sequence's keys, in order;
             needs `seqused_k`.
-        num_splits: accepted; attnkit's result never depends on the batch's make-up.
+        num_splits: accepted and not used (a hint for CUDA kernels' key splitting).
     Returns:
         (T_q, H, D), and lse (T_q, H) with `return_aux.lse`.
 
@@ -148,18 +156,7 @@ def varlen_attn(
     packed sequences are one `row_spans` mask (each query's keys as an interval): no
     per-sequence loop, and the tiled backend skips what no query of a tile sees.
     """
-    Hq = query.shape[1]
-    Hkv = key.shape[2] if block_table is not None else key.shape[1]
-    if not enable_gqa and Hq != Hkv:
-        raise ValueError(
-            f"Expect query and key/value to have the same number of heads but got Hq={Hq} "
-            f"and Hkv={Hkv}. Try setting enable_gqa=True for GQA."
-        )
-    if enable_gqa and Hq % Hkv != 0:
-        raise ValueError(
-            "Expect number of query heads to be a multiple of kv heads for GQA but got "
-            f"Hq={Hq} and Hkv={Hkv}."
-        )
+    _check_heads(query.shape[1], key.shape[2 if block_table is not None else 1], enable_gqa)
     if len(window_size) != 2:
         raise ValueError(f"window_size must have length 2, got {len(window_size)}")
     if block_table is not None:
@@ -175,6 +172,20 @@ def varlen_attn(
     if return_aux is not None and return_aux.lse:
         return out, lse[0].transpose(0, 1)  # (T_q, H)
     return out
+
+
+def _check_heads(Hq: int, Hkv: int, enable_gqa: bool) -> None:
+    """torch's varlen_attn checks of the head counts, with its words."""
+    if not enable_gqa and Hq != Hkv:
+        raise ValueError(
+            f"Expect query and key/value to have the same number of heads but got Hq={Hq} "
+            f"and Hkv={Hkv}. Try setting enable_gqa=True for GQA."
+        )
+    if enable_gqa and Hq % Hkv != 0:
+        raise ValueError(
+            "Expect number of query heads to be a multiple of kv heads for GQA but got "
+            f"Hq={Hq} and Hkv={Hkv}."
+        )
 
 
 @dataclass(frozen=True)
