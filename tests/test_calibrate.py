@@ -98,3 +98,31 @@ def test_the_short_block_exponent_is_measured_in_bounds():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 512, 64, generator=g) for _ in range(3))
     assert 0.01 <= calibrate._short_blocks((q, k, v)) <= 0.5
+
+
+def test_a_table_measured_on_a_busy_cpu_serves_its_process_but_is_not_kept(fresh_table, tmp_path):
+    path = tmp_path / "cost.json"
+    fresh_table.setenv("ATTNKIT_CALIBRATION", str(path))
+    calls = []
+
+    def busy():
+        calls.append(1)
+        return {**cost.BUILT_IN.factors(), "tiled_call": 2e6}, 0.55  # another program ran
+
+    fresh_table.setattr(calibrate, "_measured", busy)
+    fresh_table.setattr(calibrate.time, "sleep", lambda s: None)
+    found = cost.table()
+    assert len(calls) == calibrate.ATTEMPTS  # measured again after a pause
+    assert calibrate.BUSY in found.source and found.tiled_call == 2e6
+    assert not path.exists()  # the next process measures again
+    assert calibrate.main() == 0 and path.exists()  # asked for explicitly: kept anyway
+
+
+def test_a_quiet_retry_is_kept(fresh_table, tmp_path):
+    path = tmp_path / "cost.json"
+    fresh_table.setenv("ATTNKIT_CALIBRATION", str(path))
+    shares = iter([0.4, 0.97])
+    fresh_table.setattr(calibrate, "_measured", lambda: (cost.BUILT_IN.factors(), next(shares)))
+    fresh_table.setattr(calibrate.time, "sleep", lambda s: None)
+    found = cost.table()
+    assert calibrate.BUSY not in found.source and path.exists()

@@ -14,7 +14,7 @@ stays built in (measuring it compiles).
 `ATTNKIT_CALIBRATION`: unset, measure (or read the cache); `off`, the built-in table;
 a file path, measure once and keep the table there.
 
-    python -m attnkit.calibrate        # measure now and print the table
+    python -m attnkit.calibrate        # measure now, keep the table (whatever the load), print it
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def active_table() -> CostTable:
     except Exception as err:  # a timing that fails must never fail the call that prices
         _log.warning("attnkit: cost calibration failed (%s); the built-in table prices", err)
         return dataclasses.replace(BUILT_IN, source=f"built in (calibration failed: {err})")
-    _write(path, measured)
+    if BUSY in measured.source:  # another program shared the CPU: measure next time
+        _log.info("attnkit: %s", measured.source)
+    else:
+        _write(path, measured)
     return measured
 
 
@@ -122,23 +125,46 @@ def _write(path: Path, found: CostTable) -> None:
 # ------------------------------------------------------------------ the measurements
 
 
+BUSY = "the CPU was busy while measured"
+QUIET_SHARE = 0.8  # CPU time over wall time per thread below this: other programs ran too
+ATTEMPTS = 2
+
+
 def measure() -> CostTable:
-    """The cost table of this CPU, timed now (the built-in table prices meanwhile)."""
+    """The cost table of this CPU, timed now (the built-in table prices meanwhile).
+
+    A measurement is only as good as the machine is quiet: another program on the same
+    cores slows short calls many times more than long ones (a tiny call waits for its
+    threads), and a kept table would misprice every later process. So the process's CPU
+    share is watched while the calls run; on a busy CPU the measurement is repeated once
+    after a pause, and if it never ran quiet the table serves this process only (its
+    source says so; `active_table` does not keep it, so a CPU that stays busy measures
+    in every process: `python -m attnkit.calibrate` keeps a table whatever the load).
+    """
     previous = cost._ACTIVE
     cost.use(BUILT_IN)  # the backends plan with it while they are timed
     try:
         with torch.no_grad():
-            factors = _measured()
+            for _ in range(ATTEMPTS):
+                factors, share = _measured()
+                if share >= QUIET_SHARE:
+                    break
+                time.sleep(1.0)  # a compile's workers, another program: often short
     finally:
         cost.use(previous)
     when = time.strftime("%Y-%m-%d")
-    return CostTable(**factors, source=f"measured on this CPU ({_cpu_model()}, {when})")
+    source = f"measured on this CPU ({_cpu_model()}, {when})"
+    if share < QUIET_SHARE:
+        source += f"; {BUSY} (CPU share {share:.2f} per thread): not kept, measured again next time"
+    return CostTable(**factors, source=source)
 
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _measured() -> dict[str, float]:
+def _measured() -> tuple[dict[str, float], float]:
+    """The factors, and the process's CPU share per thread while they were timed (about 1
+    on a quiet CPU: the kernels' threads run, or spin, all along)."""
     g = torch.Generator().manual_seed(0)
 
     def qkv(L: int, H: int = 8) -> Inputs:
@@ -150,6 +176,7 @@ def _measured() -> dict[str, float]:
     L = 4096
     q, k, v = qkv(L, H=2)
     pairs = 2 * L * L
+    cpu, wall = time.process_time(), time.perf_counter()
     unit = _best(lambda: F.scaled_dot_product_attention(q, k, v)) / pairs  # s per pair
     band = (causal() & sliding_window(L // 8)).dense(1, 1, L, L)  # (1, 1, L, S)
     masked = _best(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=band)) / pairs
@@ -161,7 +188,7 @@ def _measured() -> dict[str, float]:
     # tiled's causal runs are SDPA's causal kernel: their factor moves with SDPA's (timed
     # apart, the two would rank one kernel against itself by timing noise)
     found["tiled_causal"] = BUILT_IN.tiled_causal * found["sdpa_causal"] / BUILT_IN.sdpa_causal
-    found["tiled_call"] = _seconds(qkv(64), causal(), "tiled") / unit
+    found["tiled_call"] = _seconds(qkv(64), causal(), "tiled", runs=20) / unit  # short: more runs
     found["tiled_short"] = _short_blocks(qkv(2048))
     scaled: dict[str, tuple[Inputs, Mask, str]] = {
         "tiled_pair": (qkv(4096), sliding_window(255) & causal(), "tiled"),
@@ -177,7 +204,8 @@ def _measured() -> dict[str, float]:
             # ... on blocks of `tile` rows: priced with the short-block exponent just found
             predicted *= (256 / tile) ** (found["tiled_short"] - BUILT_IN.tiled_short)
         found[name] = BUILT_IN.factors()[name] * max(spent, 0.05 * predicted) / predicted
-    return found
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall) / torch.get_num_threads()
+    return found, share
 
 
 def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int, int]:
@@ -227,8 +255,8 @@ def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[flo
     return [min(t) for t in times]
 
 
-def _seconds(inputs: Inputs, mask: Mask, backend: str) -> float:
-    return _best(lambda: attention(*inputs, mask, backend=backend))
+def _seconds(inputs: Inputs, mask: Mask, backend: str, runs: int = 3) -> float:
+    return _best(lambda: attention(*inputs, mask, backend=backend), runs)
 
 
 def _best(fn: Callable[[], object], runs: int = 3) -> float:
@@ -237,8 +265,13 @@ def _best(fn: Callable[[], object], runs: int = 3) -> float:
 
 
 def main() -> int:
+    """Measure now and keep the table where `cost.table()` reads it (also when busy)."""
     found = measure()
+    setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
+    path = Path(setting).expanduser() if setting and setting.lower() not in OFF else cache_path()
+    _write(path, found)
     print(json.dumps({"machine": machine_key(), "factors": found.factors()}, indent=1))
+    print(f"{found.source}; kept in {path}")
     return 0
 
 
