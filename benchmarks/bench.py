@@ -11,7 +11,7 @@ for the backward, flash-attention's convention), the share of the fp32 matrix-mu
 roofline measured in the same run, and the peak extra memory of one call measured in
 a fresh subprocess. Results go to JSON, a markdown table and a PNG plot.
 
-    python benchmarks/bench.py           # S in 1024 4096 16384 (about 90 minutes on 2 cores)
+    python benchmarks/bench.py           # S in 1024 4096 16384 (under two hours on 2 cores)
     python benchmarks/bench.py --sizes 1024 --repeats 3 --no-memory   # a quick look
 """
 

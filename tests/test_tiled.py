@@ -396,3 +396,23 @@ def test_the_cost_floor_is_a_lower_bound_of_the_cost(shape, mask):
     call = normalize_call(q, k, k, mask)
     tiled = BACKENDS["tiled"]
     assert tiled.cost_floor(call) <= tiled.cost(call, need_lse=False)
+
+
+def test_a_bool_tensor_given_again_is_planned_once_and_again_after_an_in_place_change(
+    monkeypatch,
+):
+    import attnkit.backends.tiled as tiled
+
+    planned = []
+    real = tiled.best_plan
+    monkeypatch.setattr(tiled, "best_plan", lambda *a: planned.append(1) or real(*a))
+    q = torch.randn(1, 2, 96, 16)
+    band = ak.sliding_window(20).dense(1, 1, 96, 96)  # (1, 1, L, S): one run of keys a row
+    first = ak.attention(q, q, q, band, backend="tiled")
+    for _ in range(3):
+        torch.testing.assert_close(ak.attention(q, q, q, band, backend="tiled"), first)
+    assert len(planned) == 1  # wrapped anew per call, planned once per tensor
+    band[..., :10] = False  # in place: a new version, planned again
+    changed = ak.attention(q, q, q, band, backend="tiled")
+    assert len(planned) == 2
+    torch.testing.assert_close(changed, ak.attention(q, q, q, band, backend="reference"))

@@ -98,9 +98,14 @@ def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _batched_mask(mask: Tensor | None, lead: tuple[int, ...]) -> Tensor | None:
-    """attn_mask broadcastable to (*lead, H, L, S) -> (B | 1, H | 1, L | 1, S | 1)."""
-    if mask is None:
-        return None
+    """attn_mask broadcastable to (*lead, H, L, S) -> (B | 1, H | 1, L | 1, S | 1).
+
+    With at most one leading dim the caller's own tensor is returned: attention reads it
+    as it is, and its structure (the rows' key runs) and the prepared call are kept per
+    tensor object, so a mask given again is not examined again (a view made per call
+    would be a new object every call)."""
+    if mask is None or len(lead) <= 1:
+        return mask
     rank = len(lead) + 3
     if mask.dim() > rank:
         raise RuntimeError(

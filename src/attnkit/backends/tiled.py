@@ -30,7 +30,8 @@ from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks import Mask
-from attnkit.masks.base import seen_from_spans
+from attnkit.masks.base import given_tensor, seen_from_spans
+from attnkit.masks.pertensor import PerTensor
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import zero_unseen
 
@@ -451,11 +452,23 @@ class TiledBackend:
             weakref.WeakKeyDictionary()
         )
         self._unmasked: dict[tuple[Any, ...], _Prepared] = {}  # plans without a mask
+        # a bool tensor given as the mask is wrapped anew per call: its plans go with the
+        # caller's tensor object (weakly held), the key below holds its version
+        self._by_tensor: PerTensor[dict[tuple[Any, ...], _Prepared]] = PerTensor()
+
+    def _plans_of(self, mask: Mask | None) -> dict[tuple[Any, ...], _Prepared]:
+        if mask is None:
+            return self._unmasked
+        given = given_tensor(mask)
+        if given is None:
+            return self._plans.setdefault(mask, {})
+        found = self._by_tensor.get(given, None)
+        return found if found is not None else self._by_tensor.put(given, None, {})
 
     def _prepared(self, call: AttentionCall) -> _Prepared:
         """The plan of a call and its visibility: made once per mask and size."""
         d, mask = call.dims, call.mask
-        plans = self._unmasked if mask is None else self._plans.setdefault(mask, {})
+        plans = self._plans_of(mask)
         key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else mask.state())
         if key not in plans:
             if len(plans) >= PLANS_PER_MASK:

@@ -7,6 +7,7 @@ broadcasting `arange`s, so nothing builds the full (B, H, L, S) tensor unless as
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -649,6 +650,18 @@ def integer_mask_error(name: str, dtype: torch.dtype) -> MaskError:
     )
 
 
+# the tensor each tensor mask was made from, while the mask lives (`given_tensor`)
+_GIVEN: weakref.WeakKeyDictionary[Mask, Tensor] = weakref.WeakKeyDictionary()
+
+
+def given_tensor(mask: Mask) -> Tensor | None:
+    """The caller's tensor a tensor mask was made from by `as_mask` (None for others).
+
+    `as_mask` wraps a tensor anew at every call; caches that should last as long as the
+    caller's mask (tiled's plans) key on this tensor, not on the wrapper."""
+    return _GIVEN.get(mask)
+
+
 def as_mask(mask: Mask | Tensor) -> Mask:
     """A `Mask` from a `Mask` or a bool tensor (broadcastable to (B, H, L, S))."""
     if isinstance(mask, Mask):
@@ -656,7 +669,9 @@ def as_mask(mask: Mask | Tensor) -> Mask:
     if not isinstance(mask, Tensor):
         raise TypeError(f"mask must be a Mask or a bool tensor, got {type(mask).__name__}.")
     if mask.dtype == torch.bool:
-        return _TensorMask(mask)
+        wrapper = _TensorMask(mask)
+        _GIVEN[wrapper] = mask
+        return wrapper
     if mask.is_floating_point():
         raise MaskError(
             f"mask has dtype {mask.dtype}: a float tensor is an additive bias (0 keeps, -inf "

@@ -11,36 +11,25 @@ over it; a row of two or more runs (a random mask) leaves it a plain tensor mask
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
+
+from attnkit.masks.pertensor import PerTensor
 
 __all__ = ["range_bounds", "row_intervals", "row_intervals_of"]
 
 Found = tuple[Tensor, Tensor] | None
-FoundMap = dict[int, tuple[weakref.ref[Tensor], tuple[int, int], Found]]
-# id(tensor) -> (a weak reference to it, its version and S, what was found); the entry
-# goes with the tensor
-_FOUND: FoundMap = {}
+_FOUND: PerTensor[tuple[Found]] = PerTensor()  # per tensor object, by its version and S
 
 
 def row_intervals_of(tensor: Tensor, S: int) -> Found:
     """`row_intervals`, found once per tensor object and version (a mask tensor changed
     in place is read again)."""
-    entry = _FOUND.get(id(tensor))
-    if entry is not None and entry[0]() is tensor and entry[1] == (tensor._version, S):
-        return entry[2]
-    found = row_intervals(tensor, S)
-    ident = id(tensor)
-
-    def forget(ref: weakref.ref[Tensor], ident: int = ident, found_map: FoundMap = _FOUND) -> None:
-        held = found_map.get(ident)
-        if held is not None and held[0] is ref:
-            del found_map[ident]
-
-    _FOUND[ident] = (weakref.ref(tensor, forget), (tensor._version, S), found)
-    return found
+    key = (tensor._version, S)
+    held = _FOUND.get(tensor, key)  # (found,): None is an answer too (not one run a row)
+    if held is None:
+        held = _FOUND.put(tensor, key, (row_intervals(tensor, S),))
+    return held[0]
 
 
 def row_intervals(tensor: Tensor, S: int) -> tuple[Tensor, Tensor] | None:
