@@ -267,3 +267,18 @@ def test_row_spans_is_a_mask_of_its_intervals_on_every_backend():
         row_spans(lo, hi[:, :3])
     with pytest.raises(ak.ShapeContractError, match="one span per query row"):
         ak.attention(torch.randn(2, 2, 4, 8), k, v, mask)
+
+
+def test_varlen_with_paged_keys_runs_compiled_fullgraph():
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(6, 4, 2, 8, generator=g)  # (pages, page_size, Hkv, D)
+    table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    used = torch.tensor([6, 3], dtype=torch.int32)
+    q, cu = torch.randn(2, 4, 8, generator=g), _cu([1, 1])
+
+    def decode(q, pool, table, used):
+        return varlen_attn(q, pool, pool, cu, None, 1, 8, window_size=(-1, 0), enable_gqa=True,
+                           seqused_k=used, block_table=table)  # fmt: skip
+
+    compiled = torch.compile(decode, fullgraph=True)
+    torch.testing.assert_close(compiled(q, pool, table, used), decode(q, pool, table, used))
