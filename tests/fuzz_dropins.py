@@ -19,32 +19,6 @@ from fuzz_cases import Draw
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-4}, torch.float64: {}}
 
 
-def varlen_formula(q, k, v, cu_q, cu_k, window, scale=None, used=None):
-    """torch's documented varlen convention, one sequence at a time, in float64: query i
-    of a sequence sees keys j with i' - left <= j <= i' + right, i' = i + len_k - len_q.
-    Returns out (T_q, H, Dv) and lse (T_q, H)."""
-    outs, lses = [], []
-    G = q.shape[1] // k.shape[1]
-    for n in range(len(cu_q) - 1):
-        qs = q[cu_q[n] : cu_q[n + 1]].double()
-        len_k = int(cu_k[n + 1] - cu_k[n]) if used is None else int(used[n])
-        ks, vs = (t[cu_k[n] : cu_k[n] + len_k].double().repeat_interleave(G, 1) for t in (k, v))
-        s = torch.einsum("lhd,shd->hls", qs, ks) * (scale or q.shape[-1] ** -0.5)
-        i = torch.arange(qs.shape[0])[:, None] + len_k - qs.shape[0]
-        j = torch.arange(len_k)[None]
-        ok = torch.ones(qs.shape[0], len_k, dtype=torch.bool)
-        if window[0] >= 0:
-            ok &= j >= i - window[0]
-        if window[1] >= 0:
-            ok &= j <= i + window[1]
-        s = s.masked_fill(~ok, -torch.inf)
-        lse = torch.logsumexp(s, -1)  # (H, l)
-        p = torch.where(ok, torch.exp(s - torch.where(lse.isfinite(), lse, 0)[..., None]), 0)
-        outs.append(torch.einsum("hls,shd->lhd", p, vs))
-        lses.append(lse.T)
-    return torch.cat(outs), torch.cat(lses)
-
-
 def flash_formula(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
     """flash-attention's documented convention, one sequence: q (L, H, D), k and v
     (S, Hkv, D) -> out (L, H, Dv), lse (H, L), float64."""
@@ -68,6 +42,21 @@ def flash_formula(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes
     lse = torch.logsumexp(s, -1)
     p = torch.where(ok, torch.exp(s - torch.where(lse.isfinite(), lse, 0)[..., None]), 0)
     return torch.einsum("hls,shd->lhd", p, v), lse
+
+
+def varlen_formula(q, k, v, cu_q, cu_k, window, scale=None, used=None):
+    """torch's documented varlen convention: each sequence as flash-attention's formula
+    (the same window around i' = i + len_k - len_q), its first len_k (or used) keys.
+    Returns out (T_q, H, Dv) and lse (T_q, H), float64."""
+    outs, lses = [], []
+    for n in range(len(cu_q) - 1):
+        len_k = int(cu_k[n + 1] - cu_k[n]) if used is None else int(used[n])
+        keys = slice(int(cu_k[n]), int(cu_k[n]) + len_k)
+        out, lse = flash_formula(q[cu_q[n] : cu_q[n + 1]], k[keys], v[keys], window=window,
+                                 scale=scale)  # fmt: skip
+        outs.append(out)
+        lses.append(lse.T)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def cumulative(lengths: list[int]) -> torch.Tensor:
