@@ -55,7 +55,7 @@ def flash_attn_func(
     index = torch.arange(L, device=q.device)[None].expand(B, L)
     first = torch.zeros(B, 1, dtype=torch.long, device=q.device)
     spans = window_spans(first, torch.full_like(first, S), L, index, _window(causal, window_size))
-    mask = _mask(spans, alibi_slopes)
+    mask = _mask(spans, alibi_slopes, q.dtype)
     out, lse = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                        softmax_scale, softcap, dropout_p)  # fmt: skip
     out = out.transpose(1, 2)  # (B, L, H, Dv)
@@ -97,7 +97,7 @@ def flash_attn_varlen_func(
     spans, seq = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], window, used)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per query row
         alibi_slopes = alibi_slopes[seq.to(alibi_slopes.device)][None]  # (1, T_q, H)
-    mask = _mask(spans.one_batch_row(), alibi_slopes)
+    mask = _mask(spans.one_batch_row(), alibi_slopes, q.dtype)
     qp, kp, vp = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
     out, lse = _attend(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
     out = out[0].transpose(0, 1)  # (T_q, H, Dv)
@@ -162,7 +162,7 @@ def flash_attn_with_kvcache(
     end = (seqlens + new)[:, None]
     index = torch.arange(L, device=dev)[None].expand(B, L)
     spans = window_spans(first, end - first, L, index, _window(causal, window_size))
-    mask = _mask(spans, alibi_slopes)
+    mask = _mask(spans, alibi_slopes, q.dtype)
     with torch.no_grad():
         out, lse = _attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                            mask, softmax_scale, softcap, 0.0)  # fmt: skip
@@ -179,12 +179,14 @@ def _window(causal: bool, window_size: Window) -> Window:
     return (left, 0) if causal else (left, right)
 
 
-def _mask(spans: KeySpans, alibi_slopes: Tensor | None) -> Mask:
-    """Each row's key interval, and ALiBi around each row's aligned position."""
+def _mask(spans: KeySpans, alibi_slopes: Tensor | None, dtype: torch.dtype) -> Mask:
+    """Each row's key interval, and ALiBi around each row's aligned position (its bias in
+    float64 for float64 calls, else float32)."""
     mask = row_spans(spans.lo, spans.hi)
     if alibi_slopes is None:
         return mask
-    return mask & _ALiBi(alibi_slopes.float(), None, positions=spans.at)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return mask & _ALiBi(alibi_slopes.to(wide), None, positions=spans.at)
 
 
 def _attend(
