@@ -1,8 +1,20 @@
-"""The attnkit command: the tour passes its own checks; masks and plans print."""
+"""The attnkit command: the tour passes its own checks; masks, plans and timings print,
+on any console, and errors speak in the command's options."""
 
 from __future__ import annotations
 
-from attnkit.cli import main
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.benchmark import run_bench
+from attnkit.cli import in_cli_terms, main
+from attnkit.console import Progress
 from attnkit.tour import run_tour
 
 
@@ -33,3 +45,108 @@ def test_explain_command_prints_a_plan(capsys):
     assert main(["explain", "sliding", "-L", "256", "--window", "15"]) == 0
     out = capsys.readouterr().out
     assert "attnkit plan" in out and "sliding_window(left=15" in out
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    environ = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "attnkit.cli", *args], capture_output=True, env=environ
+    )
+
+
+def test_version_names_attnkit_and_torch(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"attnkit {ak.__version__} (torch {torch.__version__})")
+
+
+def test_errors_speak_in_options_and_come_alone(capsys):
+    assert main(["mask", "causal", "-L", "3", "-S", "6"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no header before the error
+    assert captured.err.startswith("attnkit mask: ")
+    for fix in ("--align top_left", "--align bottom_right", "--offset N"):
+        assert fix in captured.err
+    assert "align=" not in captured.err and "causal(" not in captured.err
+
+
+def test_python_fixes_become_options():
+    message = "give align='top_left' or offset=3, not both; window=-1 is negative"
+    assert (
+        in_cli_terms(message)
+        == "give --align top_left or --offset 3, not both; --window -1 is negative"
+    )
+
+
+@pytest.mark.parametrize("args", [["-L", "0"], ["-S", "-2"], ["--window", "-1"]])
+def test_counts_out_of_range_are_refused_by_the_parser(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["mask", "sliding", *args])
+    assert exit_.value.code == 2
+    flag, value = args
+    assert f"error: argument {flag}: {value} is below" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "cp1252"])
+def test_mask_draws_on_a_console_without_the_characters(encoding):
+    done = _run("mask", "causal", "-L", "3", env={"PYTHONIOENCODING": encoding})
+    assert done.returncode == 0, done.stderr.decode()
+    dot = "." if encoding == "ascii" else "·"  # cp1252 has the middle dot, not the square
+    assert f"# {dot} {dot}\n# # {dot}\n# # #" in done.stdout.decode(encoding)
+    assert done.stderr == b""
+
+
+def test_tour_runs_on_an_ascii_console():
+    done = _run("tour", env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0, done.stderr.decode()
+    text = done.stdout.decode("ascii")
+    assert "   ok weights are" in text and "checks passed, 0 failed" in text
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    child = subprocess.Popen(
+        [sys.executable, "-m", "attnkit.cli", "tour"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # the reader leaves before the first line, as `| head -0` would
+    err = child.stderr.read()
+    assert child.wait(timeout=120) == 0
+    assert err == b""
+
+
+def test_bench_prints_a_row_per_pattern_and_pass(capsys):
+    args = ["bench", "-S", "64", "--runs", "1", "--patterns", "causal", "sliding", "--backward"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("causal", "sliding"))]
+    assert [row.split()[:2] for row in rows] == [
+        ["causal", "forward"], ["causal", "forward+backward"],
+        ["sliding", "forward"], ["sliding", "forward+backward"],
+    ]  # fmt: skip
+    assert all(row.count("ms") == 2 and "×" in row for row in rows)
+
+
+def test_bench_refuses_an_unknown_pattern():
+    with pytest.raises(ValueError, match="unknown patterns"):
+        run_bench(64, patterns=("diagonal",))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_on_a_terminal_once_the_run_is_long():
+    long_run, short_run, log = _Terminal(), _Terminal(), io.StringIO()
+    for stream, after in ((long_run, 0.0), (short_run, 60.0), (log, 0.0)):
+        bar = Progress(2, stream, after=after)
+        bar.step("first")
+        bar.step("second")
+        bar.close()
+    assert "1/2 first" in long_run.getvalue() and "2/2 second" in long_run.getvalue()
+    assert long_run.getvalue().endswith("\r")  # cleared for what follows
+    assert short_run.getvalue() == "" and log.getvalue() == ""

@@ -45,7 +45,7 @@ def _indent(text: str, pad: str = "      ") -> str:
 
 def closed_loop(t: Tour) -> None:
     t.section(1, "The closed loop: scores → mask → softmax → weighted sum of V")
-    # the seed chapter's own tensors (Q1): one batch, L = S = 2, D = 3, Dv = 2
+    # tensors small enough to check by hand: one batch, L = S = 2, D = 3, Dv = 2
     q = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]])  # (B, L, D)
     k = torch.tensor([[[1.0, 2.0, 0.0], [3.0, 0.0, 1.0]]])  # (B, S, D)
     v = torch.tensor([[[10.0, 0.0], [0.0, 20.0]]])  # (B, S, Dv)
@@ -57,7 +57,7 @@ def closed_loop(t: Tour) -> None:
     out, weights = ak.scaled_dot_product_attention(q, k, v, mask=mask)
     t.show("weights = softmax(masked scores)", weights[0])
     t.show("output = weights · V", out[0])
-    t.echo("   the seed's check (Q1): q = [[1, 0], [0, 1]], k = [[1, 2], [3, 4]], same V")
+    t.echo("   worked by hand: q = [[1, 0], [0, 1]], k = [[1, 2], [3, 4]], the same V")
     q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
     k = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
     out, weights = ak.scaled_dot_product_attention(q, k, v, mask=mask)
@@ -224,7 +224,8 @@ def run_tour(echo: Printer = print) -> int:
         section(t)
     echo(f"\n{t.passed} checks passed, {t.failed} failed.")
     echo(
-        "Next: README.md › 'Masks' for the mask algebra, 'API' for attention() and "
-        "explain(), docs/DESIGN.md for the conventions."
+        "Next: the docs' pages 'Getting started', 'Masks' and 'API reference'; at the "
+        "command line `attnkit mask sliding --window 3` draws a mask, `attnkit explain "
+        "documents` shows the plan of a call and `attnkit bench` times attention() here."
     )
     return t.failed
