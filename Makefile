@@ -2,23 +2,30 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow fuzz lint format bench clean
+.PHONY: demo test test-slow fuzz lint format bench docs clean
 
 CASES ?= 10000
 SEED ?= 0
 SURFACE ?= all
 
-$(STAMP): pyproject.toml
+# what the demo needs: the runtime (the CPU build of torch: a bare `torch` would pull a
+# multi-GB CUDA build) and attnkit with its command
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# the CPU build of torch (a bare `torch` would pull a multi-GB CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,plot]'
+	$(PY) -m pip install --quiet -e .
+	touch $(RUNTIME)
+
+# what the tests, lint, docs and benchmarks need on top
+$(STAMP): $(RUNTIME)
+	$(PY) -m pip install --quiet -e '.[dev,plot,docs]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(VENV)/bin/attnkit tour
 
 test: $(STAMP) lint
@@ -37,13 +44,17 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs
 	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests benchmarks examples
-	$(VENV)/bin/ruff check --fix src tests benchmarks examples
+	$(VENV)/bin/ruff format src tests benchmarks examples docs
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples docs
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site docs/images/generated
+
+# the docs site, with the API reference from the docstrings, into site/ (warnings are errors)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import round_robin  # beside this file
 
 import attnkit as ak
+from attnkit.benchmark import round_robin
 
 H, D = 8, 64
 PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix", "tensor")
@@ -204,7 +204,8 @@ def time_peers(
     repeats: int,
     warmup: bool = True,
 ) -> dict[str, float]:
-    """Median seconds of each peer on the same inputs, timed round-robin (`timing`)."""
+    """Median seconds of each peer on the same inputs, timed round-robin
+    (`attnkit.benchmark.round_robin`)."""
     tensors = inputs(case, grad)
     calls = {peer: (lambda fn=fn: run_once(fn, tensors, grad)) for peer, fn in fns.items()}
     return round_robin(calls, repeats, warmup=warmup)

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import attnkit.modules
+from attnkit.benchmark import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from timing import round_robin
 from tiny_gpt import TinyGPT
 
 VOCAB, BATCH, BLOCK = 96, 16, 128

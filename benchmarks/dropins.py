@@ -4,7 +4,8 @@
 bench's patterns (`is_causal` for causal, else the pattern's dense bool mask, as code
 that calls SDPA passes it), and `attnkit.varlen_attn` on 8 packed causal documents
 against what CPU code does without it: a loop of SDPA calls, one per document. H=8,
-D=64, float32, forward and forward+backward, medians of round-robin runs (`timing`);
+D=64, float32, forward and forward+backward, medians of round-robin runs
+(`attnkit.benchmark.round_robin`);
 ratio = the peer's time over attnkit's (above 1: attnkit is faster).
 
     python benchmarks/dropins.py
@@ -22,9 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench import cpu_description, make_case  # beside this file
-from timing import round_robin
 
 import attnkit as ak
+from attnkit.benchmark import round_robin
 
 RESULTS = Path(__file__).parent / "results"
 H, D = 8, 64

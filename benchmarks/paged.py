@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench import cpu_description  # beside this file
-from timing import round_robin
 
 import attnkit as ak
+from attnkit.benchmark import round_robin
 
 H, HKV, D, BLOCK = 8, 2, 64, 16
 RESULTS = Path(__file__).parent / "results"

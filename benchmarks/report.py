@@ -1,4 +1,4 @@
-"""Turn benchmark records into the markdown table and the PNG plot of the README."""
+"""Turn benchmark records into the markdown table and the PNG plot of the Benchmarks page."""
 
 from __future__ import annotations
 

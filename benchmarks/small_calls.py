@@ -3,7 +3,7 @@
 The decode grid: B in {1, 4, 8, 32}, S in {512, 2048, 8192}, H=8, Hkv=2, D=64, one
 query per row, float32, without padding (`causal(align="bottom_right")` against SDPA
 unmasked) and with padding (`& key_padding(lengths)`, lengths drawn in [S/2, S], against
-SDPA with the same bool mask). Round-robin medians (`timing.round_robin`) of `--runs`
+SDPA with the same bool mask). Round-robin medians (`attnkit.benchmark.round_robin`) of `--runs`
 calls each, under `torch.no_grad()` as generation runs; the ratio is SDPA's time over
 attnkit's (>= 1: attnkit at least as fast); `overhead` is attnkit's time minus SDPA's, in
 microseconds (the planning and checks a call pays beyond the kernel).
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench import cpu_description  # beside this file
-from timing import round_robin
 
 import attnkit as ak
+from attnkit.benchmark import round_robin
 
 H, HKV, D = 8, 2, 64
 RESULTS = Path(__file__).parent / "results"

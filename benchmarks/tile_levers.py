@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 from bench import cpu_description  # beside this file
-from timing import round_robin
 
 from attnkit._compat import cpu_flash_attention
 from attnkit.backends.tiled import CHUNK_BYTES
+from attnkit.benchmark import round_robin
 from attnkit.precision import kernel_dtype
 
 RESULTS = Path(__file__).parent / "results"

@@ -128,7 +128,7 @@ def test_sum_groups_keeps_float64_and_sums_half_in_float32():
     assert abs(sum_groups(half, 4).item() - 4 * (1 + 2**-7)) <= 2**-6
 
 
-def test_readme_design_and_the_harness_state_the_same_precision_bound():
+def test_conventions_design_and_the_harness_state_the_same_precision_bound():
     """The bound the docs promise is the one tests/fuzz_check.py checks: its floors, its
     reordering factor and the backends that take the slack appear in both documents."""
     from pathlib import Path
@@ -137,7 +137,7 @@ def test_readme_design_and_the_harness_state_the_same_precision_bound():
 
     root = Path(__file__).resolve().parent.parent
     words = {
-        "README.md": (root / "README.md").read_text(),
+        "conventions.md": (root / "docs" / "conventions.md").read_text(),
         "DESIGN.md": (root / "docs" / "DESIGN.md").read_text(),
     }
     c = f"{fuzz_check.LSE_ROUNDING:g}·ε·m·σ(x)"

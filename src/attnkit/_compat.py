@@ -107,14 +107,15 @@ def dynamo_recompile_limit(limit: int) -> Any:
     return dynamo_config.patch(**{name: max(limit, getattr(dynamo_config, name))})
 
 
-try:  # torch's varlen_attn (2.9+) and the request for its extra outputs
-    from torch.nn.attention.varlen import AuxRequest
-except ImportError:  # older torch: the same NamedTuple, so code written for either works
+class AuxRequest(NamedTuple):
+    """Which extra outputs `varlen_attn` returns: `lse=True` adds the log-sum-exp.
 
-    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
-        """Which extra outputs `varlen_attn` returns: `lse=True` adds the log-sum-exp."""
+    The same NamedTuple as torch's `torch.nn.attention.varlen.AuxRequest` (2.9+), and
+    either works: the drop-in reads `.lse`. It is not imported from torch, because that
+    module loads the compiler (about 3 s) and `import attnkit` should not.
+    """
 
-        lse: bool = False
+    lse: bool = False
 
 
 def flex_attention_module() -> Any | None:

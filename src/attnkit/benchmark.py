@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import attnkit as ak
 from attnkit.console import Progress
 
-__all__ = ["PATTERNS", "Row", "run_bench", "table"]
+__all__ = ["PATTERNS", "Row", "round_robin", "run_bench", "table"]
 
 PATTERNS: dict[str, Callable[[int], ak.Mask]] = {
     "causal": lambda S: ak.causal(),
@@ -49,16 +49,26 @@ class Row:
         return self.sdpa_s / self.attnkit_s
 
 
-def _medians(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
-    for fn in fns.values():  # warm up: thread pools, allocator, plan caches
+def round_robin(
+    fns: dict[str, Callable[[], object]], runs: int, *, warmup: bool = True
+) -> dict[str, float]:
+    """Median seconds of each callable over `runs` rounds, each round in a shuffled order.
+
+    Interleaving makes a slow spell of the machine (other load, frequency changes) fall
+    on every peer alike instead of on whichever peer ran during it; each is called once
+    first (thread pools, allocator, caches; `warmup=False` skips that for calls of many
+    seconds, where it costs a round and changes nothing) and the garbage collector stays
+    off while timing. Every table of the repository's `benchmarks/` is timed this way.
+    """
+    for fn in fns.values() if warmup else ():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
     gc.collect()
     gc.disable()
     try:
+        order = list(fns)
         for r in range(runs):
-            random.Random(r).shuffle(order)
+            random.Random(r).shuffle(order)  # no peer always runs after the same one
             for name in order:
                 start = time.perf_counter()
                 fns[name]()
@@ -118,7 +128,7 @@ def run_bench(
             q, k, v = (
                 torch.randn(1, heads, S, dim, dtype=dtype).requires_grad_(grad) for _ in range(3)
             )
-            times = _medians(_calls(pattern, q, k, v, grad), runs)
+            times = round_robin(_calls(pattern, q, k, v, grad), runs)
             backend = ak.explain(q, k, v, PATTERNS[pattern](S)).backend
             rows.append(Row(pattern, grad, times["attnkit"], times["sdpa"], backend))
             bar.step(f"{pattern} {'forward+backward' if grad else 'forward'}")

@@ -18,8 +18,9 @@ float masks that require grad (the op gives mask tensors no gradient) and masks 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -33,6 +34,8 @@ from attnkit.masks.spec import decode, encodable, encode
 from attnkit.planner import backend_for_run
 from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from attnkit.threads import in_fresh_thread
+
+R = TypeVar("R")
 
 __all__ = ["attention_backward_op", "attention_op", "traced_attention"]
 
@@ -85,6 +88,12 @@ def _op_can_express(
         and isinstance(backend, str)
         and (dropout_p == 0 and _is_number(dropout_p))
     )
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def run_eagerly(fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)` run eagerly inside `torch.compile`d code: a graph break around it."""
+    return fn(*args)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]

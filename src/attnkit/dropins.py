@@ -139,11 +139,13 @@ def varlen_attn(
     """`torch.nn.attention.varlen.varlen_attn`, on attnkit (CPU included, with backward).
 
     Args:
-        query: (T_q, H, D) packed sequences; key, value: (T_k, Hkv, D), or with
-            `block_table` pages (total_pages, page_size, Hkv, D).
-        cu_seq_q, cu_seq_k: (N + 1,) cumulative lengths (sequence n is rows
-            cu[n]..cu[n+1]-1); cu_seq_k may be None with `block_table`.
-        max_q, max_k: the longest sequences (accepted; attnkit reads the lengths).
+        query: (T_q, H, D) packed sequences.
+        key: (T_k, Hkv, D), or with `block_table` pages (total_pages, page_size, Hkv, D).
+        value: laid out as `key`.
+        cu_seq_q: (N + 1,) cumulative query lengths (sequence n is rows cu[n]..cu[n+1]-1).
+        cu_seq_k: (N + 1,) cumulative key lengths; may be None with `block_table`.
+        max_q: the longest query sequence (accepted; attnkit reads the lengths).
+        max_k: the longest key sequence (accepted likewise).
         return_aux: `AuxRequest(lse=True)` also returns the log-sum-exp (T_q, H).
         window_size: (left, right), flash-attention's convention: query i of a sequence
             sees its keys j with i' - left <= j <= i' + right, i' = i + (len_k - len_q)

@@ -8,12 +8,10 @@ validated plan of a repeated call.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
 
-from attnkit.compiled import traced_attention
 from attnkit.contracts import check_sinks, normalize_call
 from attnkit.dispatch import attention_call
 from attnkit.errors import ShapeContractError
@@ -25,15 +23,7 @@ from attnkit.softmax import add_sinks
 
 __all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
 
-Fn = TypeVar("Fn")
-
 MaskLike = Mask | Tensor | None
-
-
-def _eager(fn: Fn) -> Fn:
-    """Run `fn` eagerly inside `torch.compile`d code: a graph break around the call
-    (`attention_probs` reads mask tensors as data; `attention` compiles to a custom op)."""
-    return cast(Fn, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 @points_habits
@@ -70,6 +60,8 @@ def attention(
             backend=backend,
         )[0]  # fmt: skip
     if torch.compiler.is_compiling():  # one custom op in the graph (attnkit.compiled)
+        from attnkit.compiled import traced_attention  # loaded under torch.compile only
+
         return traced_attention(
             q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
             backend=backend, need_lse=False,
@@ -104,6 +96,8 @@ def attention_with_lse(
     if sinks is not None:
         sinks = check_sinks(sinks, q)
     if torch.compiler.is_compiling():
+        from attnkit.compiled import traced_attention
+
         out, lse = traced_attention(
             q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
             backend=backend, need_lse=True,
@@ -137,7 +131,6 @@ def _row_index(
     return index
 
 
-@_eager
 @points_habits
 def attention_probs(
     q: Tensor,
@@ -159,6 +152,23 @@ def attention_probs(
         exactly 0, rows that see nothing all 0. With `sinks` a row sums to less than 1:
         the sink takes the rest.
     """
+    if torch.compiler.is_compiling():  # reads mask tensors as data: eager, a graph break
+        from attnkit.compiled import run_eagerly
+
+        probs: Tensor = run_eagerly(_probs, q, k, mask, scale, softcap, sinks, rows)
+        return probs
+    return _probs(q, k, mask, scale, softcap, sinks, rows)
+
+
+def _probs(
+    q: Tensor,
+    k: Tensor,
+    mask: MaskLike,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+    rows: int | Sequence[int] | slice | Tensor | None,
+) -> Tensor:
     sinks = None if sinks is None else check_sinks(sinks, q)
     call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
     d = call.dims

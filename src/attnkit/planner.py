@@ -8,6 +8,7 @@ convention for the forward pass).
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass, field
 
@@ -51,6 +52,29 @@ class Plan:
             lines.append(f"    {mark} {name:<10} {why}")
         lines += [f"  note     {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the plan as a table, the chosen backend first."""
+        s = self.shapes
+        cells = [
+            ("shapes", f"q {s['q']}  k {s['k']}  v {s['v']}  →  out {s['out']}"),
+            ("mask", f"{self.mask} (density {self.density:.1%} of L×S)"),
+            ("work", f"{self.flops / 1e9:.3f} GFLOP"),
+            ("memory", f"≈ {_human_bytes(self.peak_bytes)} extra"),
+        ]
+        ranked = sorted(self.reasons.items(), key=lambda item: item[1] is not None)
+        cells += [(name, "chosen" if why is None else f"not chosen: {why}") for name, why in ranked]
+        cells += [("note", n) for n in self.notes]
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{html.escape(name)}</th>"
+            f"<td style='text-align:left'>{html.escape(text)}</td></tr>"
+            for name, text in cells
+        )
+        title = html.escape(f"attnkit plan: backend '{self.backend}'")
+        return f"<div><b>{title}</b><table>{rows}</table></div>"
 
 
 def _human_bytes(n: int) -> str:

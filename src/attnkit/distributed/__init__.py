@@ -103,7 +103,8 @@ def attention(
         group: the process group (None: the default one); P = its size.
         layout: "zigzag" (balances causal work) or "contiguous".
         strategy: "ring", "allgather", "ulysses" or "auto" (`explain` says which and why).
-        scale, softcap: as `attnkit.attention`.
+        scale: as `attnkit.attention`.
+        softcap: as `attnkit.attention`.
     Returns:
         (B, H, L/P, Dv): this rank's rows of the output, in q's dtype.
     """

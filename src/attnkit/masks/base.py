@@ -258,6 +258,12 @@ class Mask:
     def __repr__(self) -> str:
         return f"Mask[{self.describe()}]"
 
+    def _repr_html_(self) -> str:
+        """What a notebook shows: the description and a drawing (`masks.picture`)."""
+        from attnkit.masks.picture import mask_html
+
+        return mask_html(self)
+
     def __and__(self, other: Mask | Tensor) -> Mask:
         return _Combine("&", (self, as_mask(other)))
 

@@ -1,0 +1,82 @@
+"""A mask as a notebook shows it: an SVG drawing with its description, no plotting library.
+
+`Mask._repr_html_` draws the mask at `PREVIEW`×`PREVIEW` (masks that hold tensors of a
+fixed length at that length, at most `LARGEST` a side), one square a pair, runs of
+visible keys as one rectangle, so even a 64×64 drawing stays small.
+"""
+
+from __future__ import annotations
+
+import html
+
+import torch
+
+from attnkit.errors import MaskError, ShapeContractError
+from attnkit.masks.base import Mask
+
+__all__ = ["LARGEST", "PREVIEW", "mask_html", "preview_size"]
+
+PREVIEW = 16  # L = S of a mask that fits any size
+LARGEST = 64  # the largest side drawn; a mask bound to more keys shows its corner
+
+
+def _fits(mask: Mask, L: int, S: int) -> bool:
+    try:
+        mask.check(mask.batch_size or 1, mask.num_heads or 1, L, S)
+    except (MaskError, ShapeContractError):
+        return False
+    return True
+
+
+def preview_size(mask: Mask) -> tuple[int, int] | None:
+    """The (L, S) a picture of `mask` shows: `PREVIEW` a side where it fits any size,
+    else the sizes its tensors fix (a (L, S) tensor, S document ids), or None."""
+    candidates = [(PREVIEW, PREVIEW)]
+    for t in mask.tensors():
+        if t.dim() >= 2:
+            candidates += [(t.shape[-2], t.shape[-1]), (t.shape[-1], t.shape[-1])]
+        if t.dim() >= 1:
+            candidates.append((t.shape[-1], t.shape[-1]))
+    return next(((L, S) for L, S in candidates if L and S and _fits(mask, L, S)), None)
+
+
+def mask_html(mask: Mask) -> str:
+    """An HTML block: the description, the size drawn and an SVG of batch row 0, head 0."""
+    title = html.escape(str(mask))
+    size = preview_size(mask)
+    if size is None:
+        return f"<div><code>{title}</code> (no size to draw it at: see Mask.draw)</div>"
+    L, S = size
+    R, C = min(L, LARGEST), min(S, LARGEST)
+    B, H = mask.batch_size or 1, mask.num_heads or 1
+    dense = mask.dense(B, H, L, S, rows=torch.arange(R), cols=torch.arange(C))
+    grid: list[list[bool]] = dense.expand(B, H, R, C)[0, 0].tolist()  # (R, C)
+    cell = max(4, min(14, 320 // max(R, C)))
+    shapes = []
+    for i, row in enumerate(grid):
+        j = 0
+        while j < C:
+            if not row[j]:
+                j += 1
+                continue
+            end = j
+            while end < C and row[end]:
+                end += 1
+            shapes.append(
+                f'<rect x="{j * cell}" y="{i * cell}" width="{(end - j) * cell}" '
+                f'height="{cell}" fill="#2b6cb0"/>'
+            )
+            j = end
+    shown = (
+        f"L={L}, S={S}"
+        if (R, C) == (L, S)
+        else f"rows 0..{R - 1} of L={L}, keys 0..{C - 1} of S={S}"
+    )
+    where = ", batch row 0" + (", head 0" if H > 1 else "") if B > 1 or H > 1 else ""
+    return (
+        f'<div class="attnkit-mask"><div><code>{title}</code></div>'
+        f"<div><small>{shown}{where}; blue = may attend</small></div>"
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{C * cell}" height="{R * cell}" '
+        f'viewBox="0 0 {C * cell} {R * cell}"><rect width="100%" height="100%" fill="#edf2f7"/>'
+        f"{''.join(shapes)}</svg></div>"
+    )

@@ -1,0 +1,82 @@
+"""The docs site builds with warnings as errors, its API reference has every public name,
+and the README is a landing page that describes the project as it is."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLIC = (
+    "attnkit",
+    "attnkit.masks",
+    "attnkit.dropins",
+    "attnkit.flash_attn",
+    "attnkit.plot",
+    "attnkit.distributed",
+    "attnkit.integrations.transformers",
+    "attnkit.calibrate",
+)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_every_page_of_the_nav_is_built(site: Path):
+    pages = re.findall(r":\s*([\w-]+)\.md$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert {"getting-started", "reference", "gpu", "benchmarks", "migration"} <= set(pages)
+    for page in pages:
+        built = site / ("index.html" if page == "index" else f"{page}/index.html")
+        assert built.exists(), page
+    masks = (site / "masks/index.html").read_text()
+    assert masks.count('src="../images/generated/') == 6  # the pictures, drawn at build
+    assert (site / "images/generated/causal.png").stat().st_size > 1000
+
+
+def test_the_api_reference_has_every_public_name(site: Path):
+    html = (site / "reference/index.html").read_text()
+    anchors = set(re.findall(r'id="(attnkit[\w.]*)"', html))
+    top = set(importlib.import_module("attnkit").__all__)
+    for module in PUBLIC:
+        for name in importlib.import_module(module).__all__:
+            shown = f"{module}.{name}" in anchors or (name in top and f"attnkit.{name}" in anchors)
+            assert shown, f"{module}.{name} has no entry in the API reference"
+
+
+def test_benchmarks_page_names_the_command_and_cpu_of_each_table(site: Path):
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    included = re.findall(r'--8<-- "(benchmarks/results/[\w.]+\.md)"', page)
+    assert len(included) >= 8
+    for path in included:
+        assert (ROOT / path).exists(), path
+    for command in ("make bench", "benchmarks/small_calls.py", "benchmarks/dropins.py",
+                    "benchmarks/block_mask.py", "benchmarks/paged.py",
+                    "benchmarks/context_parallel.py"):  # fmt: skip
+        assert command in page, command
+    assert "AVX2 yes" in (site / "benchmarks/index.html").read_text()  # a table's CPU line
+
+
+def test_readme_is_a_short_landing_page_about_the_project_as_it_is():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for section in ("## Install", "## Two commands", "## One example", "## Documentation"):
+        assert section in readme
+    for words in ("issue", "session", "../shared", "seeds/"):
+        assert words not in readme.lower(), words
+    for link in re.findall(r"\]\(([^)#]+)\)", readme):
+        assert (ROOT / link).exists(), link
