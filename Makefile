@@ -16,7 +16,7 @@ SURFACE ?= all
 $(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.13.0 numpy  # numpy: else torch warns at import
 	$(PY) -m pip install --quiet -e .
 	touch $(RUNTIME)
 
