@@ -44,13 +44,13 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples docs
-	$(VENV)/bin/ruff format --check src tests benchmarks examples docs
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks.py
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks.py
 	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests benchmarks examples docs
-	$(VENV)/bin/ruff check --fix src tests benchmarks examples docs
+	$(VENV)/bin/ruff format src tests benchmarks examples docs/hooks.py
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples docs/hooks.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site docs/images/generated
