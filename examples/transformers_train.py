@@ -19,15 +19,11 @@ It checks that both implementations give the same loss, then prints tokens per s
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from timing import round_robin
-
 import attnkit.integrations.transformers as akt
+from attnkit.benchmark import round_robin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 IMPLEMENTATIONS = ("sdpa", "attnkit")
