@@ -38,6 +38,7 @@ from bench import _vm, cpu_description, roofline_gflops  # beside this file
 import attnkit as ak
 import attnkit.distributed as akd
 from attnkit.distributed import comm
+from attnkit.distributed.api import agreed
 
 B, H, HKV, D = 1, 4, 4, 64
 PATTERNS = ("causal", "sliding", "documents")
@@ -139,7 +140,7 @@ def _agreement(tensors, mask, layout, strategy) -> float:  # type: ignore[no-unt
     """Seconds the ranks take to agree on a call (the slowest rank's)."""
     dist.barrier()
     start = time.perf_counter()
-    akd.agreed(*tensors, mask, comm.group_of(None), layout, strategy, None, None)
+    agreed(*tensors, mask, comm.group_of(None), layout, strategy, None, None)
     took = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)

@@ -16,6 +16,7 @@ import torch
 
 import attnkit as ak
 from attnkit.masks import row_spans
+from attnkit.masks.structure import dense_bias
 
 T = TypeVar("T")
 
@@ -368,7 +369,7 @@ def _truth_mask(mask: Any, c: Case) -> tuple[torch.Tensor, torch.Tensor | None]:
             return bias > -torch.inf, bias
         return mask.expand(full), None
     visible = mask.materialize(*full)
-    bias = mask.dense_bias(*full)
+    bias = dense_bias(mask, *full)
     return visible, None if bias is None else bias.double().expand(full)
 
 

@@ -42,6 +42,7 @@ def naive_same_dtype(q, k, v, mask, dout, dtype):
     import math
 
     from attnkit.masks import as_mask
+    from attnkit.masks.structure import dense_bias
     from attnkit.softmax import softmax_with_lse
 
     def r(t):
@@ -60,7 +61,7 @@ def naive_same_dtype(q, k, v, mask, dout, dtype):
         m = as_mask(mask)
         visible = m.dense(B, H, L, S, q.device)
         if m.has_bias:
-            scores = r(scores + m.dense_bias(B, H, L, S, q.device).to(dtype).float())
+            scores = r(scores + dense_bias(m, B, H, L, S, q.device).to(dtype).float())
     if visible is not None:
         scores = scores.masked_fill(~visible, -torch.inf)
     weights = r(softmax_with_lse(scores)[0])

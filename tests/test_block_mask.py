@@ -9,6 +9,7 @@ import torch
 import attnkit as ak
 from attnkit._compat import flex_attention_module
 from attnkit.masks import as_mask, blocks
+from attnkit.masks.spans import exact_spans
 
 pytestmark = pytest.mark.skipif(flex_attention_module() is None, reason="no FlexAttention")
 
@@ -75,9 +76,10 @@ def test_spans_and_chunks_agree_where_both_apply():
     """The span path (no pair evaluated) against evaluating the mask, block by block."""
     L, S = 300, 420
     for name, mask in _masks(L, S).items():
-        if name.endswith("offset") or mask.head_dependent or not mask.exact_spans(B, L, S):
+        found = exact_spans(mask, B, L, S)
+        if name.endswith("offset") or found is None:
             continue
-        spans = [t[:, None] for t in blocks._from_spans(mask, B, L, S, 32, torch.device("cpu"))]
+        spans = [t[:, None] for t in blocks._from_spans(*found, L, S, 32)]
         chunks = blocks._from_chunks(mask, B, H, L, S, 32, torch.device("cpu"))
         for a, b in zip(spans, chunks, strict=True):
             assert torch.equal(a.expand_as(b), b), name

@@ -9,7 +9,8 @@ import torch
 
 import attnkit as ak
 import attnkit.masks.base
-import attnkit.masks.kinds
+import attnkit.masks.positions
+import attnkit.masks.tokens
 
 
 def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[list[int]]:
@@ -19,9 +20,13 @@ def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[li
 
 
 def test_docstring_drawings_are_the_real_masks():
-    result = doctest.testmod(attnkit.masks.kinds, optionflags=doctest.NORMALIZE_WHITESPACE)
+    flags = doctest.NORMALIZE_WHITESPACE
+    names = {"causal": ak.causal, "torch": torch}  # the examples combine kinds of both files
+    result = doctest.testmod(attnkit.masks.positions, optionflags=flags, extraglobs=names)
     assert result.attempted >= 8 and result.failed == 0
-    result = doctest.testmod(attnkit.masks.base, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(attnkit.masks.tokens, optionflags=flags, extraglobs=names)
+    assert result.attempted >= 4 and result.failed == 0
+    result = doctest.testmod(attnkit.masks.base, optionflags=flags)
     assert result.attempted >= 1 and result.failed == 0
 
 

@@ -15,7 +15,7 @@ import attnkit as ak
 import attnkit.plot as akplot
 from attnkit.masks import as_mask
 from attnkit.masks.picture import LARGEST, PREVIEW, preview_size
-from attnkit.planner import count_allowed_pairs
+from attnkit.masks.structure import count_allowed_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import attnkit as ak
 from attnkit.backends.tileplan import GRANULE, TILES, plan_tiles
 from attnkit.masks import as_mask
-from attnkit.planner import count_allowed_pairs
+from attnkit.masks.spans import exact_spans
+from attnkit.masks.structure import count_allowed_pairs, key_bounds, state
 
 TILE = TILES[1]
 
@@ -63,7 +64,7 @@ def test_key_bounds_hold_every_visible_key(data, size):
     mask = data.draw(structured_masks(B, L, S))
     first = torch.arange(0, L, TILE)
     last = (first + TILE).clamp(max=L) - 1
-    lo, hi = mask.key_bounds(B, L, S, first, last)
+    lo, hi = key_bounds(mask, B, L, S, first, last)
     dense = mask.materialize(B, 1, L, S)[:, 0]  # (B, L, S)
     keys = torch.arange(S)
     for t in range(first.shape[0]):
@@ -159,10 +160,11 @@ def test_exact_spans_describe_each_row_exactly_and_count_pairs(data, size):
     mask = data.draw(structured_masks(B, L, S))
     dense = mask.materialize(B, 1, L, S)[:, 0]  # (B, L, S)
     assert count_allowed_pairs(mask, B, 3, L, S) == 3 * int(dense.sum())
-    if not mask.exact_spans(B, L, S):
+    found = exact_spans(mask, B, L, S)
+    if found is None:
         return
-    rows, keys = torch.arange(L), torch.arange(S)
-    lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
+    keys = torch.arange(S)
+    lo, hi = found  # (B|1, L)
     spans = (keys >= lo[..., None]) & (keys < hi[..., None])
     assert torch.equal(spans.expand(B, L, S), dense), f"{mask}: spans differ from the mask"
 
@@ -184,7 +186,7 @@ def test_exact_spans_describe_each_row_exactly_and_count_pairs(data, size):
     ids=str,
 )
 def test_exact_spans_only_where_each_row_is_one_interval(mask, exact):
-    assert mask.exact_spans(2, 3, 3) is exact
+    assert (exact_spans(mask, 2, 3, 3) is not None) is exact
 
 
 def test_tiled_runs_chunks_and_irregular_blocks_exactly(monkeypatch):
@@ -354,10 +356,10 @@ def test_plans_are_reused_per_mask_and_renewed_when_its_tensors_change():
 
     backend = get_backend("tiled")
     first = ak.attention(q, k, v, mask, backend="tiled")
-    state = mask.state()
+    before = state(mask)
     torch.testing.assert_close(first, ak.attention(q, k, v, mask, backend="reference"))
     lengths[1] = 7  # in place: the mask now hides more keys
-    assert mask.state() != state
+    assert state(mask) != before
     torch.testing.assert_close(
         ak.attention(q, k, v, mask, backend="tiled"),
         ak.attention(q, k, v, mask, backend="reference"),

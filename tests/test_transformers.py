@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnkit as ak  # noqa: E402
 import attnkit.integrations.transformers as akt  # noqa: E402
+from attnkit.masks.structure import is_sdpa_causal  # noqa: E402
 
 akt.register()
 
@@ -254,10 +255,10 @@ def test_a_mask_function_transformers_runs_under_vmap_becomes_its_dense_mask():
 def test_a_plain_causal_batch_runs_sdpas_causal_kernel():
     """The mask of an unpadded batch is SDPA's is_causal: no mask tensor, no tiles."""
     mask = akt.mask_function(2, 64, 64)
-    assert mask.is_sdpa_causal(64, 64)
+    assert is_sdpa_causal(mask, 64, 64)
     q, k = torch.randn(2, 4, 64, 16), torch.randn(2, 2, 64, 16)
     assert ak.explain(q, k, k, mask).backend == "sdpa"
-    assert not (ak.causal() & ak.key_padding(torch.tensor([64, 9]))).is_sdpa_causal(64, 64)
+    assert not is_sdpa_causal(ak.causal() & ak.key_padding(torch.tensor([64, 9])), 64, 64)
 
 
 def test_flash_style_cu_seq_lens_keep_packed_documents_apart():

@@ -8,6 +8,8 @@ import torch
 
 import attnkit as ak
 from attnkit.masks import as_mask
+from attnkit.masks.spans import exact_spans
+from attnkit.masks.structure import dense_bias, is_sdpa_causal, key_bounds
 from attnkit.masks.window import window
 
 B, H, L, S = 2, 3, 20, 20
@@ -38,19 +40,19 @@ def test_a_window_is_the_slice_of_the_global_mask(name, rows, cols, heads):
     ]
     assert torch.equal(part.materialize(B, h, n, m), full)
     if mask.has_bias:
-        got = part.dense_bias(B, h, n, m).expand(B, h, n, m)
-        want = mask.dense_bias(B, H, L, S).expand(B, H, L, S)
+        got = dense_bias(part, B, h, n, m).expand(B, h, n, m)
+        want = dense_bias(mask, B, H, L, S).expand(B, H, L, S)
         assert torch.equal(got, want[:, heads[0] : heads[1], rows[0] : rows[1], cols[0] : cols[1]])
     index = torch.arange(n)
-    lo, hi = (t.expand(B, n) for t in part.key_bounds(B, n, m, index, index))  # (B, n)
+    lo, hi = (t.expand(B, n) for t in key_bounds(part, B, n, m, index, index))  # (B, n)
     j = torch.arange(m)
     inside = (j >= lo[..., None]) & (j < hi[..., None])  # (B, n, m)
     assert not (full.any(1) & ~inside).any(), "a visible key outside its span"
-    if part.exact_spans(B, n, m) and not part.head_dependent:
+    if exact_spans(part, B, n, m) is not None:
         assert torch.equal(full[:, 0], inside), "exact spans are not exact"
     if part.sees_all(n, m):
         assert full.all()
-    if part.is_sdpa_causal(n, m):
+    if is_sdpa_causal(part, n, m):
         assert torch.equal(full[0, 0], torch.ones(n, m, dtype=torch.bool).tril())
 
 
@@ -58,7 +60,7 @@ def test_causal_windows_off_and_on_the_diagonal_take_the_unmasked_and_causal_ker
     below = window(ak.causal(), H=1, L=L, S=S, rows=(10, 20), cols=(0, 10))
     diagonal = window(ak.causal(), H=1, L=L, S=S, rows=(10, 20), cols=(10, 20))
     assert below.sees_all(10, 10) and not diagonal.sees_all(10, 10)
-    assert diagonal.is_sdpa_causal(10, 10) and not below.is_sdpa_causal(10, 10)
+    assert is_sdpa_causal(diagonal, 10, 10) and not is_sdpa_causal(below, 10, 10)
     assert "rows 10:20, keys 0:10" in below.describe()
 
 

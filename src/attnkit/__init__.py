@@ -5,7 +5,8 @@ See DESIGN.md for the conventions: `True` = may attend, causal alignment never g
 empty rows give zeros.
 """
 
-from attnkit import flash_attn
+from attnkit import calibrate, cost, flash_attn
+from attnkit._version import __version__ as __version__
 from attnkit.cache import KVCache
 from attnkit.contracts import (
     attention_contract_ok,
@@ -18,6 +19,9 @@ from attnkit.functional import attention, attention_probs, attention_with_lse, e
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import (
     Mask,
+    alibi,
+    alibi_bias,
+    alibi_slopes,
     and_masks,
     causal,
     chunked,
@@ -33,7 +37,7 @@ from attnkit.masks import (
 from attnkit.modules import MultiHeadAttention, SingleHeadAttention
 from attnkit.paged import PagedKVCache, PagedLayer, Step, paged_attention
 from attnkit.planner import Plan
-from attnkit.positional import RotaryEmbedding, alibi, alibi_bias, alibi_slopes
+from attnkit.positional import RotaryEmbedding
 from attnkit.reference import (
     attention_weights,
     build_attention_mask,
@@ -42,7 +46,8 @@ from attnkit.reference import (
 )
 from attnkit.softmax import masked_softmax
 
-__version__ = "0.1.0"
+# the planner prices with the cost table measured on this CPU at its first use
+cost.measure_with(calibrate.active_table)
 
 __all__ = [
     "KVCache",

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import cost
+from attnkit._compat import cpu_features
+from attnkit._version import __version__
 from attnkit.backends import get_backend
 from attnkit.contracts import normalize_call
 from attnkit.cost import BUILT_IN, CostTable
@@ -70,8 +72,6 @@ def active_table() -> CostTable:
 
 def machine_key() -> dict[str, object]:
     """What a table is measured for: the CPU, its units, the threads, torch, attnkit."""
-    from attnkit import __version__
-    from attnkit._compat import cpu_features
 
     return {
         "cpu": _cpu_model(), "features": cpu_features(), "threads": torch.get_num_threads(),

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit.errors import ShapeContractError
-from attnkit.masks import Mask, as_mask, check_broadcastable, integer_mask_error
+from attnkit.masks import Mask, as_mask, check_broadcastable, integer_mask_error, structure
 
 __all__ = [
     "AttentionCall",
@@ -89,7 +89,9 @@ class AttentionCall:
             bias = bias if rows is None or bias.shape[2] == 1 else bias[:, :, rows]
         if self.mask is not None and self.mask.has_bias:
             d = self.dims
-            structured = self.mask.dense_bias(d.B, d.H, d.L, d.S, self.q.device, rows=rows)
+            structured = structure.dense_bias(
+                self.mask, d.B, d.H, d.L, d.S, self.q.device, rows=rows
+            )
             assert structured is not None
             bias = structured if bias is None else bias + structured
         return bias

@@ -12,9 +12,10 @@ in the user's cache directory for this CPU, thread count and torch version.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["BUILT_IN", "CostTable", "table", "tiled_pair", "use"]
+__all__ = ["BUILT_IN", "CostTable", "measure_with", "table", "tiled_pair", "use"]
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,29 @@ BUILT_IN = CostTable()
 _ACTIVE: CostTable | None = None
 
 
+# where the table comes from at its first use: `attnkit.calibrate.active_table`, set by
+# the package (calibrating runs attention, which prices with this module: the measuring
+# is handed in, so this module imports none of it)
+def _built_in() -> CostTable:
+    return BUILT_IN
+
+
+_MEASURE: Callable[[], CostTable] = _built_in
+
+
+def measure_with(source: Callable[[], CostTable]) -> None:
+    """Take the table from `source()` at its first use (`attnkit` sets the calibration)."""
+    global _MEASURE
+    _MEASURE = source
+
+
 def table() -> CostTable:
     """The table the planner prices with: measured on this CPU (`attnkit.calibrate`,
     once per process; from the cache when this CPU was measured before) unless
     `ATTNKIT_CALIBRATION=off`."""
     global _ACTIVE
     if _ACTIVE is None:
-        from attnkit.calibrate import active_table
-
-        _ACTIVE = active_table()
+        _ACTIVE = _MEASURE()
     return _ACTIVE
 
 

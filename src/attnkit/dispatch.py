@@ -5,7 +5,7 @@ backend (`planner.backend_for_run`) and prepares what the kernel needs besides q
 (`Backend.prepare`: SDPA's mask tensor and flags). That preparation is cached under a
 key of everything those steps read (`_key`): the sizes, strides, dtypes and devices of
 q, k, v, whether autograd records, the score options, the backend asked, the mask
-object and the identity and version of each of its tensors (`Mask.state`: a tensor
+object and the identity and version of each of its tensors (`masks.structure.state`: a tensor
 changed in place is a new key) and the backends' own state (flex kernels turning warm).
 A repeated call -- each layer of a decoding step, each step of a loop of fixed sizes --
 costs that key, one lookup and the kernel; a prepared call is never served stale.

@@ -26,7 +26,7 @@ from torch import Tensor
 from attnkit.dropins import KeySpans, gather_pages, packed_spans, window_spans
 from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask, row_spans
-from attnkit.positional import _ALiBi
+from attnkit.masks.biases import _ALiBi
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 

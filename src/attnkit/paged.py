@@ -30,7 +30,7 @@ from torch import Tensor
 from attnkit.errors import MaskError, OutOfBlocksError, ShapeContractError
 from attnkit.functional import attention
 from attnkit.masks import Mask, causal, sliding_window
-from attnkit.masks.kinds import _SlidingWindow
+from attnkit.masks.positions import _SlidingWindow
 from attnkit.precision import kernel_dtype
 
 __all__ = ["PagedKVCache", "PagedLayer", "Step", "paged_attention"]

@@ -12,16 +12,13 @@ import html
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from attnkit import cost
 from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
 from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall
-from attnkit.masks import Mask
-from attnkit.masks.base import CHUNK_ELEMENTS
+from attnkit.masks.structure import count_allowed_pairs
 
-__all__ = ["Plan", "backend_for_run", "choose_backend", "count_allowed_pairs", "plan_call"]
+__all__ = ["Plan", "backend_for_run", "choose_backend", "plan_call"]
 
 
 @dataclass(frozen=True)
@@ -84,26 +81,6 @@ def _human_bytes(n: int) -> str:
             return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
         size /= 1024
     return f"{size:.1f} GiB"  # pragma: no cover
-
-
-def count_allowed_pairs(
-    mask: Mask | None, B: int, H: int, L: int, S: int, device: torch.device | None = None
-) -> int:
-    """Query-key pairs (over B and H) the mask lets attend, counted in row chunks."""
-    if mask is None:
-        return B * H * L * S
-    if not mask.head_dependent and mask.exact_spans(B, L, S):  # one key interval per row
-        rows = torch.arange(L, device=device)
-        lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
-        return int((hi - lo).clamp(min=0).sum()) * (B // lo.shape[0]) * H
-    chunk = max(1, CHUNK_ELEMENTS // max(1, B * H * S))
-    total = 0
-    for start in range(0, L, chunk):
-        rows = torch.arange(start, min(L, start + chunk), device=device)
-        part = mask.dense(B, H, L, S, device, rows=rows)  # (B|1, H|1, rows|1, S|1)
-        full = (B, H, rows.numel(), S)  # a broadcast dim counts once per position it covers
-        total += int(part.sum()) * math.prod(n // m for n, m in zip(full, part.shape, strict=True))
-    return total
 
 
 def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backend:

@@ -21,7 +21,8 @@ from attnkit.backends import BACKENDS
 from attnkit.contracts import normalize_call
 from attnkit.functional import attention_probs, explain
 from attnkit.masks import Mask, as_mask
-from attnkit.masks.base import CHUNK_ELEMENTS
+from attnkit.masks.spans import CHUNK_ELEMENTS
+from attnkit.masks.structure import is_sdpa_causal
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -196,7 +197,7 @@ def computed_regions(
                    min(size_k, d.S - j * size_k))
             for i, j in present.nonzero().tolist()
         ]  # fmt: skip
-    causal = backend == "sdpa" and call.mask is not None and call.mask.is_sdpa_causal(d.L, d.S)
+    causal = backend == "sdpa" and call.mask is not None and is_sdpa_causal(call.mask, d.L, d.S)
     return backend, [Region(0, d.L, 0, d.S, causal)]
 
 

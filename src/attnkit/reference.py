@@ -15,7 +15,7 @@ from torch import Tensor
 
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.heads import repeat_kv
-from attnkit.masks import Mask, causal_offset, integer_mask_error
+from attnkit.masks import Mask, causal_offset, integer_mask_error, structure
 from attnkit.precision import compute_dtype
 from attnkit.softmax import softmax_with_lse
 
@@ -190,7 +190,7 @@ def _seed_inputs(
     H = q.shape[1] if q.dim() == 4 else 1
     L, S = q.shape[-2], k.shape[-2]
     visible = mask.dense(B, H, L, S, q.device)  # (B|1, H|1, L, S)
-    bias = mask.dense_bias(B, H, L, S, q.device)
+    bias = structure.dense_bias(mask, B, H, L, S, q.device)
     if q.dim() == 3:  # q is lifted to (1, B, L, D): the batch takes the head's place
         visible = visible.transpose(0, 1)
         bias = None if bias is None else bias.transpose(0, 1)

@@ -3,9 +3,10 @@
 What the fused kernels cannot take (softcap, a bias with softcap, a mask that differs
 between heads with D != Dv, dropout with a mask) `reference` serves by building the
 whole (B, H, L, S) score tensor. Here each block of query rows computes its scores only
-over the span of keys it may see (`Mask.key_bounds`), so memory is O(rows · S) and
-masked-out key blocks cost nothing; every block runs under activation checkpointing, so
-the backward pass recomputes one block at a time instead of keeping L×S weights. The
+over the span of keys it may see (`masks.structure.key_bounds`), so memory is
+O(rows · S) and masked-out key blocks cost nothing; every block runs under activation
+checkpointing, so the backward pass recomputes one block at a time instead of keeping
+L×S weights. The
 result is exact and the log-sum-exp carries its gradient.
 """
 
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from attnkit import cost
 from attnkit.contracts import AttentionCall
 from attnkit.heads import repeat_kv
+from attnkit.masks.structure import key_bounds, seen
 from attnkit.precision import compute_dtype
 from attnkit.reference import weights_and_lse, zero_unseen
 
@@ -113,7 +115,7 @@ def _blocks(call: AttentionCall, rows: int) -> list[tuple[int, int, int, int]]:
     if call.mask is None:
         lo, hi = torch.zeros_like(first), torch.full_like(first, d.S)
     else:
-        lo_b, hi_b = call.mask.key_bounds(d.B, d.L, d.S, first, last)  # (B|1, T)
+        lo_b, hi_b = key_bounds(call.mask, d.B, d.L, d.S, first, last)  # (B|1, T)
         lo, hi = lo_b.amin(0), hi_b.amax(0)
     return [
         (int(f), int(t) + 1, int(a), int(b)) for f, t, a, b in zip(first, last, lo, hi, strict=True)
@@ -131,7 +133,7 @@ def _cleaned(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
             visible = visible & call.mask.dense(d.B, d.H, d.L, d.S, q.device)
         rows, keys = visible.any(-1), visible.any(-2)  # (B|1, H|1, L|1), (B|1, H|1, S|1)
     elif call.mask is not None:
-        rows, keys = call.mask.seen(d.B, d.H, d.L, d.S, q.device)  # (B, H|1, L), (B, H|1, S)
+        rows, keys = seen(call.mask, d.B, d.H, d.L, d.S, q.device)  # (B, H|1, L), (B, H|1, S)
     else:
         return q, k, v
     return zero_unseen(q, k, v, rows, keys)

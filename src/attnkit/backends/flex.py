@@ -23,6 +23,7 @@ from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask, blocks
+from attnkit.masks.structure import seen, state
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend, zero_unseen
 from attnkit.threads import in_fresh_thread
@@ -126,11 +127,11 @@ class FlexBackend:
     def _prepared(self, call: AttentionCall) -> tuple[Any, Tensor, Tensor]:
         """The `BlockMask` of a call and its seen rows and keys, made once per mask and
         size (kept here, the mask held weakly; renewed when its tensors change in place:
-        `Mask.state`). Masks are values: nothing is stored on them."""
+        `masks.structure.state`). Masks are values: nothing is stored on them."""
         mask = call.mask
         assert mask is not None
         d = call.dims
-        key = (d.B, d.H, d.L, d.S, call.q.device, mask.state())
+        key = (d.B, d.H, d.L, d.S, call.q.device, state(mask))
         cache = self._prepared_by_mask.setdefault(mask, {})
         if key not in cache:
             if len(cache) >= PREPARED_PER_MASK:
@@ -140,7 +141,7 @@ class FlexBackend:
                     mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
                 )
             )
-            cache[key] = (block_mask, *mask.seen(d.B, d.H, d.L, d.S, call.q.device))
+            cache[key] = (block_mask, *seen(mask, d.B, d.H, d.L, d.S, call.q.device))
         return cache[key]
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:

@@ -26,7 +26,8 @@ from attnkit.backends.tiled import with_lse_gradient
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask
-from attnkit.masks.base import seen_from_spans
+from attnkit.masks.spans import exact_spans, seen_from_spans
+from attnkit.masks.structure import is_sdpa_causal
 from attnkit.precision import HALF, kernel_dtype
 from attnkit.reference import effective_visibility, hide_unseen, zero_unseen
 
@@ -91,11 +92,8 @@ def _spans(
     mask: Mask, B: int, L: int, S: int, device: torch.device
 ) -> tuple[Tensor, Tensor] | None:
     """(B, L) key span [lo, hi) of each row, if the mask is one interval per row."""
-    if not mask.exact_spans(B, L, S):
-        return None
-    index = torch.arange(L, device=device)
-    lo, hi = mask.key_bounds(B, L, S, index, index)  # (B|1, L)
-    return lo.to(device).expand(B, L), hi.to(device).expand(B, L)
+    spans = exact_spans(mask, B, L, S, device)
+    return None if spans is None else (spans[0].expand(B, L), spans[1].expand(B, L))
 
 
 def _kernel_hides_unseen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
@@ -198,7 +196,7 @@ class SdpaBackend:
     @staticmethod
     def _is_causal(call: AttentionCall) -> bool:
         d = call.dims
-        return call.mask is not None and not call.has_bias and call.mask.is_sdpa_causal(d.L, d.S)
+        return call.mask is not None and not call.has_bias and is_sdpa_causal(call.mask, d.L, d.S)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

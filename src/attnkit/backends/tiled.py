@@ -3,7 +3,7 @@
 `tileplan` cuts the problem into blocks (query rows × one key span) from the mask's
 structure alone. Each block runs through PyTorch's CPU flash-attention op with a
 tile-local mask where it is not fully visible: for masks that are one key interval per
-row (`Mask.exact_spans`) that mask comes from two (B, L) tensors, otherwise from the
+row (exact `Mask.key_spans`) that mask comes from two (B, L) tensors, otherwise from the
 predicate on the block only. No L×S tensor is built. Blocks run in chunks of bounded
 memory; query and key windows are strided views where they are evenly spaced.
 
@@ -30,8 +30,10 @@ from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks import Mask
-from attnkit.masks.base import given_tensor, seen_from_spans
 from attnkit.masks.pertensor import PerTensor
+from attnkit.masks.spans import exact_spans, seen_from_spans
+from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal, state
+from attnkit.masks.tensor import given_tensor
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import zero_unseen
 
@@ -58,10 +60,8 @@ class _Visibility:
         if mask is None:
             zeros = torch.zeros(B, L, dtype=torch.long, device=device)
             self.spans = zeros, zeros + S
-        elif mask.exact_spans(B, L, S):
-            rows = torch.arange(L, device=device)
-            lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, L)
-            self.spans = lo.to(device).expand(B, L), hi.to(device).expand(B, L)
+        elif (spans := exact_spans(mask, B, L, S, device)) is not None:
+            self.spans = spans[0].expand(B, L), spans[1].expand(B, L)  # (B, L)
         else:
             self.predicate = mask.predicate(B, H, L, S, device)
         self.bias = None if mask is None else mask.bias(B, H, L, S, device)
@@ -447,7 +447,7 @@ class TiledBackend:
 
     def __init__(self) -> None:
         # plans per mask object (held weakly) and problem size; a mask whose tensors
-        # change in place gets a new plan (`Mask.state`)
+        # change in place gets a new plan (`masks.structure.state`)
         self._plans: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], _Prepared]] = (
             weakref.WeakKeyDictionary()
         )
@@ -469,7 +469,7 @@ class TiledBackend:
         """The plan of a call and its visibility: made once per mask and size."""
         d, mask = call.dims, call.mask
         plans = self._plans_of(mask)
-        key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else mask.state())
+        key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else state(mask))
         if key not in plans:
             if len(plans) >= PLANS_PER_MASK:
                 plans.clear()
@@ -483,7 +483,7 @@ class TiledBackend:
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d, mask = call.dims, call.mask
         estimate = self.plan(call).cost(d.H, d.groups)
-        if mask is not None and mask.has_dense_tensor and not mask.exact_spans(d.B, d.L, d.S):
+        if mask is not None and has_dense_tensor(mask) and exact_spans(mask, d.B, d.L, d.S) is None:
             estimate *= cost.table().tiled_predicate  # block masks gathered from an L×S tensor
         return estimate
 
@@ -493,7 +493,7 @@ class TiledBackend:
         cost. The planner skips planning (ms for a long cache or a long causal prefill)
         where another backend's whole call costs no more."""
         d, mask = call.dims, call.mask
-        causal = mask is not None and not call.has_bias and mask.is_sdpa_causal(d.L, d.S)
+        causal = mask is not None and not call.has_bias and is_sdpa_causal(mask, d.L, d.S)
         pairs = d.B * d.H * d.L * d.S / 2 if causal else 0.0
         return (
             cost.table().tiled_call

@@ -1,8 +1,8 @@
 """Tile plans for the `tiled` backend: which keys each block of query rows must see.
 
-The mask's structure (`Mask.key_bounds`) gives, for every tile of query rows and every
-batch row, one span of keys `[lo, hi)` that holds all keys the tile may see; no L×S
-tensor is built. Spans are rounded to `GRANULE` keys, consecutive tiles with the same span
+The mask's key spans (`masks.structure.key_bounds`) give, for every tile of query rows
+and every batch row, one span of keys `[lo, hi)` that holds all keys the tile may see;
+no L×S tensor is built. Spans are rounded to `GRANULE` keys, consecutive tiles with the same span
 merge into one block (up to `MAX_ROWS` rows and `MAX_PAIRS` pairs, which bound a block's
 mask), and blocks of one batch row and shape form a `Group`: one kernel call, or a few in
 chunks of bounded memory. The tile height is chosen per call by the cost model: short
@@ -22,6 +22,8 @@ from torch import Tensor
 
 from attnkit import cost
 from attnkit.masks import Mask
+from attnkit.masks.spans import exact_spans
+from attnkit.masks.structure import key_bounds
 
 __all__ = [
     "BAND_MIN",
@@ -195,7 +197,7 @@ def plan_tiles(
     elif mask is None:
         lo, hi = torch.zeros(1, n_tiles, dtype=torch.long), torch.full((1, n_tiles), S)
     else:
-        lo, hi = mask.key_bounds(B, L, S, first, (first + tile).clamp(max=L) - 1)
+        lo, hi = key_bounds(mask, B, L, S, first, (first + tile).clamp(max=L) - 1)
     lo, hi = lo.expand(B, n_tiles), hi.expand(B, n_tiles)
     lo = torch.div(lo, GRANULE, rounding_mode="floor") * GRANULE
     hi = torch.where(hi > lo, ((hi + GRANULE - 1) // GRANULE * GRANULE).clamp(max=S), lo)
@@ -224,10 +226,11 @@ class Segments:
         Only runs of at least `SEGMENT_MIN` rows count (there the op uses its large
         query blocks); None if the mask has no exact spans or no such run.
         """
-        if not mask.exact_spans(B, L, S) or mask.has_bias:
+        spans = None if mask.has_bias else exact_spans(mask, B, L, S)
+        if spans is None:
             return None
         index = torch.arange(L)
-        lo, hi = (t.expand(B, L) for t in mask.key_bounds(B, L, S, index, index))
+        lo, hi = (t.expand(B, L) for t in spans)
         shift = hi - index  # constant along a causal run, as the first key is
         change = torch.ones(B, L, dtype=torch.bool)
         change[:, 1:] = (lo[:, 1:] != lo[:, :-1]) | (shift[:, 1:] != shift[:, :-1])

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from attnkit.distributed.api import attention
 from attnkit.distributed.comm import group_of
 from attnkit.distributed.layout import Layout
 from attnkit.masks import Mask
@@ -36,8 +37,6 @@ class ContextParallel:
         return Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None) -> Tensor:
-        from attnkit.distributed import attention
-
         return attention(
             q, k, v, mask, group=self.group, layout=self.layout, strategy=self.strategy
         )

@@ -20,6 +20,7 @@ from attnkit.distributed.layout import Layout, Span
 from attnkit.functional import attention_with_lse
 from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
+from attnkit.masks.structure import key_bounds
 from attnkit.masks.window import window
 from attnkit.precision import compute_dtype
 from attnkit.softmax import merge_partials
@@ -78,7 +79,7 @@ class Problem:
                 total += (q1 - q0) * (k1 - k0)
                 continue
             index = torch.arange(q1 - q0)
-            lo, hi = part.key_bounds(self.B, q1 - q0, k1 - k0, index, index)  # (B|1, n)
+            lo, hi = key_bounds(part, self.B, q1 - q0, k1 - k0, index, index)  # (B|1, n)
             total += int((hi - lo).clamp(min=0).sum(-1).max())
         return total
 
@@ -142,7 +143,7 @@ def _sees_some(mask: Mask, B: int, L: int, S: int) -> bool:
     """Some row of the rectangle may see some key, from the key spans (loose: a span
     may hold only hidden keys, then the piece computes zeros)."""
     zero = torch.zeros(1, dtype=torch.long)
-    lo, hi = mask.key_bounds(B, L, S, zero, zero + L - 1)  # (B|1, 1)
+    lo, hi = key_bounds(mask, B, L, S, zero, zero + L - 1)  # (B|1, 1)
     return bool((hi > lo).any())
 
 

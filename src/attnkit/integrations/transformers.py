@@ -41,6 +41,7 @@ from attnkit.masks import (
     sliding_window,
 )
 from attnkit.masks.base import _Combine, as_mask
+from attnkit.masks.spans import exact_spans
 
 __all__ = ["TESTED_VERSIONS", "attention_forward", "mask_function", "register", "structure"]
 
@@ -303,15 +304,16 @@ def _first_equal(
 
 def _agrees(mask: Mask | None, want: Tensor, rows: Tensor, L: int) -> bool:
     """`mask` on `rows` equals `want` (B, 1, R, S); None means every pair is visible.
-    One key interval per row (`exact_spans`) compares against the spans directly."""
+    Exact key spans (one interval a row) compare against the spans directly."""
     if mask is None:
         return bool(want.all())
     B, _, _, S = want.shape
-    if mask.exact_spans(B, L, S):
-        lo, hi = mask.key_bounds(B, L, S, rows, rows)  # (B|1, R)
+    found = exact_spans(mask, B, L, S)
+    if found is not None:
+        lo, hi = found[0][:, rows], found[1][:, rows]  # (B|1, R)
         j = torch.arange(S)
-        spans = (j >= lo[..., None]) & (j < hi[..., None])  # (B|1, R, S)
-        return torch.equal(spans[:, None].expand_as(want), want)
+        inside = (j >= lo[..., None]) & (j < hi[..., None])  # (B|1, R, S)
+        return torch.equal(inside[:, None].expand_as(want), want)
     return torch.equal(mask.dense(B, 1, L, S, rows=rows).expand_as(want), want)
 
 

@@ -13,32 +13,21 @@ Conventions (DESIGN.md §2):
   `from_hf_attention_mask` and `from_additive_mask`.
 """
 
-from attnkit.masks.base import (
-    Align,
-    Mask,
-    Predicate,
-    and_masks,
-    as_mask,
-    causal_offset,
-    check_broadcastable,
-    integer_mask_error,
-    or_masks,
-)
+from attnkit.masks import tensor  # noqa: F401  (fills Mask's wrappers: tensors, mask_mods)
+from attnkit.masks.base import Align, Mask, Predicate, and_masks, as_mask, or_masks
+from attnkit.masks.biases import alibi, alibi_bias, alibi_slopes
+from attnkit.masks.checks import causal_offset, check_broadcastable, integer_mask_error
 from attnkit.masks.convert import from_additive_mask, from_hf_attention_mask, from_key_padding_mask
-from attnkit.masks.kinds import (
-    causal,
-    chunked,
-    document,
-    key_padding,
-    prefix_lm,
-    row_spans,
-    sliding_window,
-)
+from attnkit.masks.positions import causal, chunked, prefix_lm, sliding_window
+from attnkit.masks.tokens import document, key_padding, row_spans
 
 __all__ = [
     "Align",
     "Mask",
     "Predicate",
+    "alibi",
+    "alibi_bias",
+    "alibi_slopes",
     "and_masks",
     "as_mask",
     "causal",

@@ -4,7 +4,7 @@ FlexAttention skips the blocks of `block_size` queries × `block_size` keys that
 of the mask reaches, and runs the blocks every pair of which is visible ("full") without
 evaluating the mask. `create_block_mask` finds both by evaluating the predicate on every
 (b, h, i, j): L·S pairs per batch and head. A mask whose rows each see one interval of
-keys (`Mask.exact_spans`: causal, sliding windows, sorted documents, prefix-LM, length
+keys (exact `Mask.key_spans`: causal, sliding windows, sorted documents, prefix-LM, length
 padding and their `&`) gives the same answer from its spans: a row reaches the key
 blocks its interval touches, and a block is full where every row of it sees the whole
 block. Other masks are evaluated in row chunks of bounded memory, as `create_block_mask`
@@ -17,12 +17,15 @@ blocks past L or S hold padding, never visible, so an edge block is never full.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from attnkit.masks.base import CHUNK_ELEMENTS, Mask
+from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans
+
+if TYPE_CHECKING:  # called by Mask.to_block_mask: the mask's own methods only
+    from attnkit.masks.base import Mask
 
 __all__ = ["block_mask", "block_visibility", "mask_mod"]
 
@@ -79,19 +82,19 @@ def block_visibility(
     """(present, full), each (B|1, H|1, ⌈L/bs⌉, ⌈S/bs⌉) bool: some pair of the block
     is visible; every pair is (a block reaching past L or S never is: padding)."""
     mask.check(B, H, L, S)
-    if not mask.head_dependent and mask.exact_spans(B, L, S):
-        present, full = _from_spans(mask, B, L, S, block_size, device)  # (B|1, nq, nkv)
+    spans = exact_spans(mask, B, L, S, device)
+    if spans is not None:
+        present, full = _from_spans(*spans, L, S, block_size)  # (B|1, nq, nkv)
         return present[:, None], full[:, None]
     return _from_chunks(mask, B, H, L, S, block_size, device)
 
 
-def _from_spans(
-    mask: Mask, B: int, L: int, S: int, bs: int, device: torch.device
-) -> tuple[Tensor, Tensor]:
-    """Blocks from each row's key interval [lo, hi): O(B·L + blocks), no pair evaluated."""
+def _from_spans(lo: Tensor, hi: Tensor, L: int, S: int, bs: int) -> tuple[Tensor, Tensor]:
+    """Blocks from each row's key interval [lo, hi) (B|1, L): O(B·L + blocks), no pair
+    evaluated."""
     nq, nkv = math.ceil(L / bs), math.ceil(S / bs)
+    device = lo.device
     index = torch.arange(L, device=device)
-    lo, hi = (t.to(device) for t in mask.key_bounds(B, L, S, index, index))  # (B|1, L)
     batch = max(lo.shape[0], hi.shape[0])
     lo, hi = lo.expand(batch, L), hi.expand(batch, L)
     seen = lo < hi

@@ -6,8 +6,9 @@ import torch
 from torch import Tensor
 
 from attnkit.errors import MaskError
-from attnkit.masks.base import Mask, _TensorMask
-from attnkit.masks.kinds import _KeyPadding
+from attnkit.masks.base import Mask
+from attnkit.masks.tensor import _TensorMask
+from attnkit.masks.tokens import _KeyPadding
 
 __all__ = ["from_additive_mask", "from_hf_attention_mask", "from_key_padding_mask"]
 

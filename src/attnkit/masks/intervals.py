@@ -4,9 +4,10 @@ Frameworks pass visibility as a dense bool tensor even when it has structure: th
 (B, 1, L, S) padded causal mask of transformers, a band, a padding row per batch. Where
 each row's True entries form one run `[lo, hi)`, the two (B|1, L) tensors `lo`, `hi`
 describe it completely, and the backends that read spans (`tiled`, the planner's pair
-count, `Mask.seen`, `to_block_mask`) take their fast path instead of evaluating the
-tensor block by block. Finding them is a pass over the tensor, cheaper than the attention
-over it; a row of two or more runs (a random mask) leaves it a plain tensor mask.
+count, the rows and keys anybody sees, `to_block_mask`) take their fast path instead of
+evaluating the tensor block by block. Finding them is a pass over the tensor, cheaper
+than the attention over it; a row of two or more runs (a random mask) leaves it a plain
+tensor mask.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from attnkit.masks.pertensor import PerTensor
 
-__all__ = ["range_bounds", "row_intervals", "row_intervals_of"]
+__all__ = ["row_intervals", "row_intervals_of"]
 
 Found = tuple[Tensor, Tensor] | None
 _FOUND: PerTensor[tuple[Found]] = PerTensor()  # per tensor object, by its version and S
@@ -46,35 +47,3 @@ def row_intervals(tensor: Tensor, S: int) -> tuple[Tensor, Tensor] | None:
     count = t.sum(-1)  # (B|1, L|1)
     lo = torch.where(count > 0, t.to(torch.uint8).argmax(-1), 0)  # the first True
     return lo, lo + count
-
-
-def range_bounds(lo: Tensor, hi: Tensor, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
-    """The hull of the rows' intervals over each row range `first..last` (inclusive),
-    (B|1, T); rows that see nothing take no part (a range of such rows gives 0, 0)."""
-    if lo.shape[1] == 1:  # every row the same
-        return lo.expand(-1, first.shape[0]), hi.expand(-1, first.shape[0])
-    if torch.equal(first, last):  # one row a range (tiled's and the planner's row spans)
-        return lo[:, first], hi[:, first]
-    seen = hi > lo
-    big = int(hi.max()) + 1 if hi.numel() else 1
-    low = _range_min(torch.where(seen, lo, big), first, last)  # (B|1, T)
-    high = -_range_min(torch.where(seen, -hi, 0), first, last)
-    empty = low >= high
-    return torch.where(empty, 0, low), torch.where(empty, 0, high)
-
-
-def _range_min(x: Tensor, first: Tensor, last: Tensor) -> Tensor:
-    """min of x[:, first..last] per range, (B|1, T), by a sparse table: level k holds the
-    minimum of each run of 2^k rows, so a range is the minimum of two overlapping runs."""
-    levels = [x]  # (B|1, L - 2^k + 1) each
-    while 2 ** len(levels) <= x.shape[1]:
-        prev, step = levels[-1], 2 ** (len(levels) - 1)
-        levels.append(torch.minimum(prev[:, :-step], prev[:, step:]))
-    length = last - first + 1  # (T,)
-    k = torch.floor(torch.log2(length.double())).long()
-    table = torch.nn.utils.rnn.pad_sequence(
-        [t.T for t in levels], batch_first=True, padding_value=0
-    )  # (levels, L, B|1): level k, row i -> min of x[:, i : i + 2^k]
-    left = table[k, first]  # (T, B|1)
-    right = table[k, last - (1 << k) + 1]
-    return torch.minimum(left, right).T

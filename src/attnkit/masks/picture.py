@@ -8,11 +8,14 @@ visible keys as one rectangle, so even a 64×64 drawing stays small.
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnkit.errors import MaskError, ShapeContractError
-from attnkit.masks.base import Mask
+
+if TYPE_CHECKING:  # called by Mask._repr_html_: the mask's own methods only
+    from attnkit.masks.base import Mask
 
 __all__ = ["LARGEST", "PREVIEW", "mask_html", "preview_size"]
 

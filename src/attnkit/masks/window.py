@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from torch import Tensor
 
 from attnkit.errors import ShapeContractError
 from attnkit.masks.base import BiasFn, Mask, Predicate
+from attnkit.masks.spans import Spans
+from attnkit.masks.structure import state
 
 __all__ = ["window"]
 
@@ -41,7 +42,7 @@ def window(
     backends that prepare per mask object (flex's block masks) prepare once.
     """
     heads = (0, H) if heads is None else heads
-    key = (id(mask), mask.state(), H, L, S, rows, cols, heads)
+    key = (id(mask), state(mask), H, L, S, rows, cols, heads)
     found = _CACHE.get(key)
     if found is None or found.inner is not mask:
         found = _Window(mask, H, L, S, rows, cols, heads)
@@ -94,10 +95,6 @@ class _Window(Mask):
     def has_bias(self) -> bool:
         return self.inner.has_bias
 
-    @property
-    def has_dense_tensor(self) -> bool:
-        return self.inner.has_dense_tensor
-
     def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
         fn = self.inner.predicate(B, self.H, self.L, self.S, device)
         h0, r0, c0 = self.heads[0], self.rows[0], self.cols[0]
@@ -110,33 +107,17 @@ class _Window(Mask):
         h0, r0, c0 = self.heads[0], self.rows[0], self.cols[0]
         return lambda b, h, i, j: fn(b, h + h0, i + r0, j + c0)
 
-    def key_bounds(
-        self, B: int, L: int, S: int, first: Tensor, last: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        r0, c0 = self.rows[0], self.cols[0]
-        lo, hi = self.inner.key_bounds(B, self.L, self.S, first + r0, last + r0)
-        return (lo - c0).clamp(0, S), (hi - c0).clamp(0, S)  # (B|1, T), clipped to the keys
-
-    def exact_spans(self, B: int, L: int, S: int) -> bool:
-        return self.inner.exact_spans(B, self.L, self.S)  # an interval ∩ the keys: one interval
-
-    def _row_spans(self, L: int, S: int) -> tuple[Tensor, Tensor] | None:
-        """Each row's exact span (1, L), for masks that hold no tensors; else None."""
-        if self.inner.batch_size is not None or not self.inner.exact_spans(1, self.L, self.S):
+    def key_spans(
+        self, B: int, L: int, S: int, device: torch.device | str | None = None
+    ) -> Spans | None:
+        """The global spans of the window's rows, shifted to its keys and clipped to them
+        (an interval ∩ the keys is one interval: exact stays exact)."""
+        found = self.inner.key_spans(B, self.L, self.S, device)
+        if found is None:
             return None
-        index = torch.arange(L)
-        return self.key_bounds(1, L, S, index, index)
-
-    def sees_all(self, L: int, S: int) -> bool:
-        spans = self._row_spans(L, S)
-        return spans is not None and bool((spans[0] == 0).all() and (spans[1] == S).all())
-
-    def is_sdpa_causal(self, L: int, S: int) -> bool:
-        spans = self._row_spans(L, S)
-        if spans is None or L < S or self.inner.has_bias:
-            return False
-        lo, hi = spans
-        return bool((lo == 0).all() and (hi == (torch.arange(L) + 1).clamp(max=S)).all())
+        (r0, r1), c0 = self.rows, self.cols[0]
+        lo, hi = (t if t.shape[1] == 1 else t[:, r0:r1] for t in (found.lo, found.hi))
+        return Spans((lo - c0).clamp(0, S), (hi - c0).clamp(0, S), found.exact)
 
     def describe(self) -> str:
         (r0, r1), (c0, c1), (h0, h1) = self.rows, self.cols, self.heads

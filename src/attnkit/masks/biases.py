@@ -1,0 +1,144 @@
+"""ALiBi (Press et al., "Train Short, Test Long", 2022): a per-head linear penalty
+`-slope_h · |i' - j|` added to the scores, as a mask with a bias that hides nothing.
+
+`alibi(num_heads)` combines with visibility masks by `&` (`causal() & alibi(8)`);
+`alibi_bias` gives the same values as a dense (1, H, L, S) float tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnkit.errors import ShapeContractError
+from attnkit.masks.base import BiasFn, Mask, Predicate
+from attnkit.masks.checks import causal_offset
+from attnkit.masks.spans import Spans
+
+__all__ = ["alibi", "alibi_bias", "alibi_slopes"]
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """(H,) ALiBi slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... for n = H.
+
+    For H not a power of two, the paper takes the slopes of the closest smaller power of
+    two n and fills the rest with every other slope of 2n.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}.")
+
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(closest) + powers(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes)
+
+
+def alibi_bias(
+    num_heads: int,
+    L: int,
+    S: int | None = None,
+    *,
+    align: str | None = None,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """(1, H, L, S) additive bias `-slope_h · |i' - j|`, `i'` the aligned query position.
+
+    Pass it as `mask=` (a float mask is added to the scores); combine with causality by
+    adding `-inf` where needed, e.g. `bias.masked_fill(~causal().materialize(...), -inf)`.
+    """
+    S = L if S is None else S
+    offset = causal_offset(align, L, S, who="alibi_bias")
+    i = torch.arange(L, device=device)[:, None] + offset
+    j = torch.arange(S, device=device)[None, :]
+    distance = (i - j).abs().float()  # (L, S)
+    slopes = alibi_slopes(num_heads).to(device)
+    return -(slopes[:, None, None] * distance)[None]  # (1, H, L, S)
+
+
+class _ALiBi(Mask):
+    """Every key visible; adds `-slope · |i' - j|` to the scores (a structured bias).
+
+    `slopes`: (H,) per head, (B, H) per batch row and head, or (B, L, H) per query row
+    too (packed sequences, each with its own slopes). `positions`: None (i' = i + the
+    alignment's offset) or (B|1, L), each query row's aligned key position i'.
+    """
+
+    def __init__(self, slopes: Tensor, align: str | None, positions: Tensor | None = None) -> None:
+        self.slopes = slopes
+        self.align = align
+        self.positions = positions
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.slopes.shape[-1])
+
+    @property
+    def batch_size(self) -> int | None:
+        sizes = [t.shape[0] for t in (self.slopes, self.positions) if t is not None and t.dim() > 1]
+        return max(sizes) if sizes else None
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        if self.positions is None:
+            causal_offset(self.align, L, S, who="alibi")
+        if H != self.slopes.shape[-1]:
+            raise ShapeContractError(
+                f"alibi has {self.slopes.shape[-1]} slopes (one per head) but the call has "
+                f"H={H} query heads; build it with alibi({H})."
+            )
+        for name, t, rows in (("slopes", self.slopes, 3), ("positions", self.positions, 2)):
+            if t is not None and t.dim() > 1 and t.shape[0] not in (1, B):
+                raise ShapeContractError(
+                    f"alibi {name} hold {t.shape[0]} batch rows but the call has B={B}."
+                )
+            if t is not None and t.dim() == rows and t.shape[1] != L:
+                raise ShapeContractError(
+                    f"alibi {name} hold {t.shape[1]} query rows but the call has L={L}."
+                )
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        return lambda b, h, i, j: (i >= 0) & (j >= 0)  # every pair: a bias hides nothing
+
+    def key_spans(
+        self, B: int, L: int, S: int, device: torch.device | str | None = None
+    ) -> Spans | None:
+        hi = torch.full((1, 1), S, dtype=torch.long, device=device or "cpu")
+        return Spans(torch.zeros_like(hi), hi, exact=True)  # every row sees [0, S)
+
+    @property
+    def has_bias(self) -> bool:
+        return True
+
+    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
+        slopes = self.slopes.to(device)
+        if slopes.dim() > 1:
+            slopes = slopes.expand(B, *slopes.shape[1:])
+        at = None if self.positions is None else self.positions.to(device).expand(B, L)
+        offset = 0 if at is not None else causal_offset(self.align, L, S, who="alibi")
+
+        def aligned(b: Tensor, i: Tensor) -> Tensor:  # query row i's aligned key position
+            return i + offset if at is None else at[b, i]
+
+        if slopes.dim() == 1:
+            return lambda b, h, i, j: -slopes[h] * (aligned(b, i) - j).abs()
+        if slopes.dim() == 2:
+            return lambda b, h, i, j: -slopes[b, h] * (aligned(b, i) - j).abs()
+        return lambda b, h, i, j: -slopes[b, i, h] * (aligned(b, i) - j).abs()
+
+    def describe(self) -> str:
+        align = "" if self.align is None else f", align={self.align!r}"
+        return f"alibi(H={self.slopes.shape[-1]}{align})"
+
+
+def alibi(num_heads: int, *, align: str | None = None) -> Mask:
+    """ALiBi as a structured mask: adds `-slope_h · |i' - j|` to the scores, hides nothing.
+
+    Combine it with visibility masks by `&` (`causal() & alibi(8)`); backends that tile
+    (`tiled`) evaluate it per block, so no L×S tensor is built. `align` places the queries
+    as in `causal` when L != S. `alibi_bias` gives the same values as a dense tensor.
+    """
+    return _ALiBi(alibi_slopes(num_heads), align)

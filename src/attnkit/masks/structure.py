@@ -1,0 +1,154 @@
+"""What backends read from a mask, derived in one place from its primitives.
+
+A kind states its predicate, its key spans and its bias (`base.Mask`); from those come
+the pairs it lets attend (`count_allowed_pairs`), the keys a tile of
+query rows may see (`key_bounds`), the rows and keys anybody sees (`seen`), whether
+the mask is SDPA's own `is_causal` (`is_sdpa_causal`), whether some part is an L×S
+tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`) and the state caches
+key on (`state`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnkit.masks.base import Mask, indices
+from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans, range_bounds, seen_from_spans
+from attnkit.masks.tensor import _TensorMask
+
+__all__ = [
+    "count_allowed_pairs",
+    "dense_bias",
+    "has_dense_tensor",
+    "is_sdpa_causal",
+    "key_bounds",
+    "parts",
+    "seen",
+    "state",
+]
+
+
+def count_allowed_pairs(
+    mask: Mask | None, B: int, H: int, L: int, S: int, device: torch.device | None = None
+) -> int:
+    """Query-key pairs (over B and H) the mask lets attend, counted in row chunks."""
+    if mask is None:
+        return B * H * L * S
+    spans = exact_spans(mask, B, L, S, device)
+    if spans is not None:  # one key interval per row
+        lo, hi = spans  # (B|1, L)
+        return int((hi - lo).clamp(min=0).sum()) * (B // lo.shape[0]) * H
+    chunk = max(1, CHUNK_ELEMENTS // max(1, B * H * S))
+    total = 0
+    for start in range(0, L, chunk):
+        rows = torch.arange(start, min(L, start + chunk), device=device)
+        part = mask.dense(B, H, L, S, device, rows=rows)  # (B|1, H|1, rows|1, S|1)
+        full = (B, H, rows.numel(), S)  # a broadcast dim counts once per position it covers
+        total += int(part.sum()) * math.prod(n // m for n, m in zip(full, part.shape, strict=True))
+    return total
+
+
+def key_bounds(
+    mask: Mask, B: int, L: int, S: int, first: Tensor, last: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Key span `[lo, hi)` holding every key visible to query rows `first..last`.
+
+    `first`, `last`: (T,) row ranges (of query tiles). Returns `lo`, `hi` of shape
+    (B|1, T), the hull of the rows' spans (all S keys where the mask has none): it may
+    be loose (a superset); the tiled backend masks inside it exactly.
+    """
+    spans = mask.key_spans(B, L, S, first.device)
+    if spans is None:
+        zeros = torch.zeros(1, first.shape[0], dtype=torch.long, device=first.device)
+        return zeros, zeros + S
+    return range_bounds(spans.lo.expand(-1, L), spans.hi.expand(-1, L), first, last)
+
+
+def seen(
+    mask: Mask, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
+    """Which query rows see some key, (B, H|1, L), and which keys some query row of
+    their head sees, (B, H|1, S) (H only for a `head_dependent` mask).
+
+    Backends zero the rest (they may hold NaN or Inf). Exact spans take O(B·L);
+    otherwise the mask is evaluated in row chunks.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    spans = exact_spans(mask, B, L, S, dev)
+    if spans is not None:
+        lo, hi = (t.expand(B, L) for t in spans)
+        rows, keys = seen_from_spans(lo, hi, S)
+        return rows[:, None], keys[:, None]
+    heads = H if mask.head_dependent else 1
+    rows = torch.zeros(B, heads, L, dtype=torch.bool, device=dev)
+    keys = torch.zeros(B, heads, S, dtype=torch.bool, device=dev)
+    chunk = max(1, CHUNK_ELEMENTS // max(1, B * heads * S))
+    for start in range(0, L, chunk):
+        index = torch.arange(start, min(L, start + chunk), device=dev)
+        part = mask.dense(B, H, L, S, dev, rows=index)[:, :heads]  # (B|1, H|1, R|1, S|1)
+        rows[:, :, index] = part.any(-1)
+        keys |= part.any(-2)
+    return rows, keys
+
+
+def is_sdpa_causal(mask: Mask, L: int, S: int) -> bool:
+    """True if `mask` is exactly SDPA's `is_causal=True` with every key seen: top-left
+    causal with L >= S (no empty row, no key hidden from all queries) and no bias.
+
+    The kinds that know answer in O(1); a mask holding no tensors (a window of one)
+    is compared row by row through its spans; one holding tensors is not."""
+    found = mask._sdpa_causal(L, S)
+    if found is not None:
+        return found
+    if L < S or mask.has_bias or mask.tensors():
+        return False
+    spans = exact_spans(mask, 1, L, S)
+    if spans is None:
+        return False
+    lo, hi = spans
+    return bool((lo == 0).all() and (hi == (torch.arange(L) + 1).clamp(max=S)).all())
+
+
+def parts(mask: Mask) -> list[Mask]:
+    """`mask` and every mask inside it (the parts of `&`, `|`, `~` and windows)."""
+    found = [mask]
+    for value in vars(mask).values():
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, Mask):
+                found.extend(parts(item))
+    return found
+
+
+def has_dense_tensor(mask: Mask) -> bool:
+    """True if some part is an L×S tensor mask (its predicate gathers, block by block)."""
+    return any(isinstance(p, _TensorMask) for p in parts(mask))
+
+
+def dense_bias(
+    mask: Mask,
+    B: int,
+    H: int,
+    L: int,
+    S: int,
+    device: torch.device | str | None = None,
+    rows: Tensor | None = None,
+) -> Tensor | None:
+    """The bias as the smallest float tensor broadcastable to (B, H, L|R, S), or None."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    fn = mask.bias(B, H, L, S, dev)
+    if fn is None:
+        return None
+    b, h, i, j = indices(B, H, L, S, dev, rows, None)
+    value = fn(b, h, i, j)
+    return value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
+
+
+def state(mask: Mask) -> tuple[tuple[int, int], ...]:
+    """The identity and version of every tensor `mask` holds (its parts' included).
+
+    Caches keyed by a mask compare it: an in-place change to a mask's tensor changes
+    its state."""
+    return tuple((t.data_ptr(), t._version) for t in mask.tensors())

@@ -1,0 +1,126 @@
+"""The package's shape: no import cycle, short files, a small Mask protocol.
+
+The import graph counts every import statement, the ones inside functions too (a lazy
+import is still a dependency); imports under `if TYPE_CHECKING:` are for the type
+checker only and never run, so they do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import attnkit as ak
+
+PACKAGE = Path(ak.__file__).parent
+MAX_LINES = 450
+MASK_NAMES = 16
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules `name` imports (`from attnkit import cost` is attnkit.cost)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skip = _type_checking_nodes(tree)
+    named: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            named.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                named.add(full if full in modules else base)
+    found = set()
+    for target in named:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles = _cycles(graph)
+    detail = [{m: sorted(graph[m] & set(c)) for m in c} for c in cycles]
+    assert not cycles, f"import cycles (module -> the members it imports): {detail}"
+
+
+def test_the_cycle_finder_sees_a_lazy_import_and_skips_type_checking(tmp_path):
+    """The check can fail: a function-level import back is a cycle."""
+    source = tmp_path / "x.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from attnkit.masks import base\n"
+        "def f():\n    from attnkit import cost\n    from .y import g\n"
+    )
+    modules = {name: Path() for name in ("attnkit.x", "attnkit.y", "attnkit.cost", "attnkit.masks")}
+    assert _imports("attnkit.x", source, modules) == {"attnkit.cost", "attnkit.y"}
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_mask_has_a_small_protocol():
+    names = sorted(n for n in dir(ak.Mask) if not n.startswith("_"))
+    assert len(names) <= MASK_NAMES, f"Mask has {len(names)} public names: {names}"
+    for kind in ("predicate", "key_spans", "describe"):
+        assert kind in names
