@@ -68,6 +68,10 @@ def range_bounds(lo: Tensor, hi: Tensor, first: Tensor, last: Tensor) -> tuple[T
         return lo.expand(-1, first.shape[0]), hi.expand(-1, first.shape[0])
     if torch.equal(first, last):  # one row a range (tiled's and the planner's row spans)
         return lo[:, first], hi[:, first]
+    if bool((lo[:, 1:] >= lo[:, :-1]).all() and (hi[:, 1:] >= hi[:, :-1]).all()):
+        # spans that only move right (causal, windows, chunks, prefixes, sorted documents
+        # and their &): the first row's start and the last row's end, in O(T)
+        return lo[:, first], hi[:, last]
     seen = hi > lo
     big = int(hi.max()) + 1 if hi.numel() else 1
     low = _range_min(torch.where(seen, lo, big), first, last)  # (B|1, T)
