@@ -18,8 +18,9 @@ from attnkit.errors import ShapeContractError
 from attnkit.habits import points_habits
 from attnkit.masks import Mask
 from attnkit.planner import Plan, plan_call
-from attnkit.reference import effective_visibility, hide_unseen, weights_and_lse
+from attnkit.reference import weights_and_lse
 from attnkit.softmax import add_sinks
+from attnkit.visibility import effective_visibility, hide_unseen
 
 __all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
 

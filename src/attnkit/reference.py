@@ -18,17 +18,15 @@ from attnkit.heads import repeat_kv
 from attnkit.masks import Mask, causal_offset, integer_mask_error, structure
 from attnkit.precision import compute_dtype
 from attnkit.softmax import softmax_with_lse
+from attnkit.visibility import effective_visibility, hide_unseen
 
 __all__ = [
     "attend",
     "attention_weights",
     "build_attention_mask",
     "build_causal_mask",
-    "effective_visibility",
-    "hide_unseen",
     "scaled_dot_product_attention",
     "weights_and_lse",
-    "zero_unseen",
 ]
 
 
@@ -62,55 +60,6 @@ def build_attention_mask(key_padding_mask: Tensor, query_length: int, causal: bo
         causal_offset(None, L, S)  # raises for L != S, naming both alignments
         mask = mask & build_causal_mask(L, device=key_padding_mask.device)
     return mask
-
-
-def hide_unseen(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Zero the queries that see nothing and the keys/values that nobody sees.
-
-    A hidden entry gets weight 0, but `0 * NaN = NaN`: padded keys holding garbage would
-    still poison outputs and gradients through the matrix products. Returns the cleaned
-    `(q, k, v)` and the (B|1, H|1, L) bool "row sees something", or None if all rows do.
-
-    Args:
-        q: (B, H, L, D); k: (B, Hkv, S, D); v: (B, Hkv, S, Dv).
-        visible: bool broadcastable to (B, H, L, S), `True` = may attend, or None.
-    """
-    if visible is None:
-        return q, k, v, None
-    rows = visible.any(-1)  # (B|1, H|1, L|1)
-    q, k, v = zero_unseen(q, k, v, rows, visible.any(-2))
-    return q, k, v, (None if bool(rows.all()) else rows)
-
-
-def zero_unseen(
-    q: Tensor, k: Tensor, v: Tensor, rows: Tensor, cols: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Zero query rows that see nothing and keys/values that no query sees.
-
-    Args:
-        rows: (B|1, H|1, L|1) bool, the query sees some key.
-        cols: (B|1, H|1, S|1) bool, some query of that head sees the key; under GQA a
-            K/V head counts as seen where any query head of its group sees it.
-    """
-    H, Hkv = q.shape[1], k.shape[1]
-    if cols.shape[1] == H and H != Hkv:
-        cols = cols.view(cols.shape[0], Hkv, H // Hkv, -1).any(2)  # (B|1, Hkv, S|1)
-    if not bool(rows.all()):
-        q = torch.where(rows.unsqueeze(-1), q, 0.0)
-    if not bool(cols.all()):
-        k = torch.where(cols.unsqueeze(-1), k, 0.0)
-        v = torch.where(cols.unsqueeze(-1), v, 0.0)
-    return q, k, v
-
-
-def effective_visibility(visible: Tensor | None, bias: Tensor | None) -> Tensor | None:
-    """What may be attended once a bias's `-inf` entries also count as hidden."""
-    if bias is None:
-        return visible
-    finite = bias > -torch.inf  # (bias's broadcast shape)
-    return finite if visible is None else visible & finite
 
 
 def weights_and_lse(

@@ -1,10 +1,15 @@
-"""Masked (safe) softmax and the log-sum-exp that lets partial results merge exactly.
+"""Masked (safe) softmax, and the log-sum-exp math every backend shares.
 
 The textbook softmax `exp(s) / sum(exp(s))` overflows for large scores and gives
 0/0 = NaN on a row whose scores are all `-inf` (a query that may see no key). Here:
 subtract the row maximum (treating an all `-inf` row's maximum as 0), and divide by
 the sum only where it is positive, so an empty row gives weights 0 and a finite, zero
 gradient.
+
+The log-sum-exp lets results over disjoint key sets merge exactly (`merge_partials`;
+`merge_in_place` for tiled's blocks), adds attention sinks (`add_sinks`), and carries a
+gradient into a fused backward kernel (`with_lse_gradient`): tiled, sdpa, blockwise,
+the distributed pieces and the paged calls all take it from here.
 """
 
 from __future__ import annotations
@@ -18,7 +23,16 @@ from attnkit.errors import ShapeContractError
 from attnkit.masks import integer_mask_error
 from attnkit.precision import compute_dtype
 
-__all__ = ["add_sinks", "compute_dtype", "masked_softmax", "merge_partials", "softmax_with_lse"]
+__all__ = [
+    "add_sinks",
+    "compute_dtype",
+    "masked_softmax",
+    "merge_in_place",
+    "merge_partials",
+    "part_gradients",
+    "softmax_with_lse",
+    "with_lse_gradient",
+]
 
 
 def softmax_with_lse(scores: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
@@ -90,6 +104,18 @@ def merge_partials(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tens
     return out.to(outs[0].dtype), lse
 
 
+def part_gradients(
+    out_part: Tensor, lse_part: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The gradients one part of a merge receives: `out = Σ_p w_p·out_p` with
+    `w_p = exp(lse_p - lse)`, so `out_p` gets `w_p·dout` and `lse_p` gets
+    `w_p·(⟨dout, out_p - out⟩ + dlse)` (0 on rows that nobody saw). Shapes as
+    `merge_partials`: (B, H, L, Dv) outputs, (B, H, L) log-sum-exps."""
+    finite = torch.isfinite(lse)
+    w = torch.where(finite, torch.exp(lse_part - torch.where(finite, lse, 0)), 0)  # (B, H, L)
+    return w[..., None] * dout, w * ((dout * (out_part - out)).sum(-1) + dlse)
+
+
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """Attention sinks: one more logit per head in every row's softmax denominator, with
     no value (GPT-OSS's `s_aux`).
@@ -103,3 +129,38 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     total = torch.logaddexp(lse, sink)  # (B, H, L), finite: the sink is
     keep = torch.exp(lse - total)  # (B, H, L); 0 where lse = -inf
     return (out.to(keep.dtype) * keep.unsqueeze(-1)).to(out.dtype), total
+
+
+def merge_in_place(
+    out: Tensor, lse: Tensor, old_out: Tensor, old_lse: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`merge_partials` of a new part (out, lse) with a running one (old_out, old_lse),
+    written into `out`: both weighted by their share of the summed exponentials. Shapes
+    (..., L, Dv) and (..., L); returns `out` and the merged lse."""
+    new_lse = torch.logaddexp(old_lse, lse)  # (..., L)
+    out.mul_((lse - new_lse).exp_()[..., None])
+    out.addcmul_(old_out, (old_lse - new_lse).exp_()[..., None])
+    return out, new_lse
+
+
+def with_lse_gradient(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fold d(lse) into the op's backward with one extra feature.
+
+    The op forms dS = P∘(dP - Δ), Δ = rowsum(dO∘O); the log-sum-exp adds P∘dlse. A value
+    column of ones with dO = dlse and O = 0 in that column adds dlse to dP and nothing
+    to Δ. q and k get a zero column so every head dim stays equal (the op needs that).
+    """
+    ones, zeros = (f(*v.shape[:-1], 1) for f in (v.new_ones, v.new_zeros))
+
+    def pad(t: Tensor, extra: Tensor) -> Tensor:
+        return torch.cat([t, extra.expand(*t.shape[:-1], 1)], dim=-1)
+
+    return (
+        pad(q, zeros[:1, :1, :1]),
+        pad(k, zeros),
+        pad(v, ones),
+        pad(out, zeros[:1, :1, :1]),
+        pad(dout, dlse[..., None]),
+    )

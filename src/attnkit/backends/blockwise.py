@@ -22,9 +22,10 @@ from torch.utils.checkpoint import checkpoint
 from attnkit import cost
 from attnkit.contracts import AttentionCall
 from attnkit.heads import repeat_kv
-from attnkit.masks.structure import key_bounds, seen
+from attnkit.masks.structure import key_bounds
 from attnkit.precision import compute_dtype
-from attnkit.reference import weights_and_lse, zero_unseen
+from attnkit.reference import weights_and_lse
+from attnkit.visibility import cleaned
 
 __all__ = ["BlockwiseBackend"]
 
@@ -58,7 +59,7 @@ class BlockwiseBackend:
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
-        q, k, v = _cleaned(call)
+        q, k, v = cleaned(call)
         work = compute_dtype(q.dtype)
         outs, lses = [], []
         for r0, r1, lo, hi in _blocks(call, _rows(call)):
@@ -120,20 +121,3 @@ def _blocks(call: AttentionCall, rows: int) -> list[tuple[int, int, int, int]]:
     return [
         (int(f), int(t) + 1, int(a), int(b)) for f, t, a, b in zip(first, last, lo, hi, strict=True)
     ]
-
-
-def _cleaned(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v with the rows that see nothing and the keys no one sees zeroed (they may
-    hold NaN or Inf, and a masked weight of 0 times NaN is NaN)."""
-    d, q, k, v = call.dims, call.q, call.k, call.v
-    if call.bias_tensor is not None:  # its -inf entries hide too: the pairs, exactly
-        bias = call.bias_tensor
-        visible = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) > -torch.inf
-        if call.mask is not None:
-            visible = visible & call.mask.dense(d.B, d.H, d.L, d.S, q.device)
-        rows, keys = visible.any(-1), visible.any(-2)  # (B|1, H|1, L|1), (B|1, H|1, S|1)
-    elif call.mask is not None:
-        rows, keys = seen(call.mask, d.B, d.H, d.L, d.S, q.device)  # (B, H|1, L), (B, H|1, S)
-    else:
-        return q, k, v
-    return zero_unseen(q, k, v, rows, keys)

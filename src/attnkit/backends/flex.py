@@ -25,8 +25,9 @@ from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask, blocks
 from attnkit.masks.structure import seen, state
 from attnkit.precision import compute_dtype, kernel_dtype
-from attnkit.reference import attend, zero_unseen
+from attnkit.reference import attend
 from attnkit.threads import in_fresh_thread
+from attnkit.visibility import zero_unseen
 
 __all__ = ["FlexBackend"]
 

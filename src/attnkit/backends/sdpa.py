@@ -22,14 +22,14 @@ from attnkit._compat import (
     cpu_flash_gqa,
     sdpa_zeroes_empty_rows,
 )
-from attnkit.backends.tiled import with_lse_gradient
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask
 from attnkit.masks.spans import exact_spans, seen_from_spans
 from attnkit.masks.structure import is_sdpa_causal
 from attnkit.precision import HALF, kernel_dtype
-from attnkit.reference import effective_visibility, hide_unseen, zero_unseen
+from attnkit.softmax import with_lse_gradient
+from attnkit.visibility import effective_visibility, hide_unseen, zero_unseen
 
 __all__ = ["SdpaBackend"]
 

@@ -35,9 +35,10 @@ from attnkit.masks.spans import exact_spans, seen_from_spans
 from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal, state
 from attnkit.masks.tensor import given_tensor
 from attnkit.precision import compute_dtype, kernel_dtype
-from attnkit.reference import zero_unseen
+from attnkit.softmax import merge_in_place, with_lse_gradient
+from attnkit.visibility import zero_unseen
 
-__all__ = ["CHUNK_BYTES", "FORWARD_CHUNK_BYTES", "TiledBackend", "with_lse_gradient"]
+__all__ = ["CHUNK_BYTES", "FORWARD_CHUNK_BYTES", "TiledBackend"]
 
 CHUNK_BYTES = 2 << 20  # temporaries of one backward call: block rows, gradients, masks
 # ... of one forward call: fewer, larger calls run 4-8% faster (sliding window and
@@ -286,11 +287,7 @@ def _merged(
 ) -> tuple[Tensor, Tensor]:
     """Block result (ob, lb) merged with the partial result in its rows of (out, lse):
     both weighted by their share of the summed exponentials (ob is overwritten)."""
-    old_out, old_lse = _block_rows(out, g, Hkv), _block_rows(lse, g, Hkv)
-    new_lse = torch.logaddexp(old_lse, lb)  # (n, Hkv, G·R)
-    ob.mul_((lb - new_lse).exp_()[..., None])
-    ob.addcmul_(old_out, (old_lse - new_lse).exp_()[..., None])
-    return ob, new_lse
+    return merge_in_place(ob, lb, _block_rows(out, g, Hkv), _block_rows(lse, g, Hkv))
 
 
 class _TiledAttention(torch.autograd.Function):
@@ -394,29 +391,6 @@ def _blocks_backward(
                 grad[b].index_add_(1, keys, flat.to(grad.dtype))
             del gq, gk, gv  # freed before the next call allocates its gradients
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def with_lse_gradient(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, dout: Tensor, dlse: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Fold d(lse) into the op's backward with one extra feature.
-
-    The op forms dS = P∘(dP - Δ), Δ = rowsum(dO∘O); the log-sum-exp adds P∘dlse. A value
-    column of ones with dO = dlse and O = 0 in that column adds dlse to dP and nothing
-    to Δ. q and k get a zero column so every head dim stays equal (the op needs that).
-    """
-    ones, zeros = (f(*v.shape[:-1], 1) for f in (v.new_ones, v.new_zeros))
-
-    def pad(t: Tensor, extra: Tensor) -> Tensor:
-        return torch.cat([t, extra.expand(*t.shape[:-1], 1)], dim=-1)
-
-    return (
-        pad(q, zeros[:1, :1, :1]),
-        pad(k, zeros),
-        pad(v, ones),
-        pad(out, zeros[:1, :1, :1]),
-        pad(dout, dlse[..., None]),
-    )
 
 
 @dataclass

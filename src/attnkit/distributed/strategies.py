@@ -28,6 +28,7 @@ from attnkit.distributed.comm import Group, all_gather, all_to_all_heads
 from attnkit.distributed.pieces import Accumulator, Problem
 from attnkit.functional import attention_with_lse
 from attnkit.masks.window import window
+from attnkit.softmax import part_gradients
 
 __all__ = ["STRATEGIES", "run_strategy"]
 
@@ -140,13 +141,8 @@ class _Piece:
     def grads(
         self, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """dq, dk, dv of this piece in the whole result: out = Σ_s w_s·out_s
-        with w_s = exp(lse_s - lse), so out_s gets w_s·dout and lse_s gets
-        w_s·(⟨dout, out_s - out⟩ + dlse)."""
-        finite = torch.isfinite(lse)
-        w = torch.where(finite, torch.exp(self.lse.detach() - torch.where(finite, lse, 0)), 0)
-        g_out = w[..., None] * dout
-        g_lse = w * ((dout * (self.out.detach() - out)).sum(-1) + dlse)
+        """dq, dk, dv of this piece in the whole result (`softmax.part_gradients`)."""
+        g_out, g_lse = part_gradients(self.out.detach(), self.lse.detach(), out, lse, dout, dlse)
         outputs = [(t, g) for t, g in ((self.out, g_out), (self.lse, g_lse)) if t.requires_grad]
         found: tuple[Tensor | None, ...] = (None, None, None)  # a piece that sees nothing
         if outputs:
