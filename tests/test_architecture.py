@@ -124,3 +124,25 @@ def test_mask_has_a_small_protocol():
     assert len(names) <= MASK_NAMES, f"Mask has {len(names)} public names: {names}"
     for kind in ("predicate", "key_spans", "describe"):
         assert kind in names
+
+
+CONCRETE_BACKENDS = {"ReferenceBackend", "SdpaBackend", "TiledBackend", "FlexBackend",
+                     "BlockwiseBackend"}  # fmt: skip
+
+
+def test_no_module_outside_backends_names_a_concrete_backend():
+    """Callers go through the interface (`backends.protocol.Backend`), never a class."""
+    found = []
+    for name, path in _modules().items():
+        if name.startswith("attnkit.backends"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            named = {
+                ast.Name: lambda n: n.id,
+                ast.Attribute: lambda n: n.attr,
+                ast.alias: lambda n: n.name.rpartition(".")[2],
+            }.get(type(node))
+            if named is not None and named(node) in CONCRETE_BACKENDS:
+                found.append(f"{name}:{getattr(node, 'lineno', '?')} {named(node)}")
+    assert not found, f"concrete backends named outside attnkit/backends: {found}"

@@ -213,10 +213,10 @@ def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int, in
     256 for other backends)."""
     call = normalize_call(*inputs, mask, scale=None, softcap=None, dropout_p=0.0)
     chosen = get_backend(backend)
-    if backend != "tiled":
+    work = chosen.work(call)
+    if work is None:
         return chosen.cost(call, need_lse=False), 0, 256
-    plan = chosen.plan(call)  # type: ignore[attr-defined]
-    return chosen.cost(call, need_lse=False), plan.calls, min(plan.tile, 256)
+    return chosen.cost(call, need_lse=False), work.calls, min(work.tile, 256)
 
 
 def _short_blocks(inputs: Inputs, window: int = 256) -> float:

@@ -181,7 +181,7 @@ def _op_plan(
     key = (
         mask_spec, tuple((t.data_ptr(), t._version, t.shape) for t in mask_tensors),
         q.shape, k.shape, v.shape, q.dtype, q.device, backend, scale, call.softcap,
-        need_lse, requires_grad, BACKENDS["flex"].generation,  # type: ignore[attr-defined]
+        need_lse, requires_grad, BACKENDS["flex"].version,
         kernel_dtype(q.dtype, q.device) if q.dtype in HALF else None,
     )  # fmt: skip
     found = _OP_PLANS.get(key)

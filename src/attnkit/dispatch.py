@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.backends import BACKENDS, Backend, get_backend
+from attnkit.backends import BACKENDS, Backend, Kernel, get_backend
 from attnkit.contracts import AttentionCall, Dims, normalize_call, normalize_inputs
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
@@ -35,7 +35,6 @@ from attnkit.precision import HALF, compute_dtype, kernel_dtype
 __all__ = ["PREPARED_PER_MASK", "attention_call", "execute", "run"]
 
 MaskArg = Mask | Tensor | None
-Kernel = Callable[[Tensor, Tensor, Tensor], Tensor | None]  # None: the full path decides
 
 PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
 _PLAIN = (float, int, type(None))  # score options a key can hold (bool is refused later)
@@ -134,8 +133,7 @@ def _lane_key(
 
 def _serves_any_length(kernel: Kernel | None) -> bool:
     """True for a kernel with nothing of S in it: no mask tensor, no `is_causal`."""
-    attn_mask = getattr(kernel, "attn_mask", True)
-    return kernel is not None and attn_mask is None and not getattr(kernel, "is_causal", True)
+    return kernel is not None and kernel.serves_any_length
 
 
 def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
@@ -236,8 +234,7 @@ def _prepare(
     """Plan `call` once (`scale`: as given, before its sign is folded into q); keep the
     backend's prepared kernel where `kernel_ok`."""
     chosen = _choose(call, name, need_lse)
-    prepare = getattr(chosen, "prepare", None)
-    kernel = prepare(call, need_lse=need_lse) if prepare is not None and kernel_ok else None
+    kernel = chosen.prepare(call, need_lse=need_lse) if chosen is not None and kernel_ok else None
     return _Prepared(chosen, need_lse, call.dims, scale, call.softcap, call.dropout_p, kernel)
 
 
@@ -364,7 +361,7 @@ def _key(
         kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         *options, mask_state,
-        _FLEX.generation,  # type: ignore[attr-defined]
+        _FLEX.version,
     )  # fmt: skip
 
 

@@ -37,8 +37,7 @@ def fused_gradients(
     dtypes; None where lse holds +inf (no log-sum-exp was kept)."""
     if bool(torch.isposinf(lse).any()):
         return None
-    sdpa, tiled = BACKENDS["sdpa"], BACKENDS["tiled"]
-    grads = sdpa.backward(call, out, lse, dout, dlse)  # type: ignore[attr-defined]
+    grads = BACKENDS["sdpa"].backward(call, out, lse, dout, dlse)  # one call: dense, causal
     if grads is None:
-        grads = tiled.backward(call, out, lse, dout, dlse)  # type: ignore[attr-defined]
-    return grads  # type: ignore[no-any-return]
+        grads = BACKENDS["tiled"].backward(call, out, lse, dout, dlse)
+    return grads

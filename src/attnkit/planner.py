@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from attnkit import cost
 from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
-from attnkit.backends.tiled import TiledBackend
 from attnkit.contracts import AttentionCall
 from attnkit.masks.structure import count_allowed_pairs
 
@@ -115,8 +114,7 @@ def _pick(
     floored: set[str] = set()
     for n in (n for n in AUTO_ORDER if refusals[n] is None):
         backend = BACKENDS[n]
-        floor_of = getattr(backend, "cost_floor", None)
-        floor = -math.inf if floor_of is None else floor_of(call)
+        floor = backend.cost_floor(call)
         if floor >= min(costs.values(), default=math.inf):
             costs[n] = floor  # never cheaper: not priced (tiled's plan costs ms)
             floored.add(n)
@@ -189,14 +187,7 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
     if backend.name == "reference":
         shapes["scores"] = (d.B, d.H, d.L, d.S)
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []
-    if isinstance(backend, TiledBackend):
-        tiles = backend.plan(call)
-        runs = sum(g.size for g in tiles.groups if g.causal)
-        share = tiles.area / (d.B * d.L * d.S)
-        notes.append(
-            f"tiled: {tiles.calls} block group(s), tiles of {tiles.tile} rows, {runs} causal"
-            f" run(s) whole; {share:.1%} of the L×S pairs computed"
-        )
+    notes += backend.notes(call)
     if name == "auto":  # the figures it priced with, and where they came from
         notes.append(cost.table().summary())
     return Plan(

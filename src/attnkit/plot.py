@@ -179,13 +179,12 @@ def computed_regions(
     d = call.dims
     if backend == "none":
         return backend, []
-    if backend == "tiled":
-        plan = BACKENDS["tiled"].plan(call)  # type: ignore[attr-defined]
+    work = BACKENDS[backend].work(call)
+    if work is not None:
         return backend, [
-            Region(r0, min(g.rows, d.L - r0), k0, min(g.keys, d.S - k0), g.causal)
-            for g in plan.groups
-            if g.batch == batch
-            for r0, k0 in zip(g.row0, g.key0, strict=True)
+            Region(b.row0, min(b.rows, d.L - b.row0), b.key0, min(b.keys, d.S - b.key0), b.causal)
+            for b in work.blocks
+            if b.batch == batch
         ]
     if backend == "flex" and call.mask is not None:
         block = call.mask.to_block_mask(d.B, 1, d.L, d.S)

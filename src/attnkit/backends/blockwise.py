@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnkit import cost
+from attnkit.backends.protocol import Backend
 from attnkit.contracts import AttentionCall
 from attnkit.heads import repeat_kv
 from attnkit.masks.structure import key_bounds
@@ -33,7 +34,7 @@ BLOCK_BYTES = 1 << 25  # one block's float32 scores (B, H, R, K): the memory bou
 MIN_ROWS = 16
 
 
-class BlockwiseBackend:
+class BlockwiseBackend(Backend):
     """Serves every call on any device, like `reference`, without an L×S tensor."""
 
     name = "blockwise"

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
+from attnkit.backends.protocol import Backend
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask, blocks
 from attnkit.masks.structure import seen, state
@@ -63,7 +64,7 @@ def _signature(call: AttentionCall) -> tuple[Any, ...]:
     )
 
 
-class FlexBackend:
+class FlexBackend(Backend):
     """FlexAttention: block-sparse compiled kernels; forward only on CPU (PyTorch 2.13)."""
 
     name = "flex"
@@ -96,7 +97,7 @@ class FlexBackend:
         return None
 
     @property
-    def generation(self) -> int:
+    def version(self) -> int:
         """Changes whenever a kernel turns warm or broken (cached plans key on it)."""
         return len(self._warm) + len(self._broken)
 

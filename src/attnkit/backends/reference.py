@@ -5,13 +5,14 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnkit import cost
+from attnkit.backends.protocol import Backend
 from attnkit.contracts import AttentionCall
 from attnkit.reference import attend
 
 __all__ = ["ReferenceBackend"]
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     """Serves every call: any mask, bias, softcap, dropout, GQA, log-sum-exp, any device."""
 
     name = "reference"

@@ -22,6 +22,7 @@ from attnkit._compat import (
     cpu_flash_gqa,
     sdpa_zeroes_empty_rows,
 )
+from attnkit.backends.protocol import Backend
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask
@@ -153,6 +154,10 @@ class _Kernel:
     gqa: bool
     checked: bool
 
+    @property
+    def serves_any_length(self) -> bool:
+        return self.attn_mask is None and not self.is_causal
+
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         if self.work != self.dtype:
             q, k, v = q.to(self.work), k.to(self.work), v.to(self.work)
@@ -167,7 +172,7 @@ class _Kernel:
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
 
-class SdpaBackend:
+class SdpaBackend(Backend):
     """Fused kernels from PyTorch; no softcap; log-sum-exp on CPU through the flash op."""
 
     name = "sdpa"

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from attnkit import cost
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
+from attnkit.backends.protocol import Backend, Block, Work
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks import Mask
@@ -401,7 +402,7 @@ class _Prepared:
     visibility: dict[torch.device, _Visibility] = field(default_factory=dict)
 
 
-class TiledBackend:
+class TiledBackend(Backend):
     """Block-sparse: runs the fused kernel only on the key spans each query tile may see."""
 
     name = "tiled"
@@ -453,6 +454,24 @@ class TiledBackend:
     def plan(self, call: AttentionCall) -> TilePlan:
         """The tile plan of a call: computed once per mask and size, for cost and run."""
         return self._prepared(call).plan
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        tiles, d = self.plan(call), call.dims
+        runs = sum(g.size for g in tiles.groups if g.causal)
+        share = tiles.area / (d.B * d.L * d.S)
+        return [
+            f"tiled: {tiles.calls} block group(s), tiles of {tiles.tile} rows, {runs} causal"
+            f" run(s) whole; {share:.1%} of the L×S pairs computed"
+        ]
+
+    def work(self, call: AttentionCall) -> Work:
+        tiles = self.plan(call)
+        blocks = tuple(
+            Block(g.batch, r0, g.rows, k0, g.keys, g.causal)
+            for g in tiles.groups
+            for r0, k0 in zip(g.row0, g.key0, strict=True)
+        )
+        return Work(blocks, tiles.calls, tiles.tile)
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d, mask = call.dims, call.mask

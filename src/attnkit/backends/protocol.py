@@ -1,0 +1,108 @@
+"""What a backend is: the interface the planner, the dispatcher, the gradients and the
+pictures call, so none of them reaches for a backend by its class.
+
+Every backend answers `can_use` (None = can serve, else why not), `cost` (estimated
+time, in units of one query-key pair of one head in SDPA's dense kernel: see
+`attnkit.cost`), `peak_bytes` and `run`. The rest has defaults a backend overrides
+where it has more to say: a cheap lower bound on its cost (`cost_floor`), a kernel
+prepared for repeated calls (`prepare`), gradients from a call's output and lse
+(`backward`), lines for `explain` (`notes`), the blocks of L×S it computes (`work`),
+and a number that changes when its own state changes what it costs (`version`: flex's
+kernels turning warm), which cached plans carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from attnkit.contracts import AttentionCall
+
+__all__ = ["Backend", "Block", "Kernel", "Work"]
+
+
+class Kernel(Protocol):
+    """A backend's call with everything but q, k, v decided (`Backend.prepare`); it
+    returns None where the full path must decide (a check of its output failed)."""
+
+    @property
+    def serves_any_length(self) -> bool:
+        """Nothing of the key length S is in it (no mask tensor, no `is_causal`): it
+        serves the next step of a growing cache as well."""
+        ...
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class Block:
+    """`rows` queries from `row0` against `keys` keys from `key0`, in batch row `batch`
+    (`causal`: row m sees keys 0..m of the block)."""
+
+    batch: int
+    row0: int
+    rows: int
+    key0: int
+    keys: int
+    causal: bool = False
+
+
+@dataclass(frozen=True)
+class Work:
+    """The blocks of L×S a backend computes for a call (the rest it skips), in how
+    many kernel calls, with tiles of how many query rows."""
+
+    blocks: tuple[Block, ...]
+    calls: int
+    tile: int
+
+
+class Backend:
+    """The base of every backend: the four calls it must answer, and defaults."""
+
+    name: str
+
+    @property
+    def version(self) -> int:
+        """Changes when this backend's own state changes what it costs (cached plans
+        key on it); 0 for a backend without such state."""
+        return 0
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        raise NotImplementedError
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        raise NotImplementedError
+
+    def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
+        raise NotImplementedError
+
+    def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+        raise NotImplementedError
+
+    def cost_floor(self, call: AttentionCall) -> float:
+        """A lower bound on `cost` in O(1) (the planner skips `cost` where another
+        backend's whole call costs no more); -inf: none cheaper than `cost` itself."""
+        return -math.inf
+
+    def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
+        """The call `run` makes, decided once for repeated calls, or None."""
+        return None
+
+    def backward(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """dq, dk, dv of `call` from its output and log-sum-exp (whichever backend
+        computed them), or None where this backend cannot."""
+        return None
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        """Lines `explain` adds when this backend serves `call`."""
+        return []
+
+    def work(self, call: AttentionCall) -> Work | None:
+        """The blocks it computes for `call`, or None (the whole matrix, or its own)."""
+        return None
