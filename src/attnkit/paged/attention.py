@@ -1,0 +1,176 @@
+"""Attention over a paged KV cache: each new token against its own sequence only.
+
+`paged_attention` writes a layer's new keys and values into the step's slots and
+attends each sequence's new tokens to its history (causal, bottom-right; or a sliding
+window): one unmasked fused call for a decoding token, `attention` for a prefill.
+`PagedLayer` is one layer's view of a step, what a module's `cache=` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit.errors import MaskError, ShapeContractError
+from attnkit.functional import attention
+from attnkit.masks import Mask, causal, sliding_window
+from attnkit.masks.positions import _SlidingWindow
+from attnkit.precision import kernel_dtype
+
+if TYPE_CHECKING:  # the pool makes layers of itself: it imports this module
+    from attnkit.paged.pool import PagedKVCache, Step
+
+__all__ = ["PagedLayer", "paged_attention"]
+
+
+@dataclass(frozen=True)
+class PagedLayer:
+    """One layer's view of a step, for a module: `cache=pages.layer(step, i)`."""
+
+    pages: PagedKVCache
+    step: Step
+    layer: int
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | None) -> Tensor:
+        """`paged_attention` of (T, H, D), (T, Hkv, D), (T, Hkv, Dv): (T, H, Dv)."""
+        return paged_attention(q, k, v, self.pages, self.step, self.layer, mask)
+
+
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pages: PagedKVCache,
+    step: Step,
+    layer: int,
+    mask: Mask | None = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Write a step's new keys and values into `layer` and attend each new token to its
+    own sequence's tokens up to itself (causal, bottom-right), never to another's.
+
+    Args:
+        q: (T, H, D), k: (T, Hkv, D), v: (T, Hkv, Dv): the step's new tokens packed in
+            step order (T = sum of the step's counts).
+        mask: None or `sliding_window(left)`: each token sees the `left` tokens of its
+            sequence before it (and itself).
+    Returns:
+        (T, H, Dv) in q's dtype.
+    """
+    left = _window_of(mask)
+    _check_paged(q, k, v, pages, step, layer)
+    _check_released(step, left)
+    pages.keys[layer].index_copy_(0, step.slots, k)
+    pages.values[layer].index_copy_(0, step.slots, v)
+    recorded = torch.is_grad_enabled() and (
+        q.requires_grad or pages.pool.requires_grad
+    )  # autograd keeps what attention read: no buffer may be reused then
+    work = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
+    Hkv = pages.num_kv_heads
+    grouped = q.to(work).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])  # (T, Hkv, G, D)
+    outs = []
+    for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
+        if n == 0:
+            continue
+        lo = 0 if left is None else max(0, start - left)  # keys no new query's window reaches
+        decode = n == 1 and softcap is None  # sees every key gathered: no mask to plan
+        dtype = work if decode else pages.dtype
+        keys, values = pages.history(step, i, layer, lo, start + n, dtype, scratch=not recorded)
+        if decode:
+            outs.append(_decode(grouped[t : t + 1], keys, values, scale))
+        else:
+            outs.append(_prefill(q[t : t + n], keys, values, start - lo, left, scale, softcap))
+    if not outs:
+        return q.new_zeros(0, q.shape[1], pages.value_dim)
+    return torch.cat(outs).to(q.dtype)  # (T, H, Dv)
+
+
+def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:
+    """One new token's heads grouped (1, Hkv, G, D) over all of keys (1, Hkv, S, D):
+    (1, H, Dv). One fused call without a mask, the G query heads as G rows against their
+    shared K/V head (GQA reads each K/V head once)."""
+    out = F.scaled_dot_product_attention(q, keys, values, scale=scale)  # (1, Hkv, G, Dv)
+    return out.flatten(1, 2)
+
+
+def _prefill(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    offset: int,
+    left: int | None,
+    scale: float | None,
+    softcap: float | None,
+) -> Tensor:
+    """n new queries (n, H, D) of one sequence, query j at key position j + offset of
+    keys (1, Hkv, S, D): `attention` (its planner and fused paths), (n, H, Dv)."""
+    mask = causal(offset=offset) if left is None else sliding_window(left, offset=offset)
+    out = attention(q.transpose(0, 1)[None], keys, values, mask, scale=scale, softcap=softcap)
+    return out[0].transpose(0, 1)
+
+
+def _window_of(mask: Mask | None) -> int | None:
+    if mask is None:
+        return None
+    if (
+        isinstance(mask, _SlidingWindow)
+        and mask.right == 0
+        and mask.align in (None, "bottom_right")
+        and mask.offset is None
+    ):
+        return mask.left
+    raise MaskError(
+        f"paged_attention takes mask=None (causal within each sequence) or "
+        f"sliding_window(left) (a window over each sequence's positions); got {mask}."
+    )
+
+
+def _check_released(step: Step, left: int | None) -> None:
+    """No query may reach keys `release` freed."""
+    for seq, start, released in zip(step.ids, step.starts, step.released, strict=True):
+        lo = 0 if left is None else max(0, start - left)
+        if lo < released:
+            reach = "causal attention" if left is None else f"a window of {left}"
+            raise ValueError(
+                f"paged_attention: sequence {seq} released its keys before position "
+                f"{released}, but {reach} reaches position {lo}; release only keys no later "
+                f"query sees (before length - left under sliding_window(left))."
+            )
+
+
+def _check_paged(
+    q: Tensor, k: Tensor, v: Tensor, pages: PagedKVCache, step: Step, layer: int
+) -> None:
+    if step.version != pages.version:
+        raise ValueError(
+            "paged_attention: this step is stale (the cache changed after it was made: add, "
+            "fork, remove or another step); make the step right before its layers run."
+        )
+    if not 0 <= layer < pages.num_layers:
+        raise IndexError(f"layer {layer} is outside 0..{pages.num_layers - 1}.")
+    T, Hkv, D, Dv = step.num_tokens, pages.num_kv_heads, pages.head_dim, pages.value_dim
+    want = {"q": (T, None, D), "k": (T, Hkv, D), "v": (T, Hkv, Dv)}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        shape = want[name]
+        if t.dim() != 3 or any(
+            w is not None and w != g for w, g in zip(shape, t.shape, strict=True)
+        ):
+            expected = ", ".join("H" if w is None else str(w) for w in shape)
+            raise ShapeContractError(
+                f"paged_attention: {name} must be ({expected}) = (tokens of the step, heads, "
+                f"dim), got {tuple(t.shape)}."
+            )
+        if t.dtype != pages.dtype:
+            raise TypeError(
+                f"paged_attention: {name} is {t.dtype} but the cache holds {pages.dtype}."
+            )
+    if q.shape[1] % Hkv:
+        raise ShapeContractError(
+            f"paged_attention: H={q.shape[1]} query heads do not share Hkv={Hkv} K/V heads evenly."
+        )
