@@ -146,3 +146,12 @@ def test_no_module_outside_backends_names_a_concrete_backend():
             if named is not None and named(node) in CONCRETE_BACKENDS:
                 found.append(f"{name}:{getattr(node, 'lineno', '?')} {named(node)}")
     assert not found, f"concrete backends named outside attnkit/backends: {found}"
+
+
+def test_no_source_file_is_long():
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, f"files over {MAX_LINES} lines (split them by concept): {long}"

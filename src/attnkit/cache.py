@@ -6,9 +6,12 @@ amortized copies instead of re-concatenating the whole history at every step.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from attnkit.errors import ShapeContractError
+from attnkit.functional import attention
+from attnkit.masks import Mask
 
 __all__ = ["KVCache"]
 
@@ -28,6 +31,29 @@ class KVCache:
         self._k: Tensor | None = None  # (B, Hkv, capacity, D)
         self._v: Tensor | None = None  # (B, Hkv, capacity, Dv)
         self.length = 0
+
+    # a module's attender (`attnkit.attender`): the new rows follow the cached ones
+    def check(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
+    ) -> None:
+        pass
+
+    def positions(self, rows: int, device: torch.device) -> int | Tensor:
+        return self.length
+
+    def attend_heads(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        dropout_p: float,
+        backend: str,
+    ) -> Tensor:
+        """Append the new k, v and attend q over every cached key: (B, H, L, Dv)."""
+        keys, values = self.append(k, v)  # (B, Hkv, length, D|Dv)
+        return attention(q, keys, values, mask, dropout_p=dropout_p, backend=backend)
 
     @property
     def capacity(self) -> int:

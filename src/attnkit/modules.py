@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnkit.attender import PLAIN, Attender
 from attnkit.backends import backend_names
 from attnkit.cache import KVCache
 from attnkit.errors import MaskError, ShapeContractError
-from attnkit.functional import attention
 from attnkit.habits import points_habits
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import Mask
@@ -104,9 +104,11 @@ class MultiHeadAttention(nn.Module):
 
     `num_kv_heads` < `num_heads` shares each K/V head among H / Hkv query heads (GQA;
     1 is MQA). `rope=True` (or a `RotaryEmbedding`) rotates q and k by position, offset
-    by the cache length. Every call goes through `attnkit.attention(..., backend=)`, or,
-    with `context` set (`attnkit.distributed.parallelize`), through context-parallel
-    attention over a sequence sharded across processes (self-attention, no cache).
+    by the cache length. Every call reads project → attend → merge: the heads attend
+    through one protocol (`attnkit.attender`): `attnkit.attention(..., backend=)`, a
+    `KVCache`, a paged cache's layer, or, with `context` set
+    (`attnkit.distributed.parallelize`), context-parallel attention over a sequence
+    sharded across processes (self-attention, no cache).
     """
 
     context: Any = None  # an attnkit.distributed.ContextParallel, or None
@@ -171,73 +173,30 @@ class MultiHeadAttention(nn.Module):
         tokens of many sequences packed as (1, T, E); each attends causally to its own
         sequence (mask None or `sliding_window(left)`), RoPE by position in its sequence.
         """
-        if self.context is not None:
-            return self._context_forward(query, key, value, mask, cache)
-        if isinstance(cache, PagedLayer):
-            return self._paged_forward(query, key, value, mask, cache)
+        attender = self._attender(cache)
+        dropout_p = self.dropout if self.training else 0.0
+        attender.check(query, key, value, dropout_p)
         key = query if key is None else key
         value = key if value is None else value
         self._check_inputs(query, key, value)
-        offset = 0 if cache is None else cache.length
-        q, k, v = self.project(query, key, value, offset)
-        if cache is not None:
-            k, v = cache.append(k, v)  # (B, Hkv, offset + S, hd)
-        out = attention(
-            q, k, v, mask, dropout_p=self.dropout if self.training else 0.0, backend=self.backend
-        )  # (B, H, L, hd)
+        positions = attender.positions(query.shape[1], query.device)
+        q, k, v = self.project(query, key, value, positions)
+        out = attender.attend_heads(q, k, v, mask, dropout_p=dropout_p, backend=self.backend)
         projected: Tensor = self.out_proj(merge_heads(out))  # (B, L, E)
         return projected
 
-    def _paged_forward(
-        self,
-        query: Tensor,
-        key: Tensor | None,
-        value: Tensor | None,
-        mask: Mask | Tensor | None,
-        cache: PagedLayer,
-    ) -> Tensor:
-        """A step's new tokens of many sequences, packed as (1, T, E), on a paged cache."""
-        if key is not None or value is not None:
-            raise ValueError("a paged cache serves self-attention: call with the query only.")
-        self._check_inputs(query, query, query)
-        if query.shape[0] != 1:
-            raise ShapeContractError(
-                f"with a paged cache, query holds the step's tokens packed as (1, T, E); "
-                f"got {tuple(query.shape)}."
-            )
-        if mask is not None and not isinstance(mask, Mask):
-            raise MaskError("with a paged cache, mask is None or sliding_window(left).")
-        positions = cache.step.positions().to(query.device)  # (T,): RoPE by sequence position
-        q, k, v = (t[0].transpose(0, 1) for t in self.project(query, query, query, positions))
-        out = cache.attend(q, k, v, mask)  # (T, H, hd)
-        projected: Tensor = self.out_proj(merge_heads(out.transpose(0, 1)[None]))  # (1, T, E)
-        return projected
-
-    def _context_forward(
-        self,
-        query: Tensor,
-        key: Tensor | None,
-        value: Tensor | None,
-        mask: Mask | Tensor | None,
-        cache: KVCache | PagedLayer | None,
-    ) -> Tensor:
-        """This rank's rows (B, L/P, E) of a sequence sharded by `self.context`."""
-        if key is not None or value is not None or cache is not None:
+    def _attender(self, cache: KVCache | PagedLayer | None) -> Attender:
+        """Where the heads attend: the context this module was parallelized under (it
+        takes no cache), else the cache, else plain attention."""
+        if self.context is None:
+            return PLAIN if cache is None else cache
+        if cache is not None:
             raise ValueError(
                 "context parallelism shards one sequence for self-attention: call the module "
                 "with the query rows only (no key, value or cache), or set .context = None."
             )
-        if self.training and self.dropout > 0:
-            raise ValueError(
-                f"context-parallel attention has no dropout; build the module with dropout=0 "
-                f"(it has {self.dropout}) or call .eval()."
-            )
-        self._check_inputs(query, query, query)
-        positions = self.context.positions(query.shape[1]).to(query.device)
-        q, k, v = self.project(query, query, query, positions)
-        out = self.context.attention(q, k, v, mask)  # (B, H, L/P, hd)
-        projected: Tensor = self.out_proj(merge_heads(out))  # (B, L/P, E)
-        return projected
+        context: Attender = self.context
+        return context
 
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         """Shapes against the projections, named, before a Linear raises a bare error."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from attnkit.distributed.api import attention
@@ -31,12 +32,38 @@ class ContextParallel:
     def __init__(self, group: Any = None, layout: str = "zigzag", strategy: str = "auto") -> None:
         self.group, self.layout, self.strategy = group, layout, strategy
 
-    def positions(self, rows: int) -> Tensor:
+    def positions(self, rows: int, device: torch.device | None = None) -> Tensor:
         """Global positions of this rank's `rows` local rows: (rows,)."""
         g = group_of(self.group)
-        return Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
+        found = Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
+        return found if device is None else found.to(device)
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | Tensor | None) -> Tensor:
+    # a module's attender (`attnkit.attender`): this rank's rows of one sequence
+    def check(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
+    ) -> None:
+        if key is not None or value is not None:
+            raise ValueError(
+                "context parallelism shards one sequence for self-attention: call the module "
+                "with the query rows only (no key, value or cache), or set .context = None."
+            )
+        if dropout_p > 0:
+            raise ValueError(
+                f"context-parallel attention has no dropout; build the module with dropout=0 "
+                f"(it has {dropout_p}) or call .eval()."
+            )
+
+    def attend_heads(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        dropout_p: float,
+        backend: str,
+    ) -> Tensor:
+        """This rank's rows (B, H, L/P, hd) against the whole sequence: (B, H, L/P, Dv)."""
         return attention(
             q, k, v, mask, group=self.group, layout=self.layout, strategy=self.strategy
         )

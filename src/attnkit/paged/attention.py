@@ -39,6 +39,37 @@ class PagedLayer:
         """`paged_attention` of (T, H, D), (T, Hkv, D), (T, Hkv, Dv): (T, H, Dv)."""
         return paged_attention(q, k, v, self.pages, self.step, self.layer, mask)
 
+    # a module's attender (`attnkit.attender`): the step's tokens packed as (1, T, E)
+    def check(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
+    ) -> None:
+        if key is not None or value is not None:
+            raise ValueError("a paged cache serves self-attention: call with the query only.")
+        if query.dim() == 3 and query.shape[0] != 1:
+            raise ShapeContractError(
+                f"with a paged cache, query holds the step's tokens packed as (1, T, E); "
+                f"got {tuple(query.shape)}."
+            )
+
+    def positions(self, rows: int, device: torch.device) -> int | Tensor:
+        return self.step.positions().to(device)  # (T,): RoPE by position in its sequence
+
+    def attend_heads(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        dropout_p: float,
+        backend: str,
+    ) -> Tensor:
+        """(1, H, T, hd) heads of the packed tokens -> (1, H, T, Dv)."""
+        if mask is not None and not isinstance(mask, Mask):
+            raise MaskError("with a paged cache, mask is None or sliding_window(left).")
+        q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (T, heads, hd)
+        return self.attend(q, k, v, mask).transpose(0, 1)[None]
+
 
 def paged_attention(
     q: Tensor,

@@ -1,0 +1,74 @@
+"""Where a module's heads attend: the one protocol every kind of cache implements.
+
+`MultiHeadAttention.forward` reads project → attend → merge: it asks the attender
+for the positions of its new rows (RoPE), projects, and hands q, k, v to
+`attend_heads`. The attender is the plain call (`PLAIN`: `attention` on the keys
+given), a `KVCache` (append, then attend over the cache), a paged cache's layer
+(`PagedLayer`: each packed token against its own sequence) or a `ContextParallel`
+(rows of a sequence sharded across processes). Each checks first what it cannot
+serve (`check`), naming the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from attnkit.functional import attention
+from attnkit.masks import Mask
+
+__all__ = ["PLAIN", "Attender", "Plain"]
+
+
+class Attender(Protocol):
+    def check(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
+    ) -> None:
+        """Raise (naming the fix) for inputs this attender cannot serve; query (B, L, E)."""
+        ...
+
+    def positions(self, rows: int, device: torch.device) -> int | Tensor:
+        """The positions of `rows` new query rows: an offset, or an (L,) tensor."""
+        ...
+
+    def attend_heads(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        dropout_p: float,
+        backend: str,
+    ) -> Tensor:
+        """q (B, H, L, hd), the new k, v (B, Hkv, S, hd) -> out (B, H, L, hd)."""
+        ...
+
+
+class Plain:
+    """Attention over exactly the keys given (no cache)."""
+
+    def check(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
+    ) -> None:
+        pass
+
+    def positions(self, rows: int, device: torch.device) -> int | Tensor:
+        return 0
+
+    def attend_heads(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask | Tensor | None,
+        *,
+        dropout_p: float,
+        backend: str,
+    ) -> Tensor:
+        return attention(q, k, v, mask, dropout_p=dropout_p, backend=backend)
+
+
+PLAIN = Plain()
