@@ -68,3 +68,28 @@ def naive_same_dtype(q, k, v, mask, dout, dtype):
     out = r(weights @ vr)  # (B, H, L, Dv)
     (out * r(dout.float())).sum().backward()
     return tuple(t.to(dtype) for t in (out.detach(), q32.grad, k32.grad, v32.grad))
+
+
+EXACT_BACKENDS = ["reference", "sdpa", "tiled", "auto"]  # the backends every input runs on
+
+
+def small_qkv(B=1, H=2, Hkv=1, L=6, S=6, D=8, Dv=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, H, L, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, S, D, generator=g).to(dtype),
+        torch.randn(B, Hkv, S, Dv, generator=g).to(dtype),
+    )
+
+
+def out_and_grads(q, k, v, mask, backend, dout=None, lse=False, **kwargs):
+    import attnkit as ak
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if lse:
+        out, lse_value = ak.attention_with_lse(q, k, v, mask, backend=backend, **kwargs)
+        loss = out.sum() + lse_value.masked_fill(~torch.isfinite(lse_value), 0).sum()
+    else:
+        out = ak.attention(q, k, v, mask, backend=backend, **kwargs)
+        loss = (out * (torch.ones_like(out) if dout is None else dout)).sum()
+    return (out.detach(), *torch.autograd.grad(loss, (q, k, v)))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from helpers import EXACT_BACKENDS, out_and_grads, small_qkv
 
 
 def qkv(B=2, H=4, Hkv=4, L=5, S=5, D=8, Dv=8):
@@ -130,3 +131,59 @@ def test_a_backend_that_cannot_serve_says_why():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"'sdpa' cannot serve this call: .* no softcap"):
         ak.attention(q, k, v, softcap=30.0, backend="sdpa")
+
+
+def _last_dim_strided(t):
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _every_other(t):  # x[..., ::2] of a wider tensor holding the same values
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@pytest.mark.parametrize("layout", [_last_dim_strided, _every_other], ids=["vT", "step2"])
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+def test_inputs_whose_last_dim_is_not_contiguous(backend, layout):
+    q, k, v = small_qkv(Hkv=2, L=70, S=70)  # MHA, and a mask that hides no key: no copy on
+    mask = ak.causal()  # the way (GQA's repeat, zeroing hidden keys) hides the strides
+    want = out_and_grads(q, k, v, mask, "reference", lse=backend != "sdpa")
+    got = out_and_grads(layout(q), layout(k), layout(v), mask, backend, lse=backend != "sdpa")
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w)
+    with torch.no_grad():  # attention_with_lse on sdpa/auto ran the flash op on strides
+        out, lse = ak.attention_with_lse(q, k, layout(v), mask, backend=backend)
+        want_lse = ak.attention_with_lse(q, k, v, mask, backend="reference")[1]
+    torch.testing.assert_close(out, want[0])
+    torch.testing.assert_close(lse, want_lse)
+
+
+def test_a_gradient_whose_last_dim_is_not_contiguous_reaches_the_tiled_backward():
+    q, k, v = small_qkv(Hkv=2, L=40, S=40)
+    w = torch.randn(1, 2, 8, 40)  # the loss reads out transposed: its gradient is w.mT
+
+    def grads_through_transpose(backend):
+        q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
+        out = ak.attention(q_, k_, v_, ak.causal(), backend=backend)
+        return torch.autograd.grad((out.transpose(-1, -2) * w).sum(), (q_, k_, v_))
+
+    for want, got in zip(
+        grads_through_transpose("reference"), grads_through_transpose("tiled"), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("L", [5, 100])
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+@pytest.mark.parametrize("backend", EXACT_BACKENDS)
+def test_zero_and_negative_scales_are_exact_with_a_causal_mask(backend, scale, L):
+    q, k, v = small_qkv(L=L, S=L)
+    want = out_and_grads(q.double(), k.double(), v.double(), ak.causal(), "reference", scale=scale)
+    got = out_and_grads(q, k, v, ak.causal(), backend, scale=scale)
+    for w, g in zip(want, got, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w.float(), atol=1e-5, rtol=1e-4)
+    if scale == 0.0:  # every score is 0: each row averages the values it sees
+        expected = v.cumsum(2) / torch.arange(1, L + 1).view(1, 1, L, 1)
+        torch.testing.assert_close(got[0], expected.expand_as(got[0]), atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ prepared call is never served stale; the cache holds neither masks nor inputs.""
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import attnkit as ak
 from attnkit import dispatch
+from helpers import EXACT_BACKENDS, small_qkv
 
 
 @pytest.fixture
@@ -205,3 +207,46 @@ def test_the_lane_serves_only_calls_that_see_every_key():
     qr = q.clone().requires_grad_()
     _reference(qr, k, v, None).sum().backward()
     torch.testing.assert_close(qg.grad, qr.grad)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(B=0), dict(L=0), dict(S=0), dict(Dv=0), dict(L=0, S=0)],
+    ids=["B=0", "L=0", "S=0", "Dv=0", "L=S=0"],
+)
+@pytest.mark.parametrize("backend", [*EXACT_BACKENDS, "flex"])
+def test_empty_sizes_give_zeros_lse_minus_inf_and_zero_gradients(backend, sizes):
+    q, k, v = small_qkv(**sizes)
+    q[..., 0] = math.nan  # with S = 0 no query sees anything: nothing may leak
+    mask = ak.causal(align="bottom_right")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ak.attention_with_lse(q, k, v, mask, backend=backend)
+    assert out.shape == (q.shape[0], 2, q.shape[2], v.shape[-1]) and (out == 0).all()
+    assert lse.shape == q.shape[:3] and (lse == -math.inf).all()
+    (out.sum() + lse.masked_fill(torch.isinf(lse), 0).sum()).backward()
+    assert all(t.grad is not None and (t.grad == 0).all() for t in (q, k, v))
+    plan = ak.explain(q, k, v, mask)
+    assert plan.backend == "none" and plan.flops == 0 and "nothing to compute" in str(plan)
+    assert ak.attention_probs(q, k, mask).shape == (q.shape[0], 2, q.shape[2], k.shape[2])
+
+
+@pytest.mark.parametrize("backend", ["auto", "blockwise", "reference"])
+def test_softcap_call_that_sees_nothing_gives_zero_finite_gradients(backend):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 45, 64, generator=g).half().requires_grad_()
+    k = torch.randn(1, 1, 45, 64, generator=g).half().requires_grad_()
+    v = torch.randn(1, 1, 45, 16, generator=g).half().requires_grad_()
+    mask = ak.key_padding(torch.tensor([0]))
+    out, lse = ak.attention_with_lse(q, k, v, mask, softcap=5000.0, backend=backend)
+    (out.float().sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "tiled", "sdpa", "auto"])
+def test_every_backend_joins_a_result_that_sees_nothing_to_its_inputs(backend):
+    q, k, v = (t.requires_grad_() for t in small_qkv(B=2, H=2, Hkv=2, L=5, S=7))
+    out = ak.attention(q, k, v, ak.key_padding(torch.tensor([0, 0])), backend=backend)
+    out.sum().backward()
+    assert all(t.grad is not None and (t.grad == 0).all() for t in (q, k, v))

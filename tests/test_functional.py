@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.softmax import merge_partials
 
 BACKENDS = ["reference", "sdpa", "tiled"]
 
@@ -188,17 +187,6 @@ def test_half_precision_keeps_dtype_and_lse_is_float32(dtype):
     for backend in BACKENDS:
         out, lse = ak.attention_with_lse(q, k, v, ak.causal(), backend=backend)
         assert out.dtype == dtype and lse.dtype == torch.float32
-
-
-def test_merge_partials_of_disjoint_key_sets_is_exact():
-    q, k, v = qkv(L=7, S=7)
-    left = ak.key_padding(torch.tensor([3, 3]))
-    out_a, lse_a = ak.attention_with_lse(q, k, v, left & ak.causal())
-    out_b, lse_b = ak.attention_with_lse(q, k, v, ~left & ak.causal())
-    out, lse = merge_partials([out_a, out_b], [lse_a, lse_b])
-    full, full_lse = ak.attention_with_lse(q, k, v, ak.causal())
-    torch.testing.assert_close(out, full)
-    torch.testing.assert_close(lse, full_lse)
 
 
 def test_explain_counts_allowed_pairs_and_gives_reasons():

@@ -271,3 +271,7 @@ def test_integer_masks_are_refused_with_the_converters_named():
     with pytest.raises(ak.MaskError, match=r"from_hf_attention_mask.*from_key_padding_mask"):
         q = torch.randn(1, 1, 2, 4)
         ak.attention(q, q, q, torch.ones(2, 2, dtype=torch.int64))
+
+
+def test_draw_of_a_mask_with_alibi_shows_its_visibility():
+    assert (ak.alibi(4) & ak.causal()).draw(2) == "■ ·\n■ ■"

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
+from helpers import small_qkv
 
 # ------------------------------------------------- the first chapter's checks, Q1 to Q5
 
@@ -295,3 +296,24 @@ class TestSingleHeadAttention:
     def test_bad_attention_mask_shape_is_refused(self):
         with pytest.raises(ak.ShapeContractError, match=r"\(B, L\)"):
             self.attn(self.x, attention_mask=torch.ones(2, 5))
+
+
+def test_seed_functions_add_the_alibi_bias_over_the_heads_of_q():
+    q, k, _ = small_qkv(B=2, H=4, Hkv=4, L=5, S=5)
+    mask = ak.alibi(4) & ak.causal()
+    weights = ak.attention_weights(q, k, mask)
+    torch.testing.assert_close(weights, ak.attention_probs(q, k, mask), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(weights, ak.attention_weights(q, k, ak.causal()))
+    one = ak.attention_weights(q[:, :1], k[:, :1], ak.alibi(1))  # was silently bias-free
+    assert not torch.allclose(one, ak.attention_weights(q[:, :1], k[:, :1]))
+
+
+def test_seed_functions_put_a_batch_mask_on_the_batch_of_three_dim_inputs():
+    q, k, _ = small_qkv(B=1, H=2, Hkv=2, L=5, S=5)
+    q3, k3 = q[0], k[0]  # (B=2, L, D)
+    docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    weights = ak.attention_weights(q3, k3, ak.document(docs))
+    for b in range(2):
+        visible = docs[b][:, None] == docs[b][None, :]
+        want = ak.attention_weights(q3[b], k3[b], visible)
+        torch.testing.assert_close(weights[b], want)

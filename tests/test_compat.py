@@ -1,0 +1,17 @@
+"""The feature probes of `attnkit._compat`."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_the_empty_row_probe_answers_the_same_under_no_grad_and_inside_an_op():
+    from attnkit._compat import sdpa_zeroes_empty_rows
+
+    probe = sdpa_zeroes_empty_rows.__wrapped__  # uncached
+    want = probe()
+    with torch.no_grad():
+        assert probe() == want
+    with torch.inference_mode():
+        assert probe() == want
+    assert want == (torch.__version__ >= "2.5")
