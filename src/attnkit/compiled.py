@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import BACKENDS, Backend
+from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, _check_shapes, normalize_call, unit_last_stride
 from attnkit.dispatch import run
 from attnkit.gradients import fused_gradients, serves
@@ -191,14 +192,12 @@ def _op_plan(
         keep = need_lse or (
             requires_grad and serves(call, scale) and chosen.can_use(call, need_lse=True) is None
         )
-        if len(_OP_PLANS) >= OP_PLANS_KEPT:
-            _OP_PLANS.clear()
-        found = _OP_PLANS[key] = (chosen, keep)
+        found = _OP_PLANS.put(key, (chosen, keep))
     return found
 
 
-_OP_PLANS: dict[tuple[object, ...], tuple[Backend, bool]] = {}
 OP_PLANS_KEPT = 64
+_OP_PLANS: Bounded[tuple[object, ...], tuple[Backend, bool]] = Bounded(OP_PLANS_KEPT)
 
 
 def _fresh(t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import BACKENDS, Backend, Kernel, get_backend
+from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, Dims, normalize_call, normalize_inputs
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
@@ -80,11 +81,9 @@ def attention_call(
             kernel_ok=as_given and not isinstance(mask, Tensor),
         )
         if key is not None:
-            held.remember(key, prepared)  # type: ignore[union-attr]
+            held.plans.put(key, prepared)  # type: ignore[union-attr]
         if lane is not None and _serves_any_length(prepared.kernel):
-            if len(_LANE) >= 4 * PREPARED_PER_MASK:
-                _LANE.clear()
-            _LANE[lane] = prepared.kernel  # type: ignore[assignment]
+            _LANE.put(lane, prepared.kernel)  # type: ignore[arg-type]
     return prepared(q, k, v, mask)
 
 
@@ -94,7 +93,7 @@ def attention_call(
 # bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the number of
 # keys S: kept under a key without S, it serves the next step of a growing cache (one more
 # key, a new mask object each step) with no validation or planning but its own checks.
-_LANE: dict[tuple[object, ...], Kernel] = {}
+_LANE: Bounded[tuple[object, ...], Kernel] = Bounded(4 * PREPARED_PER_MASK)
 
 
 def _lane_key(
@@ -246,8 +245,8 @@ class _Held:
     whose identity and version every key carries."""
 
     def __init__(self, tensors: tuple[Tensor, ...], limit: int) -> None:
-        self.tensors, self.limit = tensors, limit  # a `Mask`'s (they die with it)
-        self.plans: dict[tuple[object, ...], _Prepared] = {}
+        self.tensors = tensors  # a `Mask`'s (they die with it)
+        self.plans: Bounded[tuple[object, ...], _Prepared] = Bounded(limit)
 
     def state(self, mask: MaskArg) -> tuple[object, ...]:
         """The identity, version and size of each tensor the mask holds or is."""
@@ -256,19 +255,14 @@ class _Held:
                     mask.device)  # fmt: skip
         return tuple((t.data_ptr(), t._version, t.shape) for t in self.tensors)
 
-    def remember(self, key: tuple[object, ...], prepared: _Prepared) -> None:
-        if len(self.plans) >= self.limit:
-            self.plans.clear()
-        self.plans[key] = prepared
-
 
 _UNMASKED = _Held((), 4 * PREPARED_PER_MASK)
 # id(mask object) -> (a weak reference to it, its calls); the entry goes when it dies
 _BY_MASK: dict[int, tuple[weakref.ref[object], _Held]] = {}
 # a mask of numbers alone (`causal()`, `sliding_window(128)`, ...) by its structure: a new
 # object of the same structure (a mask built anew each step) shares its prepared calls
-_BY_STRUCTURE: dict[tuple[object, ...], _Held] = {}
 STRUCTURES_KEPT = 64
+_BY_STRUCTURE: Bounded[tuple[object, ...], _Held] = Bounded(STRUCTURES_KEPT)
 
 
 def _held(mask: MaskArg) -> _Held | None:
@@ -296,9 +290,7 @@ def _by_structure(mask: Mask) -> _Held:
         return _Held(mask.tensors(), PREPARED_PER_MASK)
     held = _BY_STRUCTURE.get(structure)
     if held is None:
-        if len(_BY_STRUCTURE) >= STRUCTURES_KEPT:
-            _BY_STRUCTURE.clear()
-        held = _BY_STRUCTURE[structure] = _Held((), PREPARED_PER_MASK)
+        held = _BY_STRUCTURE.put(structure, _Held((), PREPARED_PER_MASK))
     return held
 
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.backends.protocol import Backend
+from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall
 from attnkit.masks import Mask, blocks
 from attnkit.masks.structure import seen, state
@@ -74,7 +75,7 @@ class FlexBackend(Backend):
         self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
         self._broken: dict[tuple[Any, ...], str] = {}  # failed or found wrong: why
         self._prepared_by_mask: weakref.WeakKeyDictionary[
-            Mask, dict[tuple[Any, ...], tuple[Any, Tensor, Tensor]]
+            Mask, Bounded[tuple[Any, ...], tuple[Any, Tensor, Tensor]]
         ] = weakref.WeakKeyDictionary()
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
@@ -134,17 +135,18 @@ class FlexBackend(Backend):
         assert mask is not None
         d = call.dims
         key = (d.B, d.H, d.L, d.S, call.q.device, state(mask))
-        cache = self._prepared_by_mask.setdefault(mask, {})
-        if key not in cache:
-            if len(cache) >= PREPARED_PER_MASK:
-                cache.clear()
+        cache = self._prepared_by_mask.get(mask)
+        if cache is None:
+            cache = self._prepared_by_mask[mask] = Bounded(PREPARED_PER_MASK)
+        found = cache.get(key)
+        if found is None:
             block_mask = in_fresh_thread(  # vmap inside: it fails in a compiled graph's op
                 lambda: blocks.block_mask(
                     mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
                 )
             )
-            cache[key] = (block_mask, *seen(mask, d.B, d.H, d.L, d.S, call.q.device))
-        return cache[key]
+            found = cache.put(key, (block_mask, *seen(mask, d.B, d.H, d.L, d.S, call.q.device)))
+        return found
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         flex = flex_attention_module()

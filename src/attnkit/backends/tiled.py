@@ -30,6 +30,7 @@ from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.protocol import Backend, Block, Work
 from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
+from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks import Mask
 from attnkit.masks.pertensor import PerTensor
@@ -265,6 +266,9 @@ class _Prepared:
     visibility: dict[torch.device, Visibility] = field(default_factory=dict)
 
 
+Plans = Bounded[tuple[Any, ...], _Prepared]  # a mask's plans by problem size
+
+
 class TiledBackend(Backend):
     """Block-sparse: runs the fused kernel only on the key spans each query tile may see."""
 
@@ -286,33 +290,37 @@ class TiledBackend(Backend):
     def __init__(self) -> None:
         # plans per mask object (held weakly) and problem size; a mask whose tensors
         # change in place gets a new plan (`masks.structure.state`)
-        self._plans: weakref.WeakKeyDictionary[Mask, dict[tuple[Any, ...], _Prepared]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._unmasked: dict[tuple[Any, ...], _Prepared] = {}  # plans without a mask
+        self._plans: weakref.WeakKeyDictionary[Mask, Plans] = weakref.WeakKeyDictionary()
+        self._unmasked: Plans = Bounded(4 * PLANS_PER_MASK)  # plans without a mask
         # a bool tensor given as the mask is wrapped anew per call: its plans go with the
         # caller's tensor object (weakly held), the key below holds its version
-        self._by_tensor: PerTensor[dict[tuple[Any, ...], _Prepared]] = PerTensor()
+        self._by_tensor: PerTensor[Plans] = PerTensor()
 
-    def _plans_of(self, mask: Mask | None) -> dict[tuple[Any, ...], _Prepared]:
+    def _plans_of(self, mask: Mask | None) -> Plans:
         if mask is None:
             return self._unmasked
         given = given_tensor(mask)
         if given is None:
-            return self._plans.setdefault(mask, {})
+            plans = self._plans.get(mask)
+            if plans is None:
+                plans = self._plans[mask] = Bounded(PLANS_PER_MASK)
+            return plans
         found = self._by_tensor.get(given, None)
-        return found if found is not None else self._by_tensor.put(given, None, {})
+        return (
+            found
+            if found is not None
+            else self._by_tensor.put(given, None, Bounded(PLANS_PER_MASK))
+        )
 
     def _prepared(self, call: AttentionCall) -> _Prepared:
         """The plan of a call and its visibility: made once per mask and size."""
         d, mask = call.dims, call.mask
         plans = self._plans_of(mask)
         key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else state(mask))
-        if key not in plans:
-            if len(plans) >= PLANS_PER_MASK:
-                plans.clear()
-            plans[key] = _Prepared(best_plan(mask, d.B, d.H, d.Hkv, d.L, d.S))
-        return plans[key]
+        found = plans.get(key)
+        if found is None:
+            found = plans.put(key, _Prepared(best_plan(mask, d.B, d.H, d.Hkv, d.L, d.S)))
+        return found
 
     def plan(self, call: AttentionCall) -> TilePlan:
         """The tile plan of a call: computed once per mask and size, for cost and run."""

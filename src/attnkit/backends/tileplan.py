@@ -1,10 +1,10 @@
 """Tile plans for the `tiled` backend: which keys each block of query rows must see.
 
-The mask's key spans (`masks.structure.key_bounds`) give, for every tile of query rows
-and every batch row, one span of keys `[lo, hi)` that holds all keys the tile may see;
-no L×S tensor is built. Spans are rounded to `GRANULE` keys, consecutive tiles with the same span
-merge into one block (up to `MAX_ROWS` rows and `MAX_PAIRS` pairs, which bound a block's
-mask), and blocks of one batch row and shape form a `Group`: one kernel call, or a few in
+The mask's key spans (`Mask.key_spans`, their hull over a tile: `masks.spans`) give,
+for every tile of query rows and every batch row, one span of keys `[lo, hi)` that
+holds all keys the tile may see; no L×S tensor is built. Spans are rounded to
+`GRANULE` keys, consecutive tiles with the same span merge into one block (up to
+`MAX_ROWS` rows and `MAX_PAIRS` pairs, which bound a block's mask), and blocks of one batch row and shape form a `Group`: one kernel call, or a few in
 chunks of bounded memory. The tile height is chosen per call by the cost model: short
 tiles waste fewer pairs, tall tiles use the kernel better.
 """
@@ -22,8 +22,7 @@ from torch import Tensor
 
 from attnkit import cost
 from attnkit.masks import Mask
-from attnkit.masks.spans import exact_spans
-from attnkit.masks.structure import key_bounds
+from attnkit.masks.spans import Spans, tile_bounds
 
 __all__ = [
     "BAND_MIN",
@@ -177,11 +176,14 @@ def plan_tiles(
     S: int,
     tile: int = TILES[1],
     segments: Segments | None = None,
+    *,
+    spans: Spans | None = None,
 ) -> TilePlan:
     """Blocks of (batch row, query rows, key span) covering every visible pair.
 
     With `segments` (exact per-row spans and the causal runs found in them), each run is
     one causal block and the tiles cover the other rows, their spans from the rows'.
+    `spans`: the mask's `key_spans`, where the caller has them (None: asked here).
     """
     n_tiles = math.ceil(L / tile)
     first = torch.arange(n_tiles) * tile
@@ -197,7 +199,8 @@ def plan_tiles(
     elif mask is None:
         lo, hi = torch.zeros(1, n_tiles, dtype=torch.long), torch.full((1, n_tiles), S)
     else:
-        lo, hi = key_bounds(mask, B, L, S, first, (first + tile).clamp(max=L) - 1)
+        spans = mask.key_spans(B, L, S) if spans is None else spans
+        lo, hi = tile_bounds(spans, L, S, first, (first + tile).clamp(max=L) - 1)
     lo, hi = lo.expand(B, n_tiles), hi.expand(B, n_tiles)
     lo = torch.div(lo, GRANULE, rounding_mode="floor") * GRANULE
     hi = torch.where(hi > lo, ((hi + GRANULE - 1) // GRANULE * GRANULE).clamp(max=S), lo)
@@ -218,19 +221,20 @@ class Segments:
     runs: list[list[tuple[int, int, int, int]]]  # (first row, first key, length, offset)
 
     @staticmethod
-    def find(mask: Mask, B: int, L: int, S: int) -> Segments | None:
+    def find(mask: Mask, B: int, L: int, S: int, *, spans: Spans | None = None) -> Segments | None:
         """Rows r..e-1 where row i sees exactly keys c..c+offset+(i-r): a causal square
         (one `is_causal` call) after `offset` keys that every row sees (one plain call,
         merged by log-sum-exp). Prefix-LM and bottom-right causal rows have an offset.
 
         Only runs of at least `SEGMENT_MIN` rows count (there the op uses its large
-        query blocks); None if the mask has no exact spans or no such run.
+        query blocks); None if the mask has no exact spans or no such run. `spans`: its
+        `key_spans`, where the caller has them.
         """
-        spans = None if mask.has_bias else exact_spans(mask, B, L, S)
-        if spans is None:
+        spans = mask.key_spans(B, L, S) if spans is None else spans
+        if mask.has_bias or mask.head_dependent or spans is None or not spans.exact:
             return None
         index = torch.arange(L)
-        lo, hi = (t.expand(B, L) for t in spans)
+        lo, hi = spans.lo.expand(B, L), spans.hi.expand(B, L)
         shift = hi - index  # constant along a causal run, as the first key is
         change = torch.ones(B, L, dtype=torch.bool)
         change[:, 1:] = (lo[:, 1:] != lo[:, :-1]) | (shift[:, 1:] != shift[:, :-1])
@@ -273,10 +277,11 @@ def best_plan(mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int) -> Ti
     """The plan of least estimated cost over the tile heights in `TILES`, with and
     without causal runs as whole blocks."""
     tiles = [tile for tile in TILES if tile < 2 * L or tile == TILES[0]]
-    plans = [plan_tiles(mask, B, L, S, tile) for tile in tiles]
-    segments = None if mask is None else Segments.find(mask, B, L, S)
+    spans = None if mask is None else mask.key_spans(B, L, S)  # read once for every height
+    plans = [plan_tiles(mask, B, L, S, tile, spans=spans) for tile in tiles]
+    segments = None if mask is None else Segments.find(mask, B, L, S, spans=spans)
     if segments is not None:
-        plans += [plan_tiles(mask, B, L, S, tile, segments) for tile in tiles]
+        plans += [plan_tiles(mask, B, L, S, tile, segments, spans=spans) for tile in tiles]
     return min(plans, key=lambda p: p.cost(H, H // Hkv))
 
 

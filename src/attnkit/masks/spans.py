@@ -17,7 +17,14 @@ from torch import Tensor
 if TYPE_CHECKING:  # masks hand their spans in; this module builds none
     from attnkit.masks.base import Mask
 
-__all__ = ["CHUNK_ELEMENTS", "Spans", "exact_spans", "range_bounds", "seen_from_spans"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "Spans",
+    "exact_spans",
+    "range_bounds",
+    "seen_from_spans",
+    "tile_bounds",
+]
 
 CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once where a mask has no exact spans
 
@@ -44,6 +51,17 @@ def exact_spans(
     if spans is None or not spans.exact:
         return None
     return spans.lo.expand(-1, L), spans.hi.expand(-1, L)
+
+
+def tile_bounds(
+    spans: Spans | None, L: int, S: int, first: Tensor, last: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Key span `[lo, hi)` holding every key visible to query rows `first..last` ((T,)
+    row ranges), (B|1, T): the hull of the rows' spans, all S keys without spans."""
+    if spans is None:
+        zeros = torch.zeros(1, first.shape[0], dtype=torch.long, device=first.device)
+        return zeros, zeros + S
+    return range_bounds(spans.lo.expand(-1, L), spans.hi.expand(-1, L), first, last)
 
 
 def seen_from_spans(lo: Tensor, hi: Tensor, S: int) -> tuple[Tensor, Tensor]:

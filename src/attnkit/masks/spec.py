@@ -11,18 +11,18 @@ and string formatting, which dynamo traces into constants with `fullgraph=True`;
 from __future__ import annotations
 
 import ast
-from collections import OrderedDict
 from typing import Any
 
 from torch import Tensor
 
+from attnkit.bounded import Bounded
 from attnkit.masks.base import Mask
 
 __all__ = ["decode", "encodable", "encode"]
 
 # decoded masks with the tensors whose ids key them (held: an id is not reused meanwhile)
-_DECODED: OrderedDict[tuple[Any, ...], tuple[Mask | Tensor | None, list[Tensor]]] = OrderedDict()
-_DECODED_MAX = 8  # masks remembered (with their tensors): tile plans are kept per mask object
+# masks remembered (with their tensors): tile plans are kept per mask object
+_DECODED: Bounded[tuple[Any, ...], tuple[Mask | Tensor | None, list[Tensor]]] = Bounded(8)
 
 
 def encode(mask: Mask | Tensor | None, tensors: list[Tensor]) -> str:
@@ -53,13 +53,11 @@ def encodable(mask: object) -> bool:
 def decode(spec: str, tensors: list[Tensor]) -> Mask | Tensor | None:
     """The mask `encode` wrote (the same object for the same spec and tensor objects)."""
     key = (spec, *((id(t), t._version) for t in tensors))
-    if key in _DECODED:
-        _DECODED.move_to_end(key)
-        return _DECODED[key][0]
+    found = _DECODED.get(key)
+    if found is not None:
+        return found[0]
     mask: Mask | Tensor | None = _build(ast.literal_eval(spec), tensors)
-    _DECODED[key] = mask, list(tensors)
-    while len(_DECODED) > _DECODED_MAX:
-        _DECODED.popitem(last=False)
+    _DECODED.put(key, (mask, list(tensors)))
     return mask
 
 

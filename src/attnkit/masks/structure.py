@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit.masks.base import Mask, indices
-from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans, range_bounds, seen_from_spans
+from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans, seen_from_spans, tile_bounds
 from attnkit.masks.tensor import _TensorMask
 
 __all__ = [
@@ -60,11 +60,7 @@ def key_bounds(
     (B|1, T), the hull of the rows' spans (all S keys where the mask has none): it may
     be loose (a superset); the tiled backend masks inside it exactly.
     """
-    spans = mask.key_spans(B, L, S, first.device)
-    if spans is None:
-        zeros = torch.zeros(1, first.shape[0], dtype=torch.long, device=first.device)
-        return zeros, zeros + S
-    return range_bounds(spans.lo.expand(-1, L), spans.hi.expand(-1, L), first, last)
+    return tile_bounds(mask.key_spans(B, L, S, first.device), L, S, first, last)
 
 
 def seen(

@@ -11,10 +11,9 @@ mask at all.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
+from attnkit.bounded import Bounded
 from attnkit.errors import ShapeContractError
 from attnkit.masks.base import BiasFn, Mask, Predicate
 from attnkit.masks.spans import Spans
@@ -22,8 +21,7 @@ from attnkit.masks.structure import state
 
 __all__ = ["window"]
 
-_CACHE: OrderedDict[tuple[object, ...], _Window] = OrderedDict()
-_CACHE_MAX = 256
+_CACHE: Bounded[tuple[object, ...], _Window] = Bounded(256)
 
 
 def window(
@@ -45,11 +43,7 @@ def window(
     key = (id(mask), state(mask), H, L, S, rows, cols, heads)
     found = _CACHE.get(key)
     if found is None or found.inner is not mask:
-        found = _Window(mask, H, L, S, rows, cols, heads)
-        _CACHE[key] = found
-        while len(_CACHE) > _CACHE_MAX:
-            _CACHE.popitem(last=False)
-    _CACHE.move_to_end(key)
+        found = _CACHE.put(key, _Window(mask, H, L, S, rows, cols, heads))
     return found
 
 

@@ -1,0 +1,52 @@
+"""The one rule by which attnkit's caches forget: at most N entries, least recently used
+first.
+
+Every cache of prepared work (tiled's and flex's plans per mask, the dispatcher's
+prepared calls, the compiled op's plans, decoded and windowed masks) is keyed by
+everything that decides its value, a mask by the identity and version of its tensors,
+and bounded by one of these.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+__all__ = ["Bounded"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class Bounded(Generic[K, V]):
+    """A mapping of at most `size` entries; `get` counts as a use."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"a cache holds at least one entry, got size={size}.")
+        self.size = size
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        found = self._items.get(key)
+        if found is not None:
+            self._items.move_to_end(key)
+        return found
+
+    def put(self, key: K, value: V) -> V:
+        """Keep `value` under `key` (the least recently used entry goes past `size`)."""
+        self._items[key] = value
+        self._items.move_to_end(key)
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
