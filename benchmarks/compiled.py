@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import attnkit.modules
+import attnkit.attender
 from attnkit.benchmark import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -39,7 +39,7 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
     tokens = torch.randint(0, VOCAB, (BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(0))
     steps: dict[str, Callable[[], None]] = {}
     compile_s: dict[str, float] = {}
-    original = attnkit.modules.attention
+    original = attnkit.attender.attention
     for attn in ("attnkit", "sdpa"):
         for mode in ("eager", "compiled"):
             torch.manual_seed(0)
@@ -50,11 +50,11 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
             name = f"{attn} {mode}"
 
             def step(fn: Any = fn, optimizer: Any = optimizer, attn: str = attn) -> None:
-                attnkit.modules.attention = _sdpa_attention if attn == "sdpa" else original
+                attnkit.attender.attention = _sdpa_attention if attn == "sdpa" else original
                 try:
                     _step(fn, optimizer, tokens)
                 finally:
-                    attnkit.modules.attention = original
+                    attnkit.attender.attention = original
 
             start = time.perf_counter()
             step()  # compiles (round_robin calls each once more before timing)
