@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    import attnkit as ak
 
 # Absolute error floors, about 100 ulps at 1 for each dtype: where the reference happens to
 # be exact (one visible key makes dq exactly 0), a fused kernel's rounding of the O(1)
@@ -93,3 +98,9 @@ def out_and_grads(q, k, v, mask, backend, dout=None, lse=False, **kwargs):
         out = ak.attention(q, k, v, mask, backend=backend, **kwargs)
         loss = (out * (torch.ones_like(out) if dout is None else dout)).sum()
     return (out.detach(), *torch.autograd.grad(loss, (q, k, v)))
+
+
+def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[list[int]]:
+    S = L if S is None else S
+    B = mask.batch_size or 1
+    return mask.materialize(B, 1, L, S)[batch, 0].int().tolist()
