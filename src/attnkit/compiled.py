@@ -18,6 +18,7 @@ float masks that require grad (the op gives mask tensors no gradient) and masks 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -114,8 +115,37 @@ def _run_eagerly(
     return out, _lse_or_empty(lse, q)
 
 
+class Lse(enum.Enum):
+    """What the op's lse output holds. A custom op returns tensors only, so the state
+    travels in the tensor itself; `_lse_output` writes it and `_lse_state` reads it, and
+    nothing else looks at the tensor's shape or values for it."""
+
+    NOT_ASKED = "neither need_lse nor requires_grad: shape (0,)"
+    KEPT = "the call's log-sum-exp, (B, H, L)"
+    NOT_KEPT = "the backend gave none: (B, H, L) of +inf; the backward reruns the call"
+
+
+def _lse_output(state: Lse, lse: Tensor | None, q: Tensor) -> Tensor:
+    """The op's lse tensor for `state` (`lse`: the backend's, where it is KEPT)."""
+    work = compute_dtype(q.dtype)
+    if state is Lse.NOT_ASKED:
+        return q.new_empty(0, dtype=work)
+    if state is Lse.NOT_KEPT:
+        return q.new_full(q.shape[:3], torch.inf, dtype=work)  # no log-sum-exp is +inf
+    assert lse is not None
+    return lse
+
+
+def _lse_state(lse: Tensor) -> Lse:
+    """The state `_lse_output` wrote (a kept lse is never +inf: -inf is a row that sees
+    nothing)."""
+    if lse.numel() == 0:
+        return Lse.NOT_ASKED
+    return Lse.NOT_KEPT if bool(torch.isposinf(lse).any()) else Lse.KEPT
+
+
 def _lse_or_empty(lse: Tensor | None, q: Tensor) -> Tensor:
-    return q.new_empty(0, dtype=compute_dtype(q.dtype)) if lse is None else lse
+    return _lse_output(Lse.NOT_ASKED if lse is None else Lse.KEPT, lse, q)
 
 
 def _call(
@@ -160,8 +190,7 @@ def attention_op(
         with torch.no_grad():
             out, lse = chosen.run(call, need_lse=keep)
         if requires_grad and not keep:
-            # none kept: +inf, which no log-sum-exp is (-inf is a row that sees nothing)
-            lse = q.new_full(q.shape[:3], torch.inf, dtype=compute_dtype(q.dtype))
+            lse = _lse_output(Lse.NOT_KEPT, None, q)
     return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v))
 
 
@@ -249,9 +278,9 @@ def attention_backward_op(
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
     lse_grad = dlse if need_lse and dlse.numel() else None
     grads = None
-    if lse.numel() and serves(call, scale):
+    if _lse_state(lse) is Lse.KEPT and serves(call, scale):
         grads = fused_gradients(call, out, lse, dout, lse_grad)
-    if grads is None:  # no lse kept (+inf), or a call the fused backward cannot take
+    if grads is None:  # no lse kept, or a call the fused backward cannot take
 
         def recompute() -> tuple[Tensor | None, ...]:
             lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]

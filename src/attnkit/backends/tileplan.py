@@ -4,9 +4,10 @@ The mask's key spans (`Mask.key_spans`, their hull over a tile: `masks.spans`) g
 for every tile of query rows and every batch row, one span of keys `[lo, hi)` that
 holds all keys the tile may see; no L×S tensor is built. Spans are rounded to
 `GRANULE` keys, consecutive tiles with the same span merge into one block (up to
-`MAX_ROWS` rows and `MAX_PAIRS` pairs, which bound a block's mask), and blocks of one batch row and shape form a `Group`: one kernel call, or a few in
-chunks of bounded memory. The tile height is chosen per call by the cost model: short
-tiles waste fewer pairs, tall tiles use the kernel better.
+`MAX_ROWS` rows and `MAX_PAIRS` pairs, which bound a block's mask), and blocks of one
+batch row and shape form a `Group`: one kernel call, or a few in chunks of bounded
+memory. The tile height is chosen per call by the cost model: short tiles waste fewer
+pairs, tall tiles use the kernel better.
 """
 
 from __future__ import annotations
