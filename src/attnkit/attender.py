@@ -11,51 +11,26 @@ serve (`check`), naming the fix.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import Tensor
 
 from attnkit.functional import attention
 from attnkit.masks import Mask
 
-__all__ = ["PLAIN", "Attender", "Plain"]
+__all__ = ["PLAIN", "Attender"]
 
 
-class Attender(Protocol):
+class Attender:
+    """The protocol, and its plain case: attention over exactly the keys given (no
+    cache). Every other attender subclasses it and overrides what it does otherwise."""
+
     def check(
         self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
     ) -> None:
         """Raise (naming the fix) for inputs this attender cannot serve; query (B, L, E)."""
-        ...
 
     def positions(self, rows: int, device: torch.device) -> int | Tensor:
         """The positions of `rows` new query rows: an offset, or an (L,) tensor."""
-        ...
-
-    def attend_heads(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        mask: Mask | Tensor | None,
-        *,
-        dropout_p: float,
-        backend: str,
-    ) -> Tensor:
-        """q (B, H, L, hd), the new k, v (B, Hkv, S, hd) -> out (B, H, L, hd)."""
-        ...
-
-
-class Plain:
-    """Attention over exactly the keys given (no cache)."""
-
-    def check(
-        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
-    ) -> None:
-        pass
-
-    def positions(self, rows: int, device: torch.device) -> int | Tensor:
         return 0
 
     def attend_heads(
@@ -68,7 +43,8 @@ class Plain:
         dropout_p: float,
         backend: str,
     ) -> Tensor:
+        """q (B, H, L, hd), the new k, v (B, Hkv, S, hd) -> out (B, H, L, hd)."""
         return attention(q, k, v, mask, dropout_p=dropout_p, backend=backend)
 
 
-PLAIN = Plain()
+PLAIN = Attender()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attnkit.attender import Attender
 from attnkit.errors import ShapeContractError
 from attnkit.functional import attention
 from attnkit.masks import Mask
@@ -20,7 +21,7 @@ def _shape(t: object) -> object:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
 
-class KVCache:
+class KVCache(Attender):
     """Empty until the first forward that is given it; `length` cached positions after.
 
     A module that gets a cache appends its new keys/values and attends over all of them:
@@ -33,11 +34,6 @@ class KVCache:
         self.length = 0
 
     # a module's attender (`attnkit.attender`): the new rows follow the cached ones
-    def check(
-        self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
-    ) -> None:
-        pass
-
     def positions(self, rows: int, device: torch.device) -> int | Tensor:
         return self.length
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from attnkit.attender import Attender
 from attnkit.distributed.api import attention
 from attnkit.distributed.comm import group_of
 from attnkit.distributed.layout import Layout
@@ -26,7 +27,7 @@ from attnkit.masks import Mask
 __all__ = ["ContextParallel", "parallelize"]
 
 
-class ContextParallel:
+class ContextParallel(Attender):
     """Where a module's rows lie (group, layout) and how to attend (strategy)."""
 
     def __init__(self, group: Any = None, layout: str = "zigzag", strategy: str = "auto") -> None:

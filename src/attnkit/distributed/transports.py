@@ -78,6 +78,13 @@ def _unpack(kv: Tensor, D: int) -> tuple[Tensor, Tensor]:
     return kv[..., :D], kv[..., D:]
 
 
+def _add(total: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Sum a piece's key and value gradients into a packed (..., D + Dv) total."""
+    D = dk.shape[-1]
+    total[..., :D] += dk
+    total[..., D:] += dv
+
+
 def _gradient_shape(k: Tensor, v: Tensor) -> tuple[int, ...]:
     return (*k.shape[:3], k.shape[-1] + v.shape[-1])  # (B, Hkv, n, D + Dv)
 
@@ -151,10 +158,9 @@ class _RingReturns(Returns):
                 self.recvs.append((group.irecv(buf, (r + t) % P, GRADS + t), buf))
 
     def add(self, s: int, dk: Tensor, dv: Tensor) -> None:
-        r, P, D = self.group.rank, self.group.size, dk.shape[-1]
+        r, P = self.group.rank, self.group.size
         if s == r:
-            self.total[..., :D] += dk
-            self.total[..., D:] += dv
+            _add(self.total, dk, dv)
         else:
             self.sends.append(self.group.isend(torch.cat([dk, dv], -1), s, GRADS + (r - s) % P))
 
@@ -203,10 +209,7 @@ class _GatherReturns(Returns):
         self.group, self.total = group, total  # (P|1, B, Hkv, n, D + Dv)
 
     def add(self, s: int, dk: Tensor, dv: Tensor) -> None:
-        D = dk.shape[-1]
-        total = self.total[s if self.total.shape[0] > 1 else 0]
-        total[..., :D] += dk
-        total[..., D:] += dv
+        _add(self.total[s if self.total.shape[0] > 1 else 0], dk, dv)
 
     def finish(self) -> Tensor:
         if self.total.shape[0] == 1:

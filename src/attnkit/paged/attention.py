@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.attender import Attender
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.functional import attention
 from attnkit.masks import Mask, causal, sliding_window
@@ -28,7 +29,7 @@ __all__ = ["PagedLayer", "paged_attention"]
 
 
 @dataclass(frozen=True)
-class PagedLayer:
+class PagedLayer(Attender):
     """One layer's view of a step, for a module: `cache=pages.layer(step, i)`."""
 
     pages: PagedKVCache
