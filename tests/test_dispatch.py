@@ -12,6 +12,7 @@ import torch
 
 import attnkit as ak
 from attnkit import dispatch
+from attnkit.masks.structure import value_key
 from helpers import EXACT_BACKENDS, small_qkv
 
 
@@ -141,12 +142,12 @@ def test_the_cache_holds_neither_masks_nor_inputs():
     ak.attention(q, k, v, mask)
     ak.attention(q, k, v, tensor_mask)
     masks = [id(mask), id(tensor_mask)]
-    assert all(i in dispatch._BY_MASK for i in masks)
+    assert mask in dispatch._HELD and tensor_mask in dispatch._HELD
     alive = [weakref.ref(x) for x in (mask, tensor_mask, q, k, v)]
     del mask, tensor_mask, q, k, v
     gc.collect()
     assert all(ref() is None for ref in alive)
-    assert not any(i in dispatch._BY_MASK for i in masks)  # their entries went with them
+    assert not any(i in dispatch._HELD._by_object for i in masks)  # their entries went with them
 
 
 def test_masks_built_anew_share_the_calls_of_their_structure(plans):
@@ -169,7 +170,7 @@ def test_masks_built_anew_share_the_calls_of_their_structure(plans):
     for mask in others:
         torch.testing.assert_close(ak.attention(q, k, v, mask), _reference(q, k, v, mask))
     assert plans[0] == 1 + len(others)
-    assert dispatch._structure((1, 2.0)) != dispatch._structure((True, 2))  # typed numbers
+    assert value_key((1, 2.0)) != value_key((True, 2))  # typed numbers
 
 
 def test_a_growing_cache_is_served_by_the_lane_and_stays_exact(plans):

@@ -273,7 +273,7 @@ def test_plans_are_reused_per_mask_and_renewed_when_its_tensors_change():
         ak.attention(q, k, v, mask, backend="tiled"),
         ak.attention(q, k, v, mask, backend="reference"),
     )
-    assert len(backend._plans[mask]) == 2
+    assert len(backend._plans.of(mask)) == 2
 
 
 @pytest.mark.parametrize("tile", TILES)

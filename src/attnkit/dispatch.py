@@ -10,15 +10,14 @@ changed in place is a new key) and the backends' own state (flex kernels turning
 A repeated call -- each layer of a decoding step, each step of a loop of fixed sizes --
 costs that key, one lookup and the kernel; a prepared call is never served stale.
 
-Prepared calls are held per mask object, weakly (they go when the mask goes), at most
+Prepared calls are held per mask (`permask.PerMask`: a mask of numbers alone by its
+structure, others by their object, weakly: they go when the mask goes), at most
 `PREPARED_PER_MASK` each, and never hold the mask or q, k, v themselves.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,8 @@ from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, Dims, normalize_call, normalize_inputs
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
+from attnkit.masks.tensor import given_tensor
+from attnkit.permask import PerMask
 from attnkit.planner import backend_for_run
 from attnkit.precision import HALF, compute_dtype, kernel_dtype
 
@@ -244,87 +245,32 @@ class _Held:
     """The prepared calls of one mask (or of calls without a mask), and the tensors
     whose identity and version every key carries."""
 
-    def __init__(self, tensors: tuple[Tensor, ...], limit: int) -> None:
-        self.tensors = tensors  # a `Mask`'s (they die with it)
+    def __init__(self, mask: MaskArg) -> None:
+        self.by_tensor = isinstance(mask, Tensor)  # a tensor given as the mask
+        self.tensors = mask.tensors() if isinstance(mask, Mask) else ()  # (they die with it)
+        limit = 4 * PREPARED_PER_MASK if mask is None else PREPARED_PER_MASK
         self.plans: Bounded[tuple[object, ...], _Prepared] = Bounded(limit)
 
     def state(self, mask: MaskArg) -> tuple[object, ...]:
         """The identity, version and size of each tensor the mask holds or is."""
-        if isinstance(mask, Tensor):
-            return (mask.data_ptr(), mask._version, mask.shape, mask.stride(), mask.dtype,
-                    mask.device)  # fmt: skip
+        if self.by_tensor:  # the tensor itself, or a `Mask` made from it
+            given = mask if isinstance(mask, Tensor) else given_tensor(mask)  # type: ignore[arg-type]
+            assert given is not None
+            return (given.data_ptr(), given._version, given.shape, given.stride(),
+                    given.dtype, given.device)  # fmt: skip
         return tuple((t.data_ptr(), t._version, t.shape) for t in self.tensors)
 
 
-_UNMASKED = _Held((), 4 * PREPARED_PER_MASK)
-# id(mask object) -> (a weak reference to it, its calls); the entry goes when it dies
-_BY_MASK: dict[int, tuple[weakref.ref[object], _Held]] = {}
-# a mask of numbers alone (`causal()`, `sliding_window(128)`, ...) by its structure: a new
-# object of the same structure (a mask built anew each step) shares its prepared calls
-STRUCTURES_KEPT = 64
-_BY_STRUCTURE: Bounded[tuple[object, ...], _Held] = Bounded(STRUCTURES_KEPT)
+# prepared calls by mask: a mask of numbers alone by its structure (a mask built anew
+# each step shares the calls of an equal one), others by their object
+_HELD: PerMask[_Held] = PerMask(_Held)
 
 
 def _held(mask: MaskArg) -> _Held | None:
     """The prepared calls of `mask`; None for a mask argument of another type."""
-    if mask is None:
-        return _UNMASKED
-    entry = _BY_MASK.get(id(mask))
-    if entry is not None and entry[0]() is mask:
-        return entry[1]
-    if isinstance(mask, Mask):
-        held = _by_structure(mask)
-    elif type(mask) is Tensor:
-        held = _Held((), PREPARED_PER_MASK)
-    else:
-        return None
-    _BY_MASK[id(mask)] = (weakref.ref(mask, _forget(id(mask))), held)
-    return held
-
-
-def _by_structure(mask: Mask) -> _Held:
-    """The calls of masks of `mask`'s structure where it holds numbers alone; its own
-    where it holds tensors or anything else (a function: `Mask.from_mod`)."""
-    structure = _structure(mask)
-    if structure is None:
-        return _Held(mask.tensors(), PREPARED_PER_MASK)
-    held = _BY_STRUCTURE.get(structure)
-    if held is None:
-        held = _BY_STRUCTURE.put(structure, _Held((), PREPARED_PER_MASK))
-    return held
-
-
-def _structure(value: object) -> tuple[object, ...] | None:
-    """A hashable value equal for masks that behave alike: each mask's class and fields,
-    each number with its type (True is not 1); None where a field is not a number, a
-    string, None, a mask or a tuple of them."""
-    if isinstance(value, Mask):
-        fields = []
-        for name, field in sorted(vars(value).items()):
-            inner = _structure(field)
-            if inner is None:
-                return None
-            fields.append((name, inner))
-        return (type(value), *fields)
-    if isinstance(value, tuple):
-        parts = [_structure(part) for part in value]
-        return None if any(p is None for p in parts) else (tuple, *parts)
-    if value is None or type(value) in (bool, int, float, str):
-        return (type(value), value)
+    if mask is None or isinstance(mask, Mask) or type(mask) is Tensor:
+        return _HELD.of(mask)
     return None
-
-
-def _forget(ident: int) -> Callable[[weakref.ref[object]], None]:
-    """The callback that drops a dead mask's entry (unless a new mask took its id)."""
-
-    by_mask = _BY_MASK  # held here: module globals are gone when the interpreter exits
-
-    def forget(ref: weakref.ref[object]) -> None:
-        entry = by_mask.get(ident)
-        if entry is not None and entry[0] is ref:
-            del by_mask[ident]
-
-    return forget
 
 
 def _key(
@@ -359,7 +305,5 @@ def _key(
 
 def clear() -> None:
     """Forget every prepared call (tests; after changing a backend by hand)."""
-    _BY_MASK.clear()
-    _BY_STRUCTURE.clear()
-    _UNMASKED.plans.clear()
+    _HELD.clear()
     _LANE.clear()

@@ -13,7 +13,6 @@ graph's op, FlexAttention's `vmap` fails in the op's dispatch state.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -24,8 +23,9 @@ from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.backends.protocol import Backend
 from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall
-from attnkit.masks import Mask, blocks
+from attnkit.masks import blocks
 from attnkit.masks.structure import seen, state
+from attnkit.permask import PerMask
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend
 from attnkit.threads import in_fresh_thread
@@ -74,9 +74,10 @@ class FlexBackend(Backend):
         self._compiled: Any = None
         self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
         self._broken: dict[tuple[Any, ...], str] = {}  # failed or found wrong: why
-        self._prepared_by_mask: weakref.WeakKeyDictionary[
-            Mask, Bounded[tuple[Any, ...], tuple[Any, Tensor, Tensor]]
-        ] = weakref.WeakKeyDictionary()
+        # block masks and seen rows per mask (`PerMask`) and size
+        self._prepared_by_mask: PerMask[Bounded[tuple[Any, ...], tuple[Any, Tensor, Tensor]]] = (
+            PerMask(lambda mask: Bounded(PREPARED_PER_MASK))
+        )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if flex_attention_module() is None:
@@ -129,15 +130,13 @@ class FlexBackend(Backend):
 
     def _prepared(self, call: AttentionCall) -> tuple[Any, Tensor, Tensor]:
         """The `BlockMask` of a call and its seen rows and keys, made once per mask and
-        size (kept here, the mask held weakly; renewed when its tensors change in place:
+        size (kept here, by `PerMask`; renewed when its tensors change in place:
         `masks.structure.state`). Masks are values: nothing is stored on them."""
         mask = call.mask
         assert mask is not None
         d = call.dims
         key = (d.B, d.H, d.L, d.S, call.q.device, state(mask))
-        cache = self._prepared_by_mask.get(mask)
-        if cache is None:
-            cache = self._prepared_by_mask[mask] = Bounded(PREPARED_PER_MASK)
+        cache = self._prepared_by_mask.of(mask)
         found = cache.get(key)
         if found is None:
             block_mask = in_fresh_thread(  # vmap inside: it fails in a compiled graph's op

@@ -17,7 +17,6 @@ gradient (as ring attention does).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +31,9 @@ from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, unit_last_stride
-from attnkit.masks import Mask
-from attnkit.masks.pertensor import PerTensor
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal, state
-from attnkit.masks.tensor import given_tensor
+from attnkit.permask import PerMask
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.softmax import merge_in_place, with_lse_gradient
 from attnkit.visibility import zero_unseen
@@ -288,34 +285,17 @@ class TiledBackend(Backend):
         return None
 
     def __init__(self) -> None:
-        # plans per mask object (held weakly) and problem size; a mask whose tensors
-        # change in place gets a new plan (`masks.structure.state`)
-        self._plans: weakref.WeakKeyDictionary[Mask, Plans] = weakref.WeakKeyDictionary()
-        self._unmasked: Plans = Bounded(4 * PLANS_PER_MASK)  # plans without a mask
-        # a bool tensor given as the mask is wrapped anew per call: its plans go with the
-        # caller's tensor object (weakly held), the key below holds its version
-        self._by_tensor: PerTensor[Plans] = PerTensor()
-
-    def _plans_of(self, mask: Mask | None) -> Plans:
-        if mask is None:
-            return self._unmasked
-        given = given_tensor(mask)
-        if given is None:
-            plans = self._plans.get(mask)
-            if plans is None:
-                plans = self._plans[mask] = Bounded(PLANS_PER_MASK)
-            return plans
-        found = self._by_tensor.get(given, None)
-        return (
-            found
-            if found is not None
-            else self._by_tensor.put(given, None, Bounded(PLANS_PER_MASK))
+        # plans per mask (`PerMask`: by structure, by object or by the caller's tensor)
+        # and problem size; a mask whose tensors change in place gets a new plan
+        # (`masks.structure.state` in the key)
+        self._plans: PerMask[Plans] = PerMask(
+            lambda mask: Bounded((4 if mask is None else 1) * PLANS_PER_MASK)
         )
 
     def _prepared(self, call: AttentionCall) -> _Prepared:
         """The plan of a call and its visibility: made once per mask and size."""
         d, mask = call.dims, call.mask
-        plans = self._plans_of(mask)
+        plans = self._plans.of(mask)
         key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else state(mask))
         found = plans.get(key)
         if found is None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.bounded import Bounded
 from attnkit.errors import MaskError
 from attnkit.functional import attention, attention_probs
 from attnkit.masks import (
@@ -142,7 +143,7 @@ def _visible(
         return causal(offset=shift) if shape[0] * shape[1] * shape[2] else None
     key = (fn, shape, q_offset, kv_offset, local_size) if _pure(fn) else None
     if key is not None and key in _STRUCTURES:
-        return _STRUCTURES[key]
+        return _STRUCTURES.get(key)
 
     def local(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return fn(b, h, i + q_offset, j + kv_offset)
@@ -151,9 +152,7 @@ def _visible(
     if not found:  # exact all the same: the function itself, evaluated by the backends
         visible = Mask.from_mod(local, name="transformers mask_function")
     if key is not None:
-        if len(_STRUCTURES) >= STRUCTURES_KEPT:
-            _STRUCTURES.clear()
-        _STRUCTURES[key] = visible
+        _STRUCTURES.put(key, visible)
     return visible
 
 
@@ -179,8 +178,8 @@ def _pure_value(value: object, depth: int) -> bool:
     return _pure(value, depth + 1)
 
 
-_STRUCTURES: dict[tuple[object, ...], Mask | None] = {}
 STRUCTURES_KEPT = 64  # (function, sizes, offsets) whose structure is remembered
+_STRUCTURES: Bounded[tuple[object, ...], Mask | None] = Bounded(STRUCTURES_KEPT)
 
 
 def _causal_mask_function() -> ModFn | None:

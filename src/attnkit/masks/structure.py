@@ -4,8 +4,9 @@ A kind states its predicate, its key spans and its bias (`base.Mask`); from thos
 the pairs it lets attend (`count_allowed_pairs`), the keys a tile of
 query rows may see (`key_bounds`), the rows and keys anybody sees (`seen`), whether
 the mask is SDPA's own `is_causal` (`is_sdpa_causal`), whether some part is an L×S
-tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`) and the state caches
-key on (`state`).
+tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`), and what caches key
+on: the state of its tensors (`state`) and, for a mask of numbers alone, its value
+(`value_key`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "parts",
     "seen",
     "state",
+    "value_key",
 ]
 
 
@@ -148,3 +150,24 @@ def state(mask: Mask) -> tuple[tuple[int, int], ...]:
     Caches keyed by a mask compare it: an in-place change to a mask's tensor changes
     its state."""
     return tuple((t.data_ptr(), t._version) for t in mask.tensors())
+
+
+def value_key(value: object) -> tuple[object, ...] | None:
+    """A hashable value equal for masks that behave alike: each mask's class and fields,
+    each number with its type (True is not 1); None where a field is not a number, a
+    string, None, a mask or a tuple of them (a tensor, a function: such a mask is
+    itself)."""
+    if isinstance(value, Mask):
+        fields = []
+        for name, field in sorted(vars(value).items()):
+            inner = value_key(field)
+            if inner is None:
+                return None
+            fields.append((name, inner))
+        return (type(value), *fields)
+    if isinstance(value, tuple):
+        parts = [value_key(part) for part in value]
+        return None if any(p is None for p in parts) else (tuple, *parts)
+    if value is None or type(value) in (bool, int, float, str):
+        return (type(value), value)
+    return None

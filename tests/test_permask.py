@@ -1,0 +1,98 @@
+"""Caches per mask (`attnkit.permask`): by structure, by object, by the caller's tensor."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+import attnkit as ak
+from attnkit.backends import get_backend
+from attnkit.masks.base import as_mask
+from attnkit.permask import STRUCTURES_KEPT, PerMask
+
+
+def _cache() -> tuple[PerMask[list[object]], list[object]]:
+    made: list[object] = []
+
+    def make(mask: object) -> list[object]:
+        made.append(None if mask is None else type(mask))  # never the mask: it must die
+        return []
+
+    return PerMask(make), made
+
+
+def test_masks_of_numbers_alone_share_the_holder_of_their_structure():
+    cache, made = _cache()
+    first = cache.of(ak.causal() & ak.sliding_window(4))
+    assert cache.of(ak.causal() & ak.sliding_window(4)) is first
+    assert len(made) == 1
+    others = [
+        ak.causal() & ak.sliding_window(5),
+        ak.sliding_window(4) & ak.causal(),  # another structure, the same pairs
+        ak.causal(offset=0) & ak.sliding_window(4),
+    ]
+    assert all(cache.of(m) is not first for m in others)
+    assert len({id(cache.of(m)) for m in others}) == len(others)
+
+
+def test_masks_holding_tensors_or_functions_are_their_own():
+    cache, _ = _cache()
+    lengths = torch.tensor([5, 3])
+    a, b = ak.key_padding(lengths), ak.key_padding(lengths.clone())
+    assert cache.of(a) is not cache.of(b)
+    assert cache.of(a) is cache.of(a)
+    f = ak.Mask.from_mod(lambda b, h, i, j: j <= i, "mine")
+    g = ak.Mask.from_mod(lambda b, h, i, j: j <= i, "mine")
+    assert cache.of(f) is not cache.of(g)
+
+
+def test_a_tensor_and_every_mask_made_from_it_share_one_holder():
+    """`as_mask` wraps a tensor anew at each call: the holder follows the caller's tensor."""
+    cache, made = _cache()
+    tensor = torch.rand(6, 9) > 0.3
+    held = cache.of(tensor)
+    assert cache.of(as_mask(tensor)) is held and cache.of(as_mask(tensor)) is held
+    assert cache.of(as_mask(tensor.clone())) is not held
+    assert cache.of(None) is cache.of(None) and made.count(None) == 1
+
+
+def test_entries_go_with_their_object_and_structures_are_bounded():
+    cache, _ = _cache()
+    tensor = torch.rand(6, 9) > 0.3
+    mask = ak.key_padding(torch.tensor([5, 3]))
+    cache.of(tensor)
+    cache.of(mask)
+    assert tensor in cache and mask in cache
+    alive = [weakref.ref(tensor), weakref.ref(mask)]
+    ids = [id(tensor), id(mask)]
+    del tensor, mask
+    gc.collect()
+    assert all(ref() is None for ref in alive)  # the cache held neither
+    assert not any(i in cache._by_object for i in ids)
+    for n in range(STRUCTURES_KEPT + 5):
+        cache.of(ak.sliding_window(n))
+    assert len(cache._by_structure) == STRUCTURES_KEPT
+
+
+def test_tiled_plans_once_for_masks_built_anew_each_call(monkeypatch):
+    """A decoding loop that builds `causal() & sliding_window(w)` each step plans once."""
+    from attnkit.backends import tiled
+
+    planned = []
+    real = tiled.best_plan
+
+    def counting(*args: object) -> object:
+        planned.append(args[1:])
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tiled, "best_plan", counting)
+    get_backend("tiled")._plans.clear()  # type: ignore[attr-defined]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
+    want = ak.attention(q, k, v, ak.causal() & ak.sliding_window(40), backend="reference")
+    for _ in range(3):
+        got = ak.attention(q, k, v, ak.causal() & ak.sliding_window(40), backend="tiled")
+        torch.testing.assert_close(got, want)
+    assert len(planned) == 1
