@@ -142,17 +142,18 @@ def test_opcheck_attention_op(args):
 @pytest.mark.parametrize("path", ["flash", "blockwise", "recompute"])
 def test_opcheck_attention_backward_op(path):
     """From the forward's out and lse: one flash backward (no mask needed), tiled's
-    blockwise backward (a padding mask), or (lse +inf: none kept) a recomputed forward."""
+    blockwise backward (a padding mask), or (no lse kept) a recomputed forward."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, n, 6, 8, generator=g) for n in (4, 2, 2))
     mask = ak.key_padding(torch.tensor([6, 3])) if path == "blockwise" else None
     tensors = []
     spec = encode(mask, tensors)
-    out, lse = attention_op(q, k, v, tensors, spec, "auto", None, None, True, True)
+    out, lse, kept = attention_op(q, k, v, tensors, spec, "auto", None, None, True, True)
+    assert kept.dtype == torch.bool and bool(kept)  # a CPU backend gave its lse
     if path == "recompute":
-        lse = torch.full_like(lse, torch.inf)
+        lse, kept = torch.zeros_like(lse), torch.tensor(False)  # the backward must not read it
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    args = (dout, dlse, out, lse, q, k, v, tensors, spec, "auto", None, None, True)
+    args = (dout, dlse, out, lse, kept, q, k, v, tensors, spec, "auto", None, None, True)
     torch.library.opcheck(attention_backward_op, args)
     want = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref, lse_ref = ak.attention_with_lse(*want, mask, backend="reference")

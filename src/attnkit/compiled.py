@@ -2,15 +2,19 @@
 
 Tracing cannot follow attnkit's planning: it reads mask tensors and sizes as data
 (tile plans, seen rows). So a compiled `attention` call becomes one opaque op,
-`attnkit::attention`, whose implementation validates, plans and runs eagerly, exactly
-as an eager call does; its fake implementation gives the result's shape and dtype from
-the inputs' alone, and its autograd formula is a second op,
-`attnkit::attention_backward`. The mask crosses the boundary as a string and its
-tensors (`masks.spec`), so masks that hold no tensors compile with `fullgraph=True`,
-and masks that do (key_padding, document) too: their tensors are op inputs.
+`attnkit::attention_forward`, whose implementation validates, plans and runs eagerly,
+exactly as an eager call does; its fake implementation gives the results' shapes and
+dtypes from the inputs' alone, and its autograd formula is a second op,
+`attnkit::attention_gradients`. The op's states are explicit: the log-sum-exp is asked
+for by its arguments (`need_lse` or `requires_grad`), and whether the backend gave one
+for the backward comes back as an output of its own (`lse_kept`). The mask crosses the
+boundary as a string and its tensors (`masks.spec`), so masks that hold no tensors
+compile with `fullgraph=True`, and masks that do (key_padding, document) too: their
+tensors are op inputs.
 
-The backward op recomputes the forward with autograd (one more forward pass per
-backward) and gives its gradients. Calls the op cannot express run eagerly within the
+The backward op takes the gradients from the forward's output and kept log-sum-exp in
+one fused backward where it can (`gradients.fused_gradients`), else it reruns the
+forward with autograd (one more forward pass). Calls the op cannot express run eagerly within the
 compiled code (a graph break): dropout (a recomputed forward would draw another mask),
 float masks that require grad (the op gives mask tensors no gradient) and masks built by
 `Mask.from_mod` (a Python function cannot cross as a string).
@@ -18,7 +22,6 @@ float masks that require grad (the op gives mask tensors no gradient) and masks 
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -65,7 +68,7 @@ def traced_attention(
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     scale = None if scale is None else float(scale)
     softcap = None if softcap is None else float(softcap)
-    out, lse = attention_op(
+    out, lse, _ = attention_op(
         q, k, v, tensors, spec, backend, scale, softcap, need_lse, requires_grad
     )
     return out, lse
@@ -115,37 +118,9 @@ def _run_eagerly(
     return out, _lse_or_empty(lse, q)
 
 
-class Lse(enum.Enum):
-    """What the op's lse output holds. A custom op returns tensors only, so the state
-    travels in the tensor itself; `_lse_output` writes it and `_lse_state` reads it, and
-    nothing else looks at the tensor's shape or values for it."""
-
-    NOT_ASKED = "neither need_lse nor requires_grad: shape (0,)"
-    KEPT = "the call's log-sum-exp, (B, H, L)"
-    NOT_KEPT = "the backend gave none: (B, H, L) of +inf; the backward reruns the call"
-
-
-def _lse_output(state: Lse, lse: Tensor | None, q: Tensor) -> Tensor:
-    """The op's lse tensor for `state` (`lse`: the backend's, where it is KEPT)."""
-    work = compute_dtype(q.dtype)
-    if state is Lse.NOT_ASKED:
-        return q.new_empty(0, dtype=work)
-    if state is Lse.NOT_KEPT:
-        return q.new_full(q.shape[:3], torch.inf, dtype=work)  # no log-sum-exp is +inf
-    assert lse is not None
-    return lse
-
-
-def _lse_state(lse: Tensor) -> Lse:
-    """The state `_lse_output` wrote (a kept lse is never +inf: -inf is a row that sees
-    nothing)."""
-    if lse.numel() == 0:
-        return Lse.NOT_ASKED
-    return Lse.NOT_KEPT if bool(torch.isposinf(lse).any()) else Lse.KEPT
-
-
 def _lse_or_empty(lse: Tensor | None, q: Tensor) -> Tensor:
-    return _lse_output(Lse.NOT_ASKED if lse is None else Lse.KEPT, lse, q)
+    """The call's log-sum-exp, or (0,) where it was not asked for."""
+    return q.new_empty(0, dtype=compute_dtype(q.dtype)) if lse is None else lse
 
 
 def _call(
@@ -161,7 +136,7 @@ def _call(
     return normalize_call(q, k, v, mask, scale=scale, softcap=softcap)
 
 
-@torch.library.custom_op("attnkit::attention", mutates_args=())
+@torch.library.custom_op("attnkit::attention_forward", mutates_args=())
 def attention_op(
     q: Tensor,
     k: Tensor,
@@ -173,25 +148,28 @@ def attention_op(
     softcap: float | None,
     need_lse: bool,
     requires_grad: bool,
-) -> tuple[Tensor, Tensor]:
-    """out (B, H, L, Dv) and lse (B, H, L); lse is empty when neither `need_lse` nor
-    `requires_grad` asks for it.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """out (B, H, L, Dv), lse (B, H, L) and lse_kept (a bool scalar); lse is (0,) when
+    neither `need_lse` nor `requires_grad` asks for it.
 
     `requires_grad` says whether the traced inputs required grad: the backend is chosen
     as for that eager call (some serve no gradient), and the log-sum-exp is kept for the
-    backward op (+inf where the backend could not give it: the backward then recomputes).
+    backward op where the backend can give it (`lse_kept`; else the backward recomputes
+    and lse holds zeros).
     """
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
     if call.is_empty:
-        out, lse = run(call, backend, need_lse=need_lse)
+        out, lse = run(call, backend, need_lse=need_lse or requires_grad)
+        kept = lse is not None
     else:
-        chosen, keep = _op_plan(call, mask_tensors, mask_spec, backend, scale, need_lse,
+        chosen, kept = _op_plan(call, mask_tensors, mask_spec, backend, scale, need_lse,
                                 requires_grad)  # fmt: skip
         with torch.no_grad():
-            out, lse = chosen.run(call, need_lse=keep)
-        if requires_grad and not keep:
-            lse = _lse_output(Lse.NOT_KEPT, None, q)
-    return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v))
+            out, lse = chosen.run(call, need_lse=kept)
+        if requires_grad and not kept:
+            lse = q.new_zeros(q.shape[:3], dtype=compute_dtype(q.dtype))
+    lse_kept = torch.tensor(kept and requires_grad, device=q.device)
+    return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v)), lse_kept
 
 
 def _op_plan(
@@ -248,21 +226,26 @@ def _attention_fake(
     softcap: float | None,
     need_lse: bool,
     requires_grad: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     sizes = (*q.shape, *k.shape, *v.shape)
     if all(isinstance(n, int) for n in sizes):  # symbolic sizes: checked when it runs
         _check_shapes(q.shape, k.shape, v.shape, minimum=0)  # the eager call's errors
     B, H, L, _ = q.shape
     lse_shape = (B, H, L) if need_lse or requires_grad else (0,)
-    return q.new_empty(B, H, L, v.shape[-1]), q.new_empty(lse_shape, dtype=compute_dtype(q.dtype))
+    return (
+        q.new_empty(B, H, L, v.shape[-1]),
+        q.new_empty(lse_shape, dtype=compute_dtype(q.dtype)),
+        q.new_empty((), dtype=torch.bool),
+    )
 
 
-@torch.library.custom_op("attnkit::attention_backward", mutates_args=())
+@torch.library.custom_op("attnkit::attention_gradients", mutates_args=())
 def attention_backward_op(
     dout: Tensor,
     dlse: Tensor,
     out: Tensor,
     lse: Tensor,
+    lse_kept: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -273,12 +256,13 @@ def attention_backward_op(
     softcap: float | None,
     need_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of `attnkit::attention`: blockwise from the forward's `out` and `lse`
-    (tiled's backward) where it can, else the eager call rerun with autograd."""
+    """dq, dk, dv of `attnkit::attention_forward`: from the forward's `out` and `lse`
+    (one fused backward) where it kept one and a fused backward takes the call, else
+    the eager call rerun with autograd."""
     call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
     lse_grad = dlse if need_lse and dlse.numel() else None
     grads = None
-    if _lse_state(lse) is Lse.KEPT and serves(call, scale):
+    if bool(lse_kept) and serves(call, scale):
         grads = fused_gradients(call, out, lse, dout, lse_grad)
     if grads is None:  # no lse kept, or a call the fused backward cannot take
 
@@ -307,6 +291,7 @@ def _attention_backward_fake(
     dlse: Tensor,
     out: Tensor,
     lse: Tensor,
+    lse_kept: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -323,17 +308,17 @@ def _attention_backward_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, mask_tensors, mask_spec, backend, scale, softcap, need_lse, _ = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *mask_tensors)
+    out, lse, lse_kept = output
+    ctx.save_for_backward(q, k, v, out, lse, lse_kept, *mask_tensors)
     ctx.args = (mask_spec, backend, scale, softcap, need_lse)
 
 
-def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, out, lse, *mask_tensors = ctx.saved_tensors
+def _backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None, _: Any) -> tuple[Any, ...]:
+    q, k, v, out, lse, lse_kept, *mask_tensors = ctx.saved_tensors
     dout = torch.zeros_like(q[..., :1]).expand(*q.shape[:-1], v.shape[-1]) if dout is None else dout
     dlse = q.new_zeros(0, dtype=compute_dtype(q.dtype)) if dlse is None else dlse
     dq, dk, dv = attention_backward_op(
-        unit_last_stride(dout), dlse, out, lse, q, k, v, mask_tensors, *ctx.args
+        unit_last_stride(dout), dlse, out, lse, lse_kept, q, k, v, mask_tensors, *ctx.args
     )
     no_grads = [None] * len(mask_tensors)  # the structure of the inputs: a list there
     return dq, dk, dv, no_grads, None, None, None, None, None, None
