@@ -6,7 +6,8 @@ import torch
 
 import attnkit as ak
 from attnkit.contracts import normalize_call
-from attnkit.visibility import cleaned, effective_visibility, hide_unseen, zero_unseen
+from attnkit.masks import structure
+from attnkit.visibility import cleaned, effective_visibility, hide_unseen, seen, zero_unseen
 
 
 def test_zero_unseen_zeroes_rows_and_gqa_keys_nobody_sees():
@@ -42,3 +43,50 @@ def test_cleaned_inputs_carry_no_nan_from_keys_nobody_sees():
     q2, k2, v2 = cleaned(call)
     assert torch.isfinite(k2).all() and torch.isfinite(v2).all()
     assert torch.equal(k2[:, :, :5], k[:, :, :5]) and torch.equal(q2, q)
+
+
+def test_seen_is_found_once_per_mask_and_size_and_anew_after_an_in_place_change():
+    """One home for the rows and keys anybody sees: a repeated call (or an equal mask
+    built anew) finds them kept; a mask tensor changed in place is looked at again."""
+    q, k, v = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4)
+    finds: list[int] = []
+
+    def counting(found: tuple[torch.Tensor, torch.Tensor]):
+        def find():
+            finds.append(1)
+            return found
+
+        return find
+
+    window = normalize_call(
+        q, k, v, ak.causal(align="bottom_right") & ak.sliding_window(2, align="bottom_right")
+    )
+    first = seen(window, counting(seen(window)))  # computed by structure, then kept
+    again = normalize_call(
+        q, k, v, ak.causal(align="bottom_right") & ak.sliding_window(2, align="bottom_right")
+    )
+    assert seen(again, counting(first)) is first and finds == []
+    lengths = torch.tensor([8, 3])
+    padded = normalize_call(q, k, v, ak.key_padding(lengths))
+    keys = seen(padded)[1]  # (B, 1, S)
+    assert torch.equal(keys[1, 0], torch.arange(8) < 3)
+    lengths[1] = 5  # in place
+    assert torch.equal(seen(padded)[1][1, 0], torch.arange(8) < 5)
+    assert seen(normalize_call(q, k, v, None)) is None  # no mask: everybody sees all
+
+
+def test_a_backend_may_find_seen_its_own_way_once():
+    """`find` (tiled: its plan's blocks) answers a miss; it must equal the structure's."""
+    q = k = v = torch.randn(1, 1, 5, 2)
+    mask = ak.Mask.from_mod(lambda b, h, i, j: (j == i) & (i != 2), "diagonal but row 2")
+    call = normalize_call(q, k, v, mask)
+    calls: list[int] = []
+
+    def find():
+        calls.append(1)
+        return structure.seen(mask, 1, 1, 5, 5)
+
+    rows, keys = seen(call, find)
+    assert seen(call, find)[0] is rows and calls == [1]
+    want = torch.tensor([True, True, False, True, True])
+    assert torch.equal(rows[0, 0], want) and torch.equal(keys[0, 0], want)

@@ -3,21 +3,56 @@
 A hidden entry gets weight 0, but `0 * NaN = NaN`: padded keys holding garbage, or a
 query row that sees nothing, would still poison outputs and gradients through the
 matrix products. So every backend takes its inputs cleaned here: the rows nobody's
-keys reach and the keys nobody sees are found once (from the mask's spans in
-O(B·(L + S)) where it has exact ones, else by evaluating it in row chunks:
-`masks.structure.seen`) and zeroed (`zero_unseen`). A float bias's `-inf` entries hide
-too (`effective_visibility`).
+keys reach and the keys nobody sees (`seen`) are found once per mask, size and device
+(from the mask's spans in O(B·(L + S)) where it has exact ones, else by evaluating it in
+row chunks: `masks.structure.seen`, or by a backend's cheaper way: tiled walks its
+plan's blocks), kept for the calls after it (`permask.PerMask`, renewed when the mask's
+tensors change in place), and zeroed (`zero_unseen`, `cleaned`). A float bias's `-inf`
+entries hide too (`effective_visibility`); backends that build the dense mask anyway
+take rows and keys from it (`hide_unseen`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from attnkit import permask
+from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall
-from attnkit.masks.structure import seen
+from attnkit.masks import structure
 
-__all__ = ["cleaned", "effective_visibility", "hide_unseen", "zero_unseen"]
+__all__ = ["cleaned", "effective_visibility", "hide_unseen", "seen", "zero_unseen"]
+
+Seen = tuple[Tensor, Tensor]  # (B, H|1, L) rows that see a key, (B, H|1, S) keys seen
+SEEN_PER_MASK = 16  # sizes and devices remembered per mask
+
+_SEEN: permask.PerMask[Bounded[tuple[object, ...], Seen]] = permask.PerMask(
+    lambda mask: Bounded(SEEN_PER_MASK)
+)
+
+
+def seen(call: AttentionCall, find: Callable[[], Seen] | None = None) -> Seen | None:
+    """Which query rows see some key, (B, H|1, L), and which keys some query row of
+    their head sees, (B, H|1, S) (H only for a `head_dependent` mask), by the call's
+    mask; None without a mask (every row sees every key).
+
+    Found once per mask, size and device: by `find` where the backend has a cheaper
+    way, else `masks.structure.seen`.
+    """
+    mask, d = call.mask, call.dims
+    if mask is None:
+        return None
+    device = call.q.device
+    key = (d.B, d.H, d.L, d.S, device, structure.state(mask))
+    held = _SEEN.of(mask)
+    found = held.get(key)
+    if found is None:
+        found = find() if find is not None else structure.seen(mask, d.B, d.H, d.L, d.S, device)
+        held.put(key, found)
+    return found
 
 
 def zero_unseen(
@@ -68,18 +103,20 @@ def effective_visibility(visible: Tensor | None, bias: Tensor | None) -> Tensor 
     return finite if visible is None else visible & finite
 
 
-def cleaned(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    """The call's q, k, v with the rows that see nothing and the keys no one sees
-    zeroed: from the mask's structure, and from a bias tensor's `-inf` entries."""
-    d, q, k, v = call.dims, call.q, call.k, call.v
+def cleaned(
+    call: AttentionCall, q: Tensor | None = None, k: Tensor | None = None, v: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The call's q, k, v (or these, cast for a kernel) with the rows that see nothing
+    and the keys no one sees zeroed: by the mask (`seen`), and by a bias tensor's `-inf`
+    entries."""
+    d = call.dims
+    q, k, v = call.q if q is None else q, call.k if k is None else k, call.v if v is None else v
     if call.bias_tensor is not None:  # its -inf entries hide too: the pairs, exactly
         bias = call.bias_tensor
         visible = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) > -torch.inf
         if call.mask is not None:
             visible = visible & call.mask.dense(d.B, d.H, d.L, d.S, q.device)
-        rows, keys = visible.any(-1), visible.any(-2)  # (B|1, H|1, L|1), (B|1, H|1, S|1)
-    elif call.mask is not None:
-        rows, keys = seen(call.mask, d.B, d.H, d.L, d.S, q.device)  # (B, H|1, L), (B, H|1, S)
+        found: Seen | None = (visible.any(-1), visible.any(-2))  # (B|1, H|1, L|1), (.., S|1)
     else:
-        return q, k, v
-    return zero_unseen(q, k, v, rows, keys)
+        found = seen(call)
+    return (q, k, v) if found is None else zero_unseen(q, k, v, *found)

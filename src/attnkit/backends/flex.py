@@ -24,12 +24,12 @@ from attnkit.backends.protocol import Backend
 from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall
 from attnkit.masks import blocks
-from attnkit.masks.structure import seen, state
+from attnkit.masks.structure import state
 from attnkit.permask import PerMask
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend
 from attnkit.threads import in_fresh_thread
-from attnkit.visibility import zero_unseen
+from attnkit.visibility import cleaned
 
 __all__ = ["FlexBackend"]
 
@@ -74,9 +74,9 @@ class FlexBackend(Backend):
         self._compiled: Any = None
         self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
         self._broken: dict[tuple[Any, ...], str] = {}  # failed or found wrong: why
-        # block masks and seen rows per mask (`PerMask`) and size
-        self._prepared_by_mask: PerMask[Bounded[tuple[Any, ...], tuple[Any, Tensor, Tensor]]] = (
-            PerMask(lambda mask: Bounded(PREPARED_PER_MASK))
+        # block masks per mask (`PerMask`) and size
+        self._block_masks: PerMask[Bounded[tuple[Any, ...], Any]] = PerMask(
+            lambda mask: Bounded(PREPARED_PER_MASK)
         )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
@@ -126,17 +126,14 @@ class FlexBackend(Backend):
         return d.B * d.H * d.L * (d.Dv + 1) * 4
 
     def _block_mask(self, call: AttentionCall) -> Any:
-        return self._prepared(call)[0]
-
-    def _prepared(self, call: AttentionCall) -> tuple[Any, Tensor, Tensor]:
-        """The `BlockMask` of a call and its seen rows and keys, made once per mask and
-        size (kept here, by `PerMask`; renewed when its tensors change in place:
-        `masks.structure.state`). Masks are values: nothing is stored on them."""
+        """The `BlockMask` of a call, made once per mask and size (kept here, by
+        `PerMask`; renewed when its tensors change in place: `masks.structure.state`).
+        Masks are values: nothing is stored on them."""
         mask = call.mask
         assert mask is not None
         d = call.dims
         key = (d.B, d.H, d.L, d.S, call.q.device, state(mask))
-        cache = self._prepared_by_mask.of(mask)
+        cache = self._block_masks.of(mask)
         found = cache.get(key)
         if found is None:
             block_mask = in_fresh_thread(  # vmap inside: it fails in a compiled graph's op
@@ -144,7 +141,7 @@ class FlexBackend(Backend):
                     mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
                 )
             )
-            found = cache.put(key, (block_mask, *seen(mask, d.B, d.H, d.L, d.S, call.q.device)))
+            found = cache.put(key, block_mask)
         return found
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
@@ -160,9 +157,9 @@ class FlexBackend(Backend):
             def score_mod(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
                 return cap * torch.tanh(score / cap)
 
-        block_mask, rows, keys = self._prepared(call)
+        block_mask = self._block_mask(call)
         # keys no query sees may hold NaN: flex masks their scores, but 0·NaN still leaks
-        q, k, v = zero_unseen(call.q.to(work), call.k.to(work), call.v.to(work), rows, keys)
+        q, k, v = cleaned(call, call.q.to(work), call.k.to(work), call.v.to(work))
         signature = _signature(call)
 
         def kernel() -> Tensor:

@@ -26,11 +26,11 @@ from attnkit.backends.protocol import Backend
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask
-from attnkit.masks.spans import exact_spans, seen_from_spans
+from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import is_sdpa_causal
 from attnkit.precision import HALF, kernel_dtype
 from attnkit.softmax import with_lse_gradient
-from attnkit.visibility import effective_visibility, hide_unseen, zero_unseen
+from attnkit.visibility import effective_visibility, hide_unseen, seen, zero_unseen
 
 __all__ = ["SdpaBackend"]
 
@@ -55,11 +55,12 @@ def _masked_inputs(
     """(q, k, v) with what no one sees zeroed, the kernel's mask, and the (B|1, H|1, L)
     rows that see a key (None if all do).
 
-    One key interval per row: seen rows and keys come from the spans in O(B·L), and a
-    mask under which every row sees every key (bottom-right causal at L = 1: decoding)
-    is no mask at all. Otherwise from the dense mask, cleaned only where the kernel
-    could not hide what it hides by itself (`_kernel_hides_unseen`). `clean=False`:
-    the kernel's mask alone, inputs as given (`run` checks the output instead).
+    One key interval per row: seen rows and keys come from the spans in O(B·L), once
+    per mask and size (`visibility.seen`), and a mask under which every row sees every
+    key (bottom-right causal at L = 1: decoding) is no mask at all. Otherwise from the
+    dense mask, cleaned only where the kernel could not hide what it hides by itself
+    (`_kernel_hides_unseen`). `clean=False`: the kernel's mask alone, inputs as given
+    (`run` checks the output instead).
     """
     d, mask = call.dims, call.mask
     if mask is not None and not call.has_bias and mask.sees_all(d.L, d.S):
@@ -75,11 +76,12 @@ def _masked_inputs(
             lo, hi = spans  # (B, L)
             if bool((lo <= 0).all()) and bool((hi >= d.S).all()):
                 return q, k, v, None, None  # every pair visible
-            seen_rows, seen_keys = seen_from_spans(lo, hi, d.S)  # (B, L), (B, S)
-            q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
+            found = seen(call)  # (B, 1, L), (B, 1, S)
+            assert found is not None
+            q, k, v = zero_unseen(q, k, v, *found)
             dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
-            seen = None if bool(seen_rows.all()) else seen_rows[:, None]
-            return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), seen
+            rows = None if bool(found[0].all()) else found[0]
+            return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), rows
     visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
     effective = effective_visibility(visible, call.bias)  # (B|1, H|1, L, S)
     if _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies

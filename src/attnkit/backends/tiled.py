@@ -36,7 +36,7 @@ from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal, state
 from attnkit.permask import PerMask
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.softmax import merge_in_place, with_lse_gradient
-from attnkit.visibility import zero_unseen
+from attnkit.visibility import Seen, seen, zero_unseen
 
 __all__ = ["CHUNK_BYTES", "FORWARD_CHUNK_BYTES", "TiledBackend"]
 
@@ -162,15 +162,14 @@ class _TiledAttention(torch.autograd.Function):
         vis: Visibility,
         plan: TilePlan,
         scale: float,
+        seen: Seen,
     ) -> tuple[Tensor, Tensor]:
         B, H, L, D = q.shape
         Hkv = k.shape[1]
         flash = cpu_flash_attention()
         assert flash is not None
-        seen_rows, seen_keys = vis.seen(
-            plan, lambda g: _chunk_blocks(g, H, Hkv, D, vis.bias is not None, CHUNK_BYTES)
-        )
-        q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
+        seen_rows, seen_keys = seen  # (B, 1, L), (B, 1, S)
+        q, k, v = zero_unseen(q, k, v, seen_rows, seen_keys)
         # results merge and land in float32 (compute_dtype) whatever the kernel's dtype
         acc = q.new_empty(0, dtype=compute_dtype(q.dtype))
         if plan.covered == B * L:  # every row is written by some block
@@ -196,7 +195,7 @@ class _TiledAttention(torch.autograd.Function):
                 _write_rows(heads(out[b]), ob, g, Hkv)
                 _write_rows(heads(lse[b]), lb, g, Hkv)
                 del ob, lb  # freed before the next call allocates its output
-        lse.masked_fill_(~seen_rows[:, None, :], -torch.inf)  # the op gives 0 on empty rows
+        lse.masked_fill_(~seen_rows, -torch.inf)  # the op gives 0 on empty rows
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.vis, ctx.plan, ctx.scale = vis, plan, scale
         ctx.set_materialize_grads(False)
@@ -206,7 +205,7 @@ class _TiledAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         grads = _blocks_backward(q, k, v, out, lse, dout, dlse, ctx.vis, ctx.plan, ctx.scale)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def _blocks_backward(
@@ -349,19 +348,33 @@ class TiledBackend(Backend):
         d = call.dims
         return 4 * d.B * d.H * d.L * (d.Dv + 1) + FORWARD_CHUNK_BYTES
 
-    def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan]:
+    def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan, Seen]:
+        """The plan's block masks, the plan, and the (B, 1, L) rows and (B, 1, S) keys
+        anybody sees (`visibility.seen`: where the mask has no exact spans, from the
+        plan's blocks alone)."""
         prepared, d, device = self._prepared(call), call.dims, call.q.device
         vis = prepared.visibility.get(device)
         if vis is None:
             vis = Visibility(call.mask, (d.B, d.H, d.L, d.S), device)
             prepared.visibility[device] = vis
-        return vis, prepared.plan
+        plan = prepared.plan
+
+        def from_blocks() -> Seen:
+            bias = vis.bias is not None
+            return vis.find_seen(
+                plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, bias, CHUNK_BYTES)
+            )
+
+        found = seen(call, None if vis.spans is not None else from_blocks)
+        if found is None:  # no mask: every row and key, from its full spans (no block read)
+            found = vis.find_seen(plan, lambda g: 0)
+        return vis, plan, found
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
-        vis, plan = self._visibility(call)
-        out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale)  # type: ignore[no-untyped-call]
+        vis, plan, found = self._visibility(call)
+        out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale, found)  # type: ignore[no-untyped-call]
         return out.to(call.q.dtype), lse if need_lse else None
 
     def backward(
@@ -372,12 +385,8 @@ class TiledBackend(Backend):
         compiled backward op, which then needs no second forward pass."""
         work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
-        vis, plan = self._visibility(call)
-        d = call.dims
-        seen_rows, seen_keys = vis.seen(
-            plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, vis.bias is not None, CHUNK_BYTES)
-        )
-        q, k, v = zero_unseen(q, k, v, seen_rows[:, None], seen_keys[:, None])
+        vis, plan, found = self._visibility(call)
+        q, k, v = zero_unseen(q, k, v, *found)
         grads = _blocks_backward(q, k, v, out, lse, dout, dlse, vis, plan, call.scale)
         dq, dk, dv = grads
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)

@@ -39,7 +39,6 @@ class Visibility:
             self.predicate = mask.predicate(B, H, L, S, device)
         self.bias = None if mask is None else mask.bias(B, H, L, S, device)
         self._masks: dict[tuple[Group, int, torch.dtype], Callable[[Group], Tensor | None]] = {}
-        self._seen: tuple[Tensor, Tensor] | None = None
 
     def _predicate_block(self, g: Group) -> Tensor:
         """(n, R, K) visibility by the predicate."""
@@ -121,16 +120,14 @@ class Visibility:
 
         return chunk
 
-    def seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
-        """(B, L) rows that see some key and (B, S) keys that some row sees (remembered)."""
-        if self._seen is None:
-            self._seen = self._find_seen(plan, chunk)
-        return self._seen
-
-    def _find_seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
+    def find_seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
+        """(B, 1, L) rows that see some key and (B, 1, S) keys that some row sees: from
+        the spans, else from the predicate on the plan's blocks alone (`chunk`: blocks
+        per evaluation); `visibility.seen` keeps them."""
         B, _, L, S = self.dims
         if self.spans is not None:
-            return seen_from_spans(*self.spans, S)
+            rows, keys = seen_from_spans(*self.spans, S)
+            return rows[:, None], keys[:, None]
         seen_rows = torch.zeros(B, L, dtype=torch.bool, device=self.device)
         seen_keys = torch.zeros(B, S, dtype=torch.bool, device=self.device)
         for group in plan.groups:
@@ -139,7 +136,7 @@ class Visibility:
                 rows = g.index("rows").clamp(max=L - 1).to(self.device)
                 seen_rows[g.batch, rows[visible.any(-1)]] = True
                 seen_keys[g.batch, g.index("keys").to(self.device)[visible.any(-2)]] = True
-        return seen_rows, seen_keys
+        return seen_rows[:, None], seen_keys[:, None]
 
 
 def _shared_or_all(visible: Tensor) -> Tensor | None:
