@@ -162,14 +162,14 @@ class _TiledAttention(torch.autograd.Function):
         vis: Visibility,
         plan: TilePlan,
         scale: float,
-        seen: Seen,
+        found: Seen | None,
     ) -> tuple[Tensor, Tensor]:
         B, H, L, D = q.shape
         Hkv = k.shape[1]
         flash = cpu_flash_attention()
         assert flash is not None
-        seen_rows, seen_keys = seen  # (B, 1, L), (B, 1, S)
-        q, k, v = zero_unseen(q, k, v, seen_rows, seen_keys)
+        if found is not None:  # (B, 1, L) rows and (B, 1, S) keys anybody sees
+            q, k, v = zero_unseen(q, k, v, *found)
         # results merge and land in float32 (compute_dtype) whatever the kernel's dtype
         acc = q.new_empty(0, dtype=compute_dtype(q.dtype))
         if plan.covered == B * L:  # every row is written by some block
@@ -195,7 +195,8 @@ class _TiledAttention(torch.autograd.Function):
                 _write_rows(heads(out[b]), ob, g, Hkv)
                 _write_rows(heads(lse[b]), lb, g, Hkv)
                 del ob, lb  # freed before the next call allocates its output
-        lse.masked_fill_(~seen_rows, -torch.inf)  # the op gives 0 on empty rows
+        if found is not None:  # the op gives 0 on empty rows
+            lse.masked_fill_(~found[0], -torch.inf)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.vis, ctx.plan, ctx.scale = vis, plan, scale
         ctx.set_materialize_grads(False)
@@ -348,10 +349,10 @@ class TiledBackend(Backend):
         d = call.dims
         return 4 * d.B * d.H * d.L * (d.Dv + 1) + FORWARD_CHUNK_BYTES
 
-    def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan, Seen]:
+    def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan, Seen | None]:
         """The plan's block masks, the plan, and the (B, 1, L) rows and (B, 1, S) keys
         anybody sees (`visibility.seen`: where the mask has no exact spans, from the
-        plan's blocks alone)."""
+        plan's blocks alone; None without a mask)."""
         prepared, d, device = self._prepared(call), call.dims, call.q.device
         vis = prepared.visibility.get(device)
         if vis is None:
@@ -365,10 +366,7 @@ class TiledBackend(Backend):
                 plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, bias, CHUNK_BYTES)
             )
 
-        found = seen(call, None if vis.spans is not None else from_blocks)
-        if found is None:  # no mask: every row and key, from its full spans (no block read)
-            found = vis.find_seen(plan, lambda g: 0)
-        return vis, plan, found
+        return vis, plan, seen(call, None if vis.spans is not None else from_blocks)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
@@ -386,7 +384,8 @@ class TiledBackend(Backend):
         work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
         vis, plan, found = self._visibility(call)
-        q, k, v = zero_unseen(q, k, v, *found)
+        if found is not None:
+            q, k, v = zero_unseen(q, k, v, *found)
         grads = _blocks_backward(q, k, v, out, lse, dout, dlse, vis, plan, call.scale)
         dq, dk, dv = grads
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)

@@ -4,7 +4,8 @@ From the mask's exact spans where it has them (two (B, L) tensors: each block's 
 interval per row, examined once per group: fully visible, one band shared by every
 block, or per block), else from its predicate on the block's rows and keys; a
 structured bias (`alibi`) is evaluated on the block too. Also the rows and keys
-anybody sees (for cleaning the inputs), from the spans or block by block.
+anybody sees where the mask has no exact spans, block by block (`visibility.seen`
+keeps them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from attnkit.backends.tileplan import Group, TilePlan
 from attnkit.masks import Mask
-from attnkit.masks.spans import exact_spans, seen_from_spans
+from attnkit.masks.spans import exact_spans
 
 __all__ = ["Dims", "Visibility"]
 
@@ -121,13 +122,10 @@ class Visibility:
         return chunk
 
     def find_seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
-        """(B, 1, L) rows that see some key and (B, 1, S) keys that some row sees: from
-        the spans, else from the predicate on the plan's blocks alone (`chunk`: blocks
-        per evaluation); `visibility.seen` keeps them."""
+        """(B, 1, L) rows that see some key and (B, 1, S) keys that some row sees, by the
+        predicate on the plan's blocks alone (`chunk`: blocks per evaluation), for a mask
+        without exact spans; `visibility.seen` keeps them."""
         B, _, L, S = self.dims
-        if self.spans is not None:
-            rows, keys = seen_from_spans(*self.spans, S)
-            return rows[:, None], keys[:, None]
         seen_rows = torch.zeros(B, L, dtype=torch.bool, device=self.device)
         seen_keys = torch.zeros(B, S, dtype=torch.bool, device=self.device)
         for group in plan.groups:
