@@ -40,7 +40,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for dtype_name in args.dtypes:
         for S in args.sizes:
-            for pattern in PATTERNS:
+            for pattern in args.patterns or PATTERNS:
                 case = make_case(pattern, S, DTYPES[dtype_name])
                 mask = case.mask
                 dense = mask.dense(case.B, 1, S, S) if isinstance(mask, ak.Mask) else mask
@@ -95,6 +95,7 @@ def run_tree(src: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{HERE}")
     command = [sys.executable, str(Path(__file__).resolve()), "--worker",
                "--sizes", *map(str, args.sizes), "--dtypes", *args.dtypes,
+               *(["--patterns", *args.patterns] if args.patterns else []),
                "--repeats", str(args.repeats)]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     rows: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
@@ -143,6 +144,7 @@ def main() -> int:
     parser.add_argument("new", type=Path, nargs="?", help="the new tree's src/ folder")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--patterns", nargs="+", help="bench.py's patterns (default: all)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per cell (median)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per tree, in turns")
     parser.add_argument("--out", type=Path, help="also write the JSON of every round here")
