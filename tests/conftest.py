@@ -1,9 +1,11 @@
-"""The tests price with the built-in cost table, so that no choice of `auto` depends on
-the machine they run on (`attnkit.calibrate`); `tests/test_calibrate.py` measures.
+"""The tests price with the built-in cost table of one kind of CPU (avx2's), so that no
+choice of `auto` depends on the machine they run on (`attnkit.calibrate`: every other
+kind has its own table); `tests/test_calibrate.py` tries the others and measures.
 
-`ATTNKIT_TEST_CALIBRATION=on` runs them priced by the table measured here instead (the
-exactness matrices must pass either way; tests of `auto`'s choices assume the built-in
-table and may then differ).
+`ATTNKIT_TEST_CALIBRATION=on` runs them priced as a user's process would be instead (the
+table `attnkit calibrate` kept here, else the one built in for this CPU's kind; the
+exactness matrices must pass either way; tests of `auto`'s choices assume the avx2 table
+and may then differ).
 """
 
 from __future__ import annotations
@@ -11,4 +13,4 @@ from __future__ import annotations
 import os
 
 if os.environ.get("ATTNKIT_TEST_CALIBRATION", "off") != "on":
-    os.environ["ATTNKIT_CALIBRATION"] = "off"
+    os.environ["ATTNKIT_CALIBRATION"] = "avx2"

@@ -4,6 +4,7 @@ on any console, and errors speak in the command's options."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -128,6 +129,24 @@ def test_bench_prints_a_row_per_pattern_and_pass(capsys):
         ["sliding", "forward"], ["sliding", "forward+backward"],
     ]  # fmt: skip
     assert all(row.count("ms") == 2 and "×" in row for row in rows)
+
+
+def test_calibrate_command_keeps_the_table_and_prints_it(monkeypatch, tmp_path, capsys):
+    from attnkit import calibrate, cost
+
+    path = tmp_path / "cost.json"
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))  # a file named: kept there
+    measured = {**cost.BUILT_IN.factors(), "tiled_call": 3e5}
+    monkeypatch.setattr(calibrate, "_measured", lambda: (measured, 0.97))  # a quiet CPU
+    try:
+        assert main(["calibrate"]) == 0
+        assert cost.table().tiled_call == 3e5  # this process prices with it too
+    finally:
+        cost.use(None)
+    captured = capsys.readouterr()
+    assert f"kept in {path}" in captured.out and '"tiled_call": 300000.0' in captured.out
+    assert "measuring the cost model" in captured.err and "warning" not in captured.err
+    assert json.loads(path.read_text())["factors"] == measured
 
 
 def test_bench_refuses_an_unknown_pattern():

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "CPU_KINDS",
     "SDPA_HAS_GQA",
     "TORCH_VERSION",
     "AuxRequest",
@@ -18,6 +19,7 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "cpu_flash_gqa",
+    "cpu_kind",
     "dynamo_recompile_limit",
     "flex_attention_module",
     "half_matmul_is_fast",
@@ -157,6 +159,22 @@ def cpu_features() -> dict[str, bool]:
         "AMX-FP16": "_is_amx_fp16_supported",
     }
     return {k: bool(getattr(torch.cpu, v, lambda: False)()) for k, v in names.items()}
+
+
+# what the cost model's built-in tables are kept for: the CPU's best unit, best first
+# ("other": no AVX2, such as ARM or an old x86)
+CPU_KINDS = ("amx", "avx512_bf16", "avx512", "avx2", "other")
+
+
+@functools.cache
+def cpu_kind() -> str:
+    """This CPU's kind among `CPU_KINDS`: the best of the units attention uses that it has
+    (AMX tiles, AVX512 with bfloat16, AVX512, AVX2), as `cpu_features` finds them."""
+    units = cpu_features()
+    for kind, unit in (("amx", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512", "AVX512")):
+        if units[unit]:
+            return kind
+    return "avx2" if units["AVX2"] else "other"
 
 
 @functools.cache

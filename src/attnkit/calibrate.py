@@ -1,4 +1,9 @@
-"""Measure the planner's cost table on the CPU it runs on (`attnkit.cost`).
+"""Measure the planner's cost table on this CPU, when asked, and keep it (`attnkit.cost`).
+
+`auto` never measures on its own: it prices with the table `attnkit calibrate` measured on
+this machine and kept, if there is one, else with the table built in for the CPU's kind
+(`cost.built_in`), so the same call picks the same backend in every process, however
+loaded the machine, and a first call costs what a second does.
 
 Each factor of the table is measured by timing one representative call against dense
 SDPA on the same machine: SDPA with a mask tensor and with `is_causal` (tiled's causal
@@ -7,14 +12,21 @@ per-call cost) and a sliding window (per pair in blocks), the flash op on blocks
 and 256 rows (how much more short blocks cost: the tile heights' ranking), blockwise and
 the reference on a small causal call. A tiled or blockwise factor is the built-in one
 scaled by measured time over the time the built-in table predicts for that call. One to
-two seconds, once per CPU model, thread count and torch version: the table is kept as
-JSON in `$XDG_CACHE_HOME/attnkit` (else `~/.cache/attnkit`). FlexAttention's factor
-stays built in (measuring it compiles).
+two seconds on a quiet CPU; the table is kept as JSON in `$XDG_CACHE_HOME/attnkit` (else
+`~/.cache/attnkit`) under the machine's key (CPU model and units, threads, torch and
+attnkit versions). FlexAttention's factor stays built in (measuring it compiles). Measure
+on a quiet machine: another program on the same cores slows short calls many times more
+than long ones, so a busy measurement is kept but warned about.
 
-`ATTNKIT_CALIBRATION`: unset, measure (or read the cache); `off`, the built-in table;
-a file path, measure once and keep the table there.
+`ATTNKIT_CALIBRATION`: unset, the table kept for this machine, else the built-in one for
+its kind; `off` (or `builtin`), the built-in table for this CPU's kind, kept tables
+ignored; a kind (`amx`, `avx512_bf16`, `avx512`, `avx2`, `other`), that kind's built-in
+table (the tests price with `avx2`); `measure`, measure at the first call that prices and
+keep the table; a file path, the table kept in that file (else the built-in one), where
+`attnkit calibrate` then writes.
 
-    python -m attnkit.calibrate        # measure now, keep the table (whatever the load), print it
+    attnkit calibrate                  # measure now, keep the table, print it
+    python -m attnkit.calibrate        # the same
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import logging
 import math
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import cost
-from attnkit._compat import cpu_features
+from attnkit._compat import CPU_KINDS, cpu_features
 from attnkit._version import __version__
 from attnkit.backends import get_backend
 from attnkit.contracts import normalize_call
@@ -42,32 +55,59 @@ from attnkit.cost import BUILT_IN, CostTable
 from attnkit.functional import attention
 from attnkit.masks import Mask, causal, sliding_window
 
-__all__ = ["active_table", "cache_path", "measure"]
+__all__ = ["active_table", "cache_path", "main", "measure"]
 
 OFF = ("off", "0", "false", "builtin", "built-in")
+MEASURE = "measure"
 _log = logging.getLogger("attnkit")
 
 
 def active_table() -> CostTable:
-    """The table `cost.table()` prices with, as `ATTNKIT_CALIBRATION` says."""
+    """The table `cost.table()` prices with, as `ATTNKIT_CALIBRATION` says (it measures
+    only when that says `measure`)."""
     setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
-    if setting.lower() in OFF:
-        return BUILT_IN
+    word = setting.lower()
+    if word in OFF:
+        return cost.built_in()
+    if word in CPU_KINDS:
+        return cost.built_in(word)
+    if word == MEASURE:
+        return _measure_and_keep(cache_path())
     path = Path(setting).expanduser() if setting else cache_path()
     found = _read(path)
     if found is not None:
         return found
-    _log.info("attnkit: measuring the cost model on this CPU (one to two seconds, once) ...")
+    if not setting:
+        return cost.built_in()
+    _log.warning(
+        "attnkit: ATTNKIT_CALIBRATION names %s, which holds no cost table for this machine "
+        "(`attnkit calibrate` writes one there); pricing with the built-in table",
+        path,
+    )
+    return _built_in_because(f"no table for this machine in {path}")
+
+
+def _built_in_because(why: str) -> CostTable:
+    """This CPU's built-in table, its source saying why no measured one prices."""
+    found = cost.built_in()
+    return dataclasses.replace(found, source=f"{found.source}; {why}")
+
+
+def _measure_and_keep(path: Path) -> CostTable:
+    """`ATTNKIT_CALIBRATION=measure`: the table measured now, kept at `path`."""
+    _log.info("attnkit: measuring the cost model on this CPU (one to two seconds) ...")
     try:
         measured = measure()
     except Exception as err:  # a timing that fails must never fail the call that prices
         _log.warning("attnkit: cost calibration failed (%s); the built-in table prices", err)
-        return dataclasses.replace(BUILT_IN, source=f"built in (calibration failed: {err})")
-    if BUSY in measured.source:  # another program shared the CPU: measure next time
-        _log.info("attnkit: %s", measured.source)
-    else:
-        _write(path, measured)
-    return measured
+        return _built_in_because(f"calibration failed: {err}")
+    if BUSY in measured.source:
+        _log.warning("attnkit: %s; %s", measured.source, AGAIN)
+    try:
+        return _write(path, measured)
+    except OSError as err:  # a read-only home: this process prices with it all the same
+        _log.warning("attnkit: cannot keep the cost table at %s (%s)", path, err)
+        return measured
 
 
 def machine_key() -> dict[str, object]:
@@ -110,22 +150,29 @@ def _read(path: Path) -> CostTable | None:
         return None
     if not all(isinstance(x, (int, float)) and 0 < x < 1e12 for x in factors.values()):
         return None
-    return CostTable(**factors, source=f"measured on this CPU, kept in {path}")
+    when = data.get("when")
+    date = time.strftime(" (%Y-%m-%d)", time.localtime(when)) if isinstance(when, float) else ""
+    busy = f"; {BUSY}" if data.get("busy") else ""
+    return CostTable(**factors, source=f"measured on this CPU, kept in {path}{date}{busy}")
 
 
-def _write(path: Path, found: CostTable) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"machine": machine_key(), "factors": found.factors(), "when": time.time()}
-        path.write_text(json.dumps(data, indent=1))
-    except OSError as err:  # a read-only home: measured again by the next process
-        _log.info("attnkit: cannot keep the cost table at %s (%s)", path, err)
+def _write(path: Path, found: CostTable) -> CostTable:
+    """Keep `found` at `path` (OSError where it cannot), and the table as read back."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "machine": machine_key(), "factors": found.factors(), "when": time.time(),
+        "busy": BUSY in found.source,
+    }  # fmt: skip
+    path.write_text(json.dumps(data, indent=1))
+    kept = _read(path)
+    return kept if kept is not None else found
 
 
 # ------------------------------------------------------------------ the measurements
 
 
 BUSY = "the CPU was busy while measured"
+AGAIN = "run `attnkit calibrate` again when the machine is quiet"
 QUIET_SHARE = 0.8  # CPU time over wall time per thread below this: other programs ran too
 ATTEMPTS = 2
 
@@ -135,11 +182,10 @@ def measure() -> CostTable:
 
     A measurement is only as good as the machine is quiet: another program on the same
     cores slows short calls many times more than long ones (a tiny call waits for its
-    threads), and a kept table would misprice every later process. So the process's CPU
-    share is watched while the calls run; on a busy CPU the measurement is repeated once
-    after a pause, and if it never ran quiet the table serves this process only (its
-    source says so; `active_table` does not keep it, so a CPU that stays busy measures
-    in every process: `python -m attnkit.calibrate` keeps a table whatever the load).
+    threads), and a kept table misprices every later process. So the process's CPU share
+    is watched while the calls run; on a busy CPU the measurement is repeated once after
+    a pause, and if it never ran quiet the table's source says so (`main` and
+    `ATTNKIT_CALIBRATION=measure` keep it all the same, with a warning).
     """
     previous = cost._ACTIVE
     cost.use(BUILT_IN)  # the backends plan with it while they are timed
@@ -155,7 +201,7 @@ def measure() -> CostTable:
     when = time.strftime("%Y-%m-%d")
     source = f"measured on this CPU ({_cpu_model()}, {when})"
     if share < QUIET_SHARE:
-        source += f"; {BUSY} (CPU share {share:.2f} per thread): not kept, measured again next time"
+        source += f"; {BUSY} (CPU share {share:.2f} per thread)"
     return CostTable(**factors, source=source)
 
 
@@ -265,13 +311,30 @@ def _best(fn: Callable[[], object], runs: int = 3) -> float:
 
 
 def main() -> int:
-    """Measure now and keep the table where `cost.table()` reads it (also when busy)."""
-    found = measure()
+    """`attnkit calibrate`: measure now, keep the table where `cost.table()` reads it
+    (`ATTNKIT_CALIBRATION`'s file if it names one, else this machine's in the cache
+    directory), print it; a busy CPU gets a warning, and its table is kept all the same."""
     setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
-    path = Path(setting).expanduser() if setting and setting.lower() not in OFF else cache_path()
-    _write(path, found)
+    keyword = setting.lower() in (*OFF, *CPU_KINDS, MEASURE)
+    path = Path(setting).expanduser() if setting and not keyword else cache_path()
+    threads = torch.get_num_threads()
+    print(f"measuring the cost model on this CPU ({_cpu_model()}, {threads} threads) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    found = measure()
+    try:
+        kept = _write(path, found)
+    except OSError as err:
+        print(f"attnkit calibrate: cannot keep the table at {path} ({err})", file=sys.stderr)
+        return 1
+    cost.use(kept)
     print(json.dumps({"machine": machine_key(), "factors": found.factors()}, indent=1))
     print(f"{found.source}; kept in {path}")
+    if BUSY in found.source:
+        warning = "another program shared its cores, which slows small calls more than large ones"
+        print(f"attnkit calibrate: warning: {BUSY}: {warning}; {AGAIN}", file=sys.stderr)
+    if keyword and setting.lower() != MEASURE:  # off or a kind: kept, but not read
+        print(f"note: ATTNKIT_CALIBRATION={setting} prices with a built-in table, not this one",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The `attnkit` command: a tour of the mechanism, mask pictures, plans, a benchmark."""
+"""The `attnkit` command: a tour of the mechanism, mask pictures, plans, a benchmark, and
+the cost model measured on this CPU."""
 
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    return ak.calibrate.main()
+
+
 def in_cli_terms(message: str) -> str:
     """A library message with its Python fixes spelled as this command's options.
 
@@ -129,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=["causal", "sliding", "documents", "padding"])  # fmt: skip
     p.add_argument("--backward", action="store_true", help="also time forward+backward")
     p.add_argument("--runs", type=_count(1), default=5, help="timed rounds (median)")
+    sub.add_parser(
+        "calibrate",
+        help="measure auto's cost model on this CPU (seconds; on a quiet machine) and keep it",
+    )
     return parser
 
 
@@ -136,7 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare(sys.stdout)
     prepare(sys.stderr)
     args = _parser().parse_args(argv)
-    commands = {"tour": _cmd_tour, "mask": _cmd_mask, "explain": _cmd_explain, "bench": _cmd_bench}
+    commands = {
+        "tour": _cmd_tour, "mask": _cmd_mask, "explain": _cmd_explain, "bench": _cmd_bench,
+        "calibrate": _cmd_calibrate,
+    }  # fmt: skip
     try:
         return quiet_on_closed_pipe(lambda: commands[args.command](args))
     except (ak.ShapeContractError, ak.MaskError) as err:

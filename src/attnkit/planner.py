@@ -1,11 +1,12 @@
 """The planner: which backend serves a call, and why each other one does not.
 
 `plan_call` never runs attention: it asks every backend whether it can serve the call
-(`can_use`), prices those that can with the cost model (`cost`, measured on this CPU:
-`attnkit.cost`; a backend whose cheap `cost_floor` is no better than the best priced
-so far is not priced) and picks the cheapest, ties to the earlier in `AUTO_ORDER` (or
-the one asked for), and counts the work: `flops = 2·B·H·(allowed query-key pairs)·
-(D + Dv)` (flash-attention's convention for the forward pass).
+(`can_use`), prices those that can with the cost model (`cost`, with `attnkit.cost`'s
+table: built in for this CPU's kind, or measured here by `attnkit calibrate`, never by the
+call; a backend whose cheap `cost_floor` is no better than the best priced so far is not
+priced) and picks the cheapest, ties to the earlier in `AUTO_ORDER` (or the one asked
+for), and counts the work: `flops = 2·B·H·(allowed query-key pairs)·(D + Dv)`
+(flash-attention's convention for the forward pass).
 """
 
 from __future__ import annotations
