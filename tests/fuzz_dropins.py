@@ -1,7 +1,11 @@
 """The drop-ins' surface of the differential harness: random `attnkit.sdpa` calls against
 torch's SDPA in float64, random `attnkit.varlen_attn` calls (packed, windowed, GQA,
 `seqused_k`) against the float64 formula of torch's documented convention, random
-`flash_attn_func` calls (causal, windows, softcap, ALiBi) against flash-attention's.
+`flash_attn_func` and `flash_attn_varlen_func` calls (causal, windows, softcap, ALiBi),
+each also in a packed form drawn at random (`flash_attn_qkvpacked_func`,
+`flash_attn_kvpacked_func`, `flash_attn_varlen_qkvpacked_func`,
+`flash_attn_varlen_kvpacked_func`: gradients checked in the packed tensor), against
+flash-attention's.
 
 `check(draw)` runs one call drawn through a `fuzz_cases.Draw` and raises AssertionError
 on a wrong output, log-sum-exp or gradient.
@@ -13,10 +17,20 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.dropins import AuxRequest, sdpa, varlen_attn
-from attnkit.flash_attn import flash_attn_func
+from attnkit.flash_attn import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 from fuzz_cases import Draw
 
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-4}, torch.float64: {}}
+FORMS = ("split", "kvpacked", "qkvpacked")  # flash-attention's q, k, v; q, kv; qkv
+FLASH = {"split": flash_attn_func, "kvpacked": flash_attn_kvpacked_func,
+         "qkvpacked": flash_attn_qkvpacked_func}  # fmt: skip
 
 
 def flash_formula(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
@@ -64,14 +78,26 @@ def cumulative(lengths: list[int]) -> torch.Tensor:
 
 
 def check(draw: Draw) -> str:
-    kind = draw.choice(("sdpa", "varlen", "flash"))
-    return _sdpa(draw) if kind == "sdpa" else _varlen(draw) if kind == "varlen" else _flash(draw)
+    run = {"sdpa": _sdpa, "varlen": _varlen, "flash": _flash, "flash varlen": _flash_varlen}
+    return run[draw.choice(tuple(run))](draw)
 
 
-def _grads_close(got, inputs, want, truth_inputs, dtype) -> None:
-    """d(q, k, v) of `got` against those of the float64 `want`, for one random dout."""
+def _packed(form: str, q, k, v, dim: int) -> list:
+    """The leaves (requiring grad) a call of `form` takes, packed along `dim`."""
+    if form == "qkvpacked":
+        leaves = [torch.stack((q, k, v), dim)]
+    else:
+        leaves = [q, torch.stack((k, v), dim)] if form == "kvpacked" else [q, k, v]
+    return [t.requires_grad_() for t in leaves]
+
+
+def _grads_close(got, inputs, want, truth_inputs, dtype, form="split", dim=0) -> None:
+    """d(q, k, v) of `got` against those of the float64 `want`, for one random dout;
+    `inputs` packed as `form` (their gradients unpacked along `dim` to compare)."""
     dout = torch.randn_like(want)
     grads = torch.autograd.grad(got, inputs, dout.to(got.dtype))
+    if form != "split":
+        grads = (*grads[:-1], *grads[-1].unbind(dim))
     expected = torch.autograd.grad(want, truth_inputs, dout)
     for name, a, b in zip("qkv", grads, expected, strict=True):
         torch.testing.assert_close(a, b.to(a.dtype), **TOLERANCE[dtype], msg=f"d{name}")
@@ -148,9 +174,11 @@ def _varlen(draw: Draw) -> str:
 
 def _flash(draw: Draw) -> str:
     """flash_attn_func: random sizes, causal, windows, softcap, ALiBi per head or per batch."""
-    dtype = draw.choice((torch.float32, torch.float64))
+    dtype, form = draw.choice((torch.float32, torch.float64)), draw.choice(FORMS)
     B, L, S, Hkv, D = draw.int(1, 3), draw.int(1, 9), draw.int(1, 9), draw.int(1, 3), draw.int(1, 8)
     H = Hkv * draw.int(1, 3)
+    if form == "qkvpacked":  # self-attention: as many keys and key heads as queries
+        S, H = L, Hkv
     causal = draw.choice((False, True))
     window = (draw.choice((-1, 0, 2, 5)), draw.choice((-1, 0, 1, 3)))
     softcap = draw.choice((0.0, 0.0, 1.5))
@@ -159,10 +187,10 @@ def _flash(draw: Draw) -> str:
     alibi = None if slopes is None else torch.rand(slopes, generator=g)
     q = torch.randn(B, L, H, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
-    text = (f"flash_attn_func {dtype} B={B} L={L} S={S} H={H} Hkv={Hkv} D={D} causal={causal} "
-            f"window={window} softcap={softcap} alibi={slopes}")  # fmt: skip
-    inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse, _ = flash_attn_func(
+    text = (f"flash_attn_func ({form}) {dtype} B={B} L={L} S={S} H={H} Hkv={Hkv} D={D} "
+            f"causal={causal} window={window} softcap={softcap} alibi={slopes}")  # fmt: skip
+    inputs = _packed(form, *(t.to(dtype) for t in (q, k, v)), dim=2)
+    out, lse, _ = FLASH[form](
         *inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
         return_attn_probs=True,
     )  # fmt: skip
@@ -178,5 +206,48 @@ def _flash(draw: Draw) -> str:
     want, want_lse = torch.stack([o for o, _ in per_row]), torch.stack([m for _, m in per_row])
     torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
     torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)
-    _grads_close(out, inputs, want, truth_in, dtype)
+    _grads_close(out, inputs, want, truth_in, dtype, form, dim=2)
+    return text
+
+
+def _flash_varlen(draw: Draw) -> str:
+    """flash_attn_varlen_func or a packed form: random packed sequences (empty ones too),
+    causal, windows, softcap, ALiBi per head or per sequence."""
+    dtype, form = draw.choice((torch.float32, torch.float64)), draw.choice(FORMS)
+    N, Hkv, D = draw.int(1, 4), draw.int(1, 3), draw.int(1, 8)
+    H = Hkv * draw.int(1, 3)
+    len_q, len_k = [draw.int(0, 7) for _ in range(N)], [draw.int(0, 9) for _ in range(N)]
+    if form == "qkvpacked":  # one cu_seqlens for queries and keys
+        len_k, H = len_q, Hkv
+    causal, window = draw.choice((False, True)), (draw.choice((-1, 0, 3)), draw.choice((-1, 0, 2)))
+    softcap, slopes = draw.choice((0.0, 0.0, 1.5)), draw.choice((None, (H,), (N, H)))
+    g = torch.Generator().manual_seed(draw.int(0, 10**6))
+    alibi = None if slopes is None else torch.rand(slopes, generator=g)
+    q = torch.randn(sum(len_q), H, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(len_k), Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    text = (f"flash_attn_varlen_func ({form}) {dtype} H={H} Hkv={Hkv} D={D} q {len_q} k {len_k} "
+            f"causal={causal} window={window} softcap={softcap} alibi={slopes}")  # fmt: skip
+    inputs = _packed(form, *(t.to(dtype) for t in (q, k, v)), dim=1)
+    cu_q, cu_k = cumulative(len_q), cumulative(len_k)
+    opts = {"causal": causal, "window_size": window, "softcap": softcap, "alibi_slopes": alibi,
+            "return_attn_probs": True}  # fmt: skip
+    if form == "qkvpacked":
+        out, lse, _ = flash_attn_varlen_qkvpacked_func(*inputs, cu_q, max(len_q), **opts)
+    else:
+        call = flash_attn_varlen_kvpacked_func if form == "kvpacked" else flash_attn_varlen_func
+        out, lse, _ = call(*inputs, cu_q, cu_k, max(len_q), max(len_k), **opts)
+    truth_in = [t.requires_grad_() for t in (q, k, v)]
+    per_seq = [
+        flash_formula(
+            truth_in[0][cu_q[n] : cu_q[n + 1]], truth_in[1][cu_k[n] : cu_k[n + 1]],
+            truth_in[2][cu_k[n] : cu_k[n + 1]], causal=causal, window=window, softcap=softcap,
+            slopes=alibi if alibi is None or alibi.dim() == 1 else alibi[n],
+        )
+        for n in range(N)
+    ]  # fmt: skip
+    want, want_lse = torch.cat([o for o, _ in per_seq]), torch.cat([m for _, m in per_seq], 1)
+    torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
+    torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)
+    if out.numel():
+        _grads_close(out, inputs, want, truth_in, dtype, form, dim=1)
     return text

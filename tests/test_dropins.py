@@ -282,3 +282,69 @@ def test_varlen_with_paged_keys_runs_compiled_fullgraph():
 
     compiled = torch.compile(decode, fullgraph=True)
     torch.testing.assert_close(compiled(q, pool, table, used), decode(q, pool, table, used))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "grad"])
+@pytest.mark.parametrize("size", [(512, 4, 64), (37, 3, 16), (6, 1, 8)], ids=str)
+def test_varlen_returns_out_and_lse_contiguous_in_torchs_layout(size, grad):
+    T, H, D = size  # at (512, 4, 64) the output came back with strides (64, 32768, 1)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(T, H, D, generator=g).requires_grad_(grad)
+    cu = _cu([T // 3, T - T // 3])
+    with torch.set_grad_enabled(grad):
+        out, lse = varlen_attn(q, q, q, cu, cu, T, T, return_aux=AuxRequest(lse=True),
+                               window_size=(-1, 0))  # fmt: skip
+    assert out.shape == (T, H, D) and lse.shape == (T, H)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.view(-1, H * D).shape == (T, H * D)  # the reshape models do next
+    if grad:  # through the view, against the float64 formula
+        dout = torch.randn(T, H * D, generator=g)
+        (got,) = torch.autograd.grad(out.view(-1, H * D), q, dout)
+        wide = q.detach().double().requires_grad_()
+        want, _ = varlen_formula(wide, wide, wide, cu, cu, (-1, 0))
+        (expected,) = torch.autograd.grad(want, wide, dout.double().view(T, H, D))
+        torch.testing.assert_close(got, expected.float())
+
+
+def _paged_pool(g):
+    """Three pages of 256 slots (pages, page_size, Hkv, D), one query, and a table of page 1."""
+    pool_k, pool_v = (torch.randn(3, 256, 2, 8, generator=g) for _ in range(2))
+    return pool_k, pool_v, torch.randn(1, 2, 8, generator=g), torch.tensor([[1]], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("used", "table", "words"),
+    [
+        (257, None, r"sequence 0 has 257 positions \(seqused_k\[0\]\)"),  # past its one page
+        (600, [[0, 2]], "at least 3 pages per row"),
+        (10, [[3]], r"block_table\[0, 0\] = 3 is no page of the pool \(ids 0 to 2: 3 pages\)"),
+        (10, [[-1]], r"block_table\[0, 0\] = -1 is no page"),
+        (300, [[0, 9]], r"block_table\[0, 1\] = 9"),  # its second entry is in use
+    ],
+)
+def test_varlen_refuses_seqused_k_past_its_block_table_or_pages_outside_the_pool(
+    used, table, words
+):
+    g = torch.Generator().manual_seed(7)
+    pool_k, pool_v, q, one = _paged_pool(g)
+    table = one if table is None else torch.tensor(table, dtype=torch.int32)
+    before = pool_k.clone(), pool_v.clone()
+    seqused = torch.tensor([used], dtype=torch.int32)
+    with pytest.raises(ak.BlockTableError, match=words) as info:
+        varlen_attn(q, pool_k, pool_v, _cu([1]), None, 1, used, seqused_k=seqused,
+                    block_table=table)  # fmt: skip
+    assert "block_table" in str(info.value) and isinstance(info.value, ValueError)
+    assert torch.equal(pool_k, before[0]) and torch.equal(pool_v, before[1])
+
+
+def test_varlen_reads_only_the_entries_a_sequence_uses():
+    """Entries past ceil(seqused_k / page_size) are not pages in use: anything goes there."""
+    g = torch.Generator().manual_seed(8)
+    pool_k, pool_v, q, one = _paged_pool(g)
+    used = torch.tensor([200], dtype=torch.int32)
+    want = varlen_attn(q, pool_k, pool_v, _cu([1]), None, 1, 200, seqused_k=used, block_table=one)
+    for junk in (-1, 99):
+        table = torch.tensor([[1, junk]], dtype=torch.int32)
+        got = varlen_attn(q, pool_k, pool_v, _cu([1]), None, 1, 200, seqused_k=used,
+                          block_table=table)  # fmt: skip
+        torch.testing.assert_close(got, want)

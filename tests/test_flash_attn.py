@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnkit import BlockTableError
 from attnkit.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from fuzz_dropins import cumulative
 from fuzz_dropins import flash_formula as formula
@@ -222,3 +223,122 @@ def test_flash_attn_varlen_and_kvcache_run_compiled_fullgraph():
                                               lengths)  # fmt: skip
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(compiled_cache, eager_cache)  # the same in-place write
+
+
+# ------------------------------------------------------------------ contiguous outputs
+
+SIZES = [(512, 4, 64), (37, 3, 16), (6, 1, 8)]  # (T, H, D); 512, 4, 64 came back strided
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "grad"])
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "T={} H={} D={}".format(*s))
+def test_every_output_is_contiguous_in_its_own_layout(size, grad):
+    T, H, D = size
+    g = torch.Generator().manual_seed(6)
+    with torch.set_grad_enabled(grad):
+        q = torch.randn(T, H, D, generator=g).requires_grad_(grad)
+        cu = cumulative([T // 3, T - T // 3])
+        out, lse, _ = flash_attn_varlen_func(q, q, q, cu, cu, T, T, causal=True,
+                                             return_attn_probs=True)  # fmt: skip
+        assert out.shape == (T, H, D) and lse.shape == (H, T)
+        assert out.is_contiguous() and lse.is_contiguous()
+        assert out.view(-1, H * D).shape == (T, H * D)
+        qb = q.view(2, T // 2, H, D) if T % 2 == 0 else q[None]  # (B, L, H, D)
+        out, lse, _ = flash_attn_func(qb, qb, qb, causal=True, return_attn_probs=True)
+        assert (
+            out.is_contiguous() and lse.is_contiguous() and lse.shape == (len(qb), H, T // len(qb))
+        )
+        assert out.view(-1, H * D).shape == (qb.shape[0] * qb.shape[1], H * D)
+    cache = torch.randn(2, T + 1, H, D, generator=g)
+    lengths = torch.tensor([T // 2, T], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q[:2, None], cache, cache.clone(), k=q[:2, None].detach(),
+                                       v=q[:2, None].detach(), cache_seqlens=lengths,
+                                       return_softmax_lse=True)  # fmt: skip
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert out.view(-1, H * D).shape == (2, H * D)
+
+
+def test_contiguous_outputs_keep_their_gradients():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 5, 4, 8, generator=g, dtype=torch.float64).requires_grad_()
+    out = flash_attn_func(q, q, q, causal=True)
+    dout = torch.randn(2, 5, 4 * 8, generator=g, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out.view(2, 5, 32), q, dout)  # through the view
+    want = torch.stack([formula(q[b], q[b], q[b], causal=True)[0] for b in range(2)])
+    (expected,) = torch.autograd.grad(want, q, dout.view(2, 5, 4, 8))
+    torch.testing.assert_close(got, expected)
+
+
+# ------------------------------------------------------------------ block_table bounds
+
+
+def _one_page_pool(g):
+    """Three pages of 256 slots (pages, page_size, Hkv, D), and a table listing page 1."""
+    pool_k, pool_v = (torch.randn(3, 256, 2, 8, generator=g) for _ in range(2))
+    return pool_k, pool_v, torch.tensor([[1]], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("seqlen", "new", "table", "words"),
+    [
+        (257, 0, None, "sequence 0 has 257 positions"),  # reads past the page
+        (256, 1, None, "sequence 0 has 257 positions"),  # appends at position 256
+        (254, 3, None, r"cache_seqlens\[0\] \+ 3 new keys"),  # an append that crosses the end
+        (10, 1, [[3]], r"block_table\[0, 0\] = 3 is no page"),  # past the pool
+        (10, 0, [[-1]], r"block_table\[0, 0\] = -1 is no page"),
+        (300, 2, [[0, 7]], r"block_table\[0, 1\] = 7"),  # the second page is in use
+    ],
+)
+def test_kvcache_refuses_a_table_too_short_or_outside_the_pool_and_writes_nothing(
+    seqlen, new, table, words
+):
+    g = torch.Generator().manual_seed(8)
+    pool_k, pool_v, one = _one_page_pool(g)
+    table = one if table is None else torch.tensor(table, dtype=torch.int32)
+    before_k, before_v = pool_k.clone(), pool_v.clone()
+    k = torch.randn(1, new, 2, 8, generator=g) if new else None
+    with pytest.raises(BlockTableError, match=words) as info:
+        flash_attn_with_kvcache(torch.randn(1, 1, 4, 8, generator=g), pool_k, pool_v, k=k, v=k,
+                                cache_seqlens=torch.tensor([seqlen], dtype=torch.int32),
+                                block_table=table)  # fmt: skip
+    assert "block_table" in str(info.value) and isinstance(info.value, ValueError)
+    assert torch.equal(pool_k, before_k) and torch.equal(pool_v, before_v)  # bitwise unchanged
+
+
+def test_kvcache_capacity_message_names_the_numbers_and_the_fix():
+    g = torch.Generator().manual_seed(9)
+    pool_k, pool_v, table = _one_page_pool(g)
+    k = torch.randn(1, 1, 2, 8, generator=g)
+    with pytest.raises(BlockTableError) as info:
+        flash_attn_with_kvcache(torch.randn(1, 1, 4, 8, generator=g), pool_k, pool_v, k=k, v=k,
+                                cache_seqlens=256, block_table=table)  # fmt: skip
+    text = str(info.value)
+    for words in ("flash_attn_with_kvcache", "sequence 0", "257 positions", "1 page of 256",
+                  "256 positions", "at least 2 pages per row"):  # fmt: skip
+        assert words in text, text
+
+
+def test_kvcache_entries_past_a_sequence_may_hold_anything():
+    """flash-attention reads only the pages a sequence uses: the rest of its row is free."""
+    g = torch.Generator().manual_seed(10)
+    pool_k, pool_v = (torch.randn(4, 4, 2, 8, generator=g) for _ in range(2))
+    q = torch.randn(1, 1, 4, 8, generator=g)
+    lengths = torch.tensor([6], dtype=torch.int32)
+    table = torch.tensor([[2, 3]], dtype=torch.int32)  # 6 positions: 2 pages of 4
+    want = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lengths, block_table=table)
+    for junk in (99, -5):
+        table = torch.tensor([[2, 3, junk]], dtype=torch.int32)
+        got = flash_attn_with_kvcache(q, pool_k, pool_v, cache_seqlens=lengths, block_table=table)
+        torch.testing.assert_close(got, want)
+
+
+def test_flash_attn_varlen_refuses_a_table_too_short_for_cu_seqlens_k():
+    g = torch.Generator().manual_seed(11)
+    pool_k, pool_v, table = _one_page_pool(g)
+    q, cu_q = torch.randn(1, 4, 8, generator=g), cumulative([1])
+    with pytest.raises(BlockTableError, match=r"cu_seqlens_k\[1\] - cu_seqlens_k\[0\]"):
+        flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cumulative([257]), 1, 257,
+                               block_table=table)  # fmt: skip
+    with pytest.raises(BlockTableError, match="no page of the pool"):
+        flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cumulative([5]), 1, 5,
+                               block_table=torch.tensor([[3]], dtype=torch.int32))  # fmt: skip

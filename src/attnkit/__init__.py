@@ -14,7 +14,13 @@ from attnkit.contracts import (
     check_attention_contract,
 )
 from attnkit.dropins import sdpa, varlen_attn
-from attnkit.errors import MaskError, OutOfBlocksError, RanksDisagreeError, ShapeContractError
+from attnkit.errors import (
+    BlockTableError,
+    MaskError,
+    OutOfBlocksError,
+    RanksDisagreeError,
+    ShapeContractError,
+)
 from attnkit.functional import attention, attention_probs, attention_with_lse, explain
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import (
@@ -50,6 +56,7 @@ from attnkit.softmax import masked_softmax
 cost.measure_with(calibrate.active_table)
 
 __all__ = [
+    "BlockTableError",
     "KVCache",
     "Mask",
     "MaskError",

@@ -153,10 +153,11 @@ def varlen_attn(
         enable_gqa: key and value may have fewer heads than query (H % Hkv == 0).
         seqused_k: (N,) keys used per sequence (the first seqused_k[n] of its keys).
         block_table: (N, max_pages) int32 page ids of each sequence's keys, in order;
-            needs `seqused_k`.
+            needs `seqused_k`; a length past max_pages · page_size, or a used entry
+            that is no page of `key`, raises `BlockTableError`.
         num_splits: accepted and not used (a hint for CUDA kernels' key splitting).
     Returns:
-        (T_q, H, D), and lse (T_q, H) with `return_aux.lse`.
+        (T_q, H, Dv) contiguous, and lse (T_q, H) contiguous with `return_aux.lse`.
 
     Differs from torch: runs on any device attnkit serves; a query that sees no key
     gives 0 (lse -inf); backward works with `seqused_k` and `block_table` too. The
@@ -169,15 +170,17 @@ def varlen_attn(
     if block_table is not None:
         if seqused_k is None:
             raise ValueError("varlen_attn with block_table needs seqused_k (keys per sequence)")
+        pool = (key.shape[0], key.shape[1])  # (pages, page_size)
+        check_block_table("varlen_attn", block_table, seqused_k, pool, "seqused_k[{n}]")
         key, value, cu_seq_k = gather_pages(key, value, block_table, seqused_k)
     elif cu_seq_k is None:
         raise ValueError("varlen_attn needs cu_seq_k (or block_table with seqused_k)")
     spans, _ = packed_spans(cu_seq_q, cu_seq_k, query.shape[0], window_size, seqused_k)
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, H, T, D)
     out, lse = attention_with_lse(q, k, v, row_spans(spans.lo, spans.hi), scale=scale)
-    out = out[0].transpose(0, 1)  # (T_q, H, Dv)
+    out = out[0].transpose(0, 1).contiguous()  # (T_q, H, Dv): .view(T_q, H * Dv) works
     if return_aux is not None and return_aux.lse:
-        return out, lse[0].transpose(0, 1)  # (T_q, H)
+        return out, lse[0].transpose(0, 1).contiguous()  # (T_q, H)
     return out
 
 
@@ -258,3 +261,71 @@ def gather_pages(
     cu_k = torch.nn.functional.pad((count * page_size).cumsum(0), (1, 0))
     k, v = (t[pages].flatten(0, 1) for t in (key, value))  # (pages·page_size, Hkv, D)
     return k, v, cu_k
+
+
+def check_block_table(
+    call: str, block_table: Tensor, lengths: Tensor, pool: tuple[int, int], named: str
+) -> None:
+    """Refuse, before anything is read or written, a sequence longer than its row of
+    `block_table` holds (max_pages · page_size), or a used entry (one of the first
+    ceil(length / page_size) of its row) that is no page of the pool.
+
+    Args:
+        call: the public function, for the message.
+        block_table: (N, max_pages) page ids.
+        lengths: (N,) positions each sequence reads or writes, from position 0.
+        pool: (pages, page_size) of the paged keys.
+        named: where the lengths come from, `{n}` standing for the sequence and
+            `{next}` for n + 1 ("seqused_k[{n}]").
+    Raises:
+        BlockTableError: naming `block_table`, the sequence, its length, the capacity
+            and the fix.
+    """
+    if torch.compiler.is_compiling():  # data-dependent: eager calls only
+        return
+    N, (pages, page_size) = lengths.shape[0], pool
+    if block_table.dim() != 2 or block_table.shape[0] < N:
+        raise _block_table_error(
+            f"{call}: block_table must be (N, max_pages) with a row per sequence ({N}), got "
+            f"{tuple(block_table.shape)}; give one row of page ids per sequence"
+        )
+    lengths = lengths.long().cpu()  # (N,)
+    _check_capacity(call, block_table.shape[1], page_size, lengths, named)
+    count = (lengths + page_size - 1) // page_size  # (N,) entries in use
+    ids = block_table[:N].long().cpu()  # (N, max_pages)
+    used = torch.arange(ids.shape[1]) < count[:, None]  # (N, max_pages)
+    bad = (used & ((ids < 0) | (ids >= pages))).nonzero()
+    if bad.numel():
+        n, p = int(bad[0, 0]), int(bad[0, 1])
+        raise _block_table_error(
+            f"{call}: block_table[{n}, {p}] = {int(ids[n, p])} is no page of the pool (ids 0 "
+            f"to {pages - 1}: {_counted(pages, 'page')}), and sequence {n} uses the first "
+            f"{_counted(int(count[n]), 'entry')} of its row for its {int(lengths[n])} positions "
+            f"({named.format(n=n, next=n + 1)}); give ids of the pool's pages"
+        )
+
+
+def _check_capacity(call: str, width: int, page_size: int, lengths: Tensor, named: str) -> None:
+    """Each length (N,) within the width · page_size positions a row of the table holds."""
+    too_long = (lengths > width * page_size).nonzero()
+    if too_long.numel():
+        n = int(too_long[0, 0])
+        length, name = int(lengths[n]), named.format(n=n, next=n + 1)
+        raise _block_table_error(
+            f"{call}: sequence {n} has {length} positions ({name}), but block_table lists "
+            f"{_counted(width, 'page')} of {page_size} slots per row ({width * page_size} "
+            f"positions); give block_table at least {-(-length // page_size)} pages per row "
+            f"(more pages for sequence {n})"
+        )
+
+
+def _counted(n: int, word: str) -> str:
+    """'1 page', '2 pages', '1 entry', '3 entries'."""
+    plural = word[:-1] + "ies" if word.endswith("y") else word + "s"
+    return f"{n} {word if n == 1 else plural}"
+
+
+def _block_table_error(message: str) -> Exception:
+    from attnkit.errors import BlockTableError  # on the failing path only
+
+    return BlockTableError(message)

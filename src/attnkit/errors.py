@@ -1,6 +1,6 @@
 """The error types of attnkit.
 
-The two about arguments subclass `ValueError`, so code that already catches `ValueError`
+Those about arguments subclass `ValueError`, so code that already catches `ValueError`
 keeps working; `OutOfBlocksError` is a `RuntimeError` (the arguments are fine, the pool
 is full). Every message names the argument, what was expected, what was given, and the
 fix.
@@ -8,7 +8,13 @@ fix.
 
 from __future__ import annotations
 
-__all__ = ["MaskError", "OutOfBlocksError", "RanksDisagreeError", "ShapeContractError"]
+__all__ = [
+    "BlockTableError",
+    "MaskError",
+    "OutOfBlocksError",
+    "RanksDisagreeError",
+    "ShapeContractError",
+]
 
 
 class ShapeContractError(ValueError):
@@ -17,6 +23,11 @@ class ShapeContractError(ValueError):
 
 class MaskError(ValueError):
     """A mask is malformed: wrong dtype, ambiguous convention, bad lengths or windows."""
+
+
+class BlockTableError(ValueError):
+    """A `block_table` lists too few pages for a sequence's length, or a page id that is
+    no page of the pool; checked before anything is read or written."""
 
 
 class OutOfBlocksError(RuntimeError):

@@ -1,7 +1,11 @@
 """flash-attention 2's functions with their signatures, on attnkit (CPU included).
 
 `flash_attn_func`, `flash_attn_varlen_func` and `flash_attn_with_kvcache` as the
-`flash_attn` package defines them: layout (B, L, H, D) (packed (T, H, D) for varlen),
+`flash_attn` package defines them, and its packed forms `flash_attn_qkvpacked_func`
+(qkv (B, L, 3, H, D)), `flash_attn_kvpacked_func` (kv (B, S, 2, Hkv, D)),
+`flash_attn_varlen_qkvpacked_func` (qkv (T, 3, H, D)) and
+`flash_attn_varlen_kvpacked_func` (kv (T_k, 2, Hkv, D)), whose gradients flow back into
+the packed tensor: layout (B, L, H, D) (packed (T, H, D) for varlen),
 `causal` aligned bottom-right (query i sees keys j <= i + S - L), `window_size=(left,
 right)` around that aligned position (-1: unlimited), `softcap` (0: none) on the scaled
 scores, `alibi_slopes` (H,) or (B, H) adding `-slope · |i + S - L - j|`, GQA/MQA by head
@@ -14,6 +18,9 @@ only half on CUDA; a query that sees no key gives 0 and log-sum-exp -inf;
 `return_attn_probs=True` returns `(out, softmax_lse, None)` (the probabilities are
 `attnkit.attention_probs`); `deterministic` is accepted (attnkit's backward always is);
 `dropout_p` is applied as attnkit's dropout (the same distribution, other random draws).
+Outputs and log-sum-exps are contiguous in their layout (`out.view(B, L, H * D)` works);
+a `block_table` that lists too few pages for a sequence, or a used entry that is no page
+of the pool, raises `attnkit.BlockTableError` before anything is read or written.
 """
 
 from __future__ import annotations
@@ -23,12 +30,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.dropins import KeySpans, gather_pages, packed_spans, window_spans
+from attnkit.dropins import KeySpans, check_block_table, gather_pages, packed_spans, window_spans
+from attnkit.errors import ShapeContractError
 from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask, row_spans
 from attnkit.masks.biases import _ALiBi
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]
 
 Window = tuple[int, int]
 
@@ -48,8 +64,8 @@ def flash_attn_func(
 ) -> Any:
     """flash-attention's `flash_attn_func`: q (B, L, H, D), k and v (B, S, Hkv, D).
 
-    Returns out (B, L, H, D); with `return_attn_probs`, (out, softmax_lse (B, H, L), None).
-    Backward for q, k, v. Differs: see the module's docstring.
+    Returns out (B, L, H, Dv); with `return_attn_probs`, (out, softmax_lse (B, H, L), None),
+    both contiguous. Backward for q, k, v. Differs: see the module's docstring.
     """
     B, L, S = q.shape[0], q.shape[1], k.shape[1]
     index = torch.arange(L, device=q.device)[None].expand(B, L)
@@ -58,8 +74,8 @@ def flash_attn_func(
     mask = _mask(spans, alibi_slopes, q.dtype)
     out, lse = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                        softmax_scale, softcap, dropout_p)  # fmt: skip
-    out = out.transpose(1, 2)  # (B, L, H, Dv)
-    return (out, lse, None) if return_attn_probs else out
+    out = out.transpose(1, 2).contiguous()  # (B, L, H, Dv)
+    return (out, lse.contiguous(), None) if return_attn_probs else out
 
 
 def flash_attn_varlen_func(
@@ -84,11 +100,13 @@ def flash_attn_varlen_func(
     (T_k, Hkv, D), or with `block_table` (N, max_pages) pages (pages, page_size, Hkv, D)
     holding each sequence's cu_seqlens_k lengths.
 
-    Returns out (T_q, H, D); with `return_attn_probs`, (out, softmax_lse (H, T_q), None).
-    Backward for q, k, v. Differs: see the module's docstring.
+    Returns out (T_q, H, Dv); with `return_attn_probs`, (out, softmax_lse (H, T_q), None),
+    both contiguous. Backward for q, k, v. Differs: see the module's docstring.
     """
     if block_table is not None:
         lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(block_table.device)
+        check_block_table("flash_attn_varlen_func", block_table, lengths, _pool(k),
+                          "cu_seqlens_k[{next}] - cu_seqlens_k[{n}]")  # fmt: skip
         k, v, cu_seqlens_k = gather_pages(k, v, block_table, lengths)
         used: Tensor | None = lengths
     else:
@@ -100,8 +118,8 @@ def flash_attn_varlen_func(
     mask = _mask(spans.one_batch_row(), alibi_slopes, q.dtype)
     qp, kp, vp = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
     out, lse = _attend(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
-    out = out[0].transpose(0, 1)  # (T_q, H, Dv)
-    return (out, lse[0], None) if return_attn_probs else out
+    out = out[0].transpose(0, 1).contiguous()  # (T_q, H, Dv)
+    return (out, lse[0].contiguous(), None) if return_attn_probs else out
 
 
 def flash_attn_with_kvcache(
@@ -135,14 +153,20 @@ def flash_attn_with_kvcache(
     `rotary_cos`/`rotary_sin` (S_ro, rotary_dim / 2) rotate the new keys at their
     positions, and q at positions cache_seqlens.. (causal or local) or all at
     cache_seqlens (otherwise); `rotary_interleaved` pairs dims (0, 1), (2, 3), ... else
-    (0, rotary_dim / 2), ... (GPT-NeoX). Returns out (B, L, H, D); with
-    `return_softmax_lse`, (out, lse (B, H, L)). `num_splits` is accepted. No backward,
-    as in flash-attention. Differs: see the module's docstring.
+    (0, rotary_dim / 2), ... (GPT-NeoX). Returns out (B, L, H, Dv); with
+    `return_softmax_lse`, (out, lse (B, H, L)), both contiguous. `num_splits` is accepted.
+    No backward, as in flash-attention. With `block_table`, cache_seqlens[b] + L_new past
+    max_pages · page_size, or a used page id outside the pool, raises `BlockTableError`
+    and writes nothing. Differs: see the module's docstring.
     """
     B, L = q.shape[0], q.shape[1]
     dev = q.device
     seqlens = _lengths(cache_seqlens, B, k_cache.shape[1] if block_table is None else None, dev)
     new = 0 if k is None else k.shape[1]
+    if block_table is not None:  # before any write
+        named = "cache_seqlens[{n}]" + (f" + {new} new keys" if new else "")
+        check_block_table("flash_attn_with_kvcache", block_table, seqlens + new, _pool(k_cache),
+                          named)  # fmt: skip
     if rotary_cos is not None and rotary_sin is not None:
         local = causal or tuple(window_size) != (-1, -1)
         q_at = seqlens[:, None] + (torch.arange(L, device=dev)[None] if local else 0)
@@ -153,21 +177,135 @@ def flash_attn_with_kvcache(
     rows = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
     if k is not None and v is not None:
         _write(k_cache, v_cache, k, v, seqlens, rows, block_table)
-    keys, values = _cached(k_cache, v_cache, rows, block_table)  # (B, S, Hkv, D)
+    end = (seqlens + new)[:, None]  # (B, 1)
+    keys, values = _cached(k_cache, v_cache, rows, block_table, end)  # (B, S, Hkv, D)
     first = (
         torch.zeros(B, dtype=torch.long, device=dev)
         if cache_leftpad is None
         else cache_leftpad.long().to(dev)
     )[:, None]
-    end = (seqlens + new)[:, None]
     index = torch.arange(L, device=dev)[None].expand(B, L)
     spans = window_spans(first, end - first, L, index, _window(causal, window_size))
     mask = _mask(spans, alibi_slopes, q.dtype)
     with torch.no_grad():
         out, lse = _attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                            mask, softmax_scale, softcap, 0.0)  # fmt: skip
-    out = out.transpose(1, 2)  # (B, L, H, Dv)
-    return (out, lse) if return_softmax_lse else out
+    out = out.transpose(1, 2).contiguous()  # (B, L, H, Dv)
+    return (out, lse.contiguous()) if return_softmax_lse else out
+
+
+# ------------------------------------------------------------------ the packed forms
+
+
+def flash_attn_qkvpacked_func(
+    qkv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attention's `flash_attn_qkvpacked_func`: `flash_attn_func` on
+    qkv (B, L, 3, H, D) (self-attention, as many key heads as query heads).
+
+    Returns out (B, L, H, D); with `return_attn_probs`, (out, softmax_lse (B, H, L), None).
+    Backward into qkv. Differs: see the module's docstring.
+    """
+    q, k, v = _unpacked("flash_attn_qkvpacked_func", "qkv", qkv, 2, "(B, L, 3, H, D)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attention's `flash_attn_kvpacked_func`: `flash_attn_func` on q (B, L, H, D)
+    and kv (B, S, 2, Hkv, D).
+
+    Returns out (B, L, H, D); with `return_attn_probs`, (out, softmax_lse (B, H, L), None).
+    Backward into q and kv. Differs: see the module's docstring.
+    """
+    k, v = _unpacked("flash_attn_kvpacked_func", "kv", kv, 2, "(B, S, 2, Hkv, D)")
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attention's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func` on
+    packed qkv (T, 3, H, D), the same `cu_seqlens` (N + 1,) for queries and keys.
+
+    Returns out (T, H, D); with `return_attn_probs`, (out, softmax_lse (H, T), None).
+    Backward into qkv. Differs: see the module's docstring.
+    """
+    q, k, v = _unpacked("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 1, "(T, 3, H, D)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Tensor,
+    kv: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> Any:
+    """flash-attention's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func` on
+    packed q (T_q, H, D) and kv (T_k, 2, Hkv, D).
+
+    Returns out (T_q, H, D); with `return_attn_probs`, (out, softmax_lse (H, T_q), None).
+    Backward into q and kv. Differs: see the module's docstring.
+    """
+    k, v = _unpacked("flash_attn_varlen_kvpacked_func", "kv", kv, 1, "(T_k, 2, Hkv, D)")
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)  # fmt: skip
+
+
+def _unpacked(call: str, name: str, packed: Tensor, dim: int, layout: str) -> tuple[Tensor, ...]:
+    """The views of `packed` along `dim` (3 for qkv, 2 for kv), after checking that the
+    layout's packed dim has that size; autograd takes their gradients back into it."""
+    count = len(name)  # qkv: 3, kv: 2
+    if packed.dim() != dim + 3 or packed.shape[dim] != count:  # (..., count, H, D)
+        raise ShapeContractError(
+            f"{call}: {name} must be {layout} ({count} at dim {dim}), got "
+            f"{tuple(packed.shape)}; stack the tensors with torch.stack(..., dim={dim})"
+        )
+    return packed.unbind(dim)
 
 
 # ------------------------------------------------------------------ the shared steps
@@ -202,6 +340,11 @@ def _attend(
     return attention_with_lse(
         q, k, v, mask, scale=scale, softcap=softcap if softcap > 0 else None, dropout_p=dropout_p
     )
+
+
+def _pool(paged: Tensor) -> tuple[int, int]:
+    """(pages, page_size) of paged keys (pages, page_size, Hkv, D)."""
+    return paged.shape[0], paged.shape[1]
 
 
 def _lengths(
@@ -245,12 +388,16 @@ def _write(
 
 
 def _cached(
-    k_cache: Tensor, v_cache: Tensor, rows: Tensor, block_table: Tensor | None
+    k_cache: Tensor, v_cache: Tensor, rows: Tensor, block_table: Tensor | None, end: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Each sequence's cache (B, S, Hkv, D): its rows, or its pages in table order."""
+    """Each sequence's cache (B, S, Hkv, D): its rows, or its pages in table order (the
+    entries past a sequence's `end` (B, 1) positions, which nobody reads, as page 0: flash-
+    attention does not read them either, so they may hold anything)."""
     if block_table is None:
         return k_cache[rows], v_cache[rows]
-    pages = block_table.long()  # (B, max_pages)
+    page_size, width = k_cache.shape[1], block_table.shape[1]
+    used = torch.arange(width, device=end.device) * page_size < end  # (B, max_pages)
+    pages = torch.where(used.to(block_table.device), block_table.long(), 0)  # (B, max_pages)
     return tuple(t[pages].flatten(1, 2) for t in (k_cache, v_cache))  # type: ignore[return-value]
 
 
