@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import bias as torch_bias
 
 from attnkit.dropins import AuxRequest, sdpa, varlen_attn
 from attnkit.flash_attn import (
@@ -106,7 +107,7 @@ def _grads_close(got, inputs, want, truth_inputs, dtype, form="split", dim=0) ->
 def _sdpa(draw: Draw) -> str:
     dtype = draw.choice((torch.float32, torch.float64))
     rank, L, S = draw.int(2, 5), draw.int(1, 9), draw.int(1, 9)
-    D, Dv = draw.int(1, 8), draw.int(1, 8)
+    D, Dv = draw.int(0, 8), draw.int(1, 8)  # D = 0: every score 0, as torch has it
     Hkv = draw.int(1, 3)
     H = Hkv * (draw.int(1, 3) if rank >= 3 else 1)
     lead = [draw.int(1, 3) for _ in range(max(rank - 3, 0))]
@@ -115,24 +116,30 @@ def _sdpa(draw: Draw) -> str:
     shapes = ([*lead, *heads, L, D], [*lead, *kv_heads, S, D], [*lead, *kv_heads, S, Dv])
     g = torch.Generator().manual_seed(draw.int(0, 10**6))
     inputs = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
-    kind = draw.choice(("none", "causal", "bool", "float"))
+    kind = draw.choice(
+        ("none", "causal", "bool", "float", "keep_float", "upper_left", "lower_right")
+    )
     mask = None
-    if kind in ("bool", "float"):
+    if kind in ("bool", "float", "keep_float"):
         shape = [*[draw.choice((1, n)) for n in (*lead, *heads)], draw.choice((1, L)), S]
         mask = torch.rand(shape, generator=g) > 0.3
         if kind == "float":
             mask = torch.where(
                 mask, torch.randn(shape, generator=g, dtype=torch.float64), -torch.inf
             )
+        if kind == "keep_float":  # 0s and 1s added as a bias: sdpa keeps torch's meaning
+            mask = mask.double()
+    if kind in ("upper_left", "lower_right"):  # torch's CausalBias
+        mask = getattr(torch_bias, f"causal_{kind}")(L, S)
     scale = draw.choice((None, 0.5))
     kwargs = {"is_causal": kind == "causal", "scale": scale, "enable_gqa": H != Hkv}
     q, k, v = (t.to(dtype).requires_grad_() for t in inputs)
-    given = mask.to(dtype) if kind == "float" and mask is not None else mask
+    given = mask.to(dtype) if kind in ("float", "keep_float") else mask
     got = sdpa(q, k, v, given, **kwargs)
     truth_in = [t.requires_grad_() for t in inputs]
     want = F.scaled_dot_product_attention(*truth_in, mask, **kwargs)
     text = f"sdpa {dtype} {[list(s) for s in shapes]} mask {kind} " + (
-        f"{list(mask.shape)} scale {scale}" if mask is not None else f"scale {scale}"
+        f"{list(mask.shape)} scale {scale}" if isinstance(mask, torch.Tensor) else f"scale {scale}"
     )
     assert got.shape == want.shape, f"{text}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     want = torch.nan_to_num(want, nan=0.0)  # torch's empty rows: NaN on some paths; attnkit 0

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import attnkit as ak
 
@@ -45,13 +46,18 @@ BAD = [
     ("kv-length", lambda: ak.attention(q, k, v[:, :, :4]), SCE, r"k has S=5 keys but v has S=4"),
     ("gqa", lambda: ak.attention(t(2, 3, 5, 8), k, v), SCE, r"H=3 .* Hkv=2 .*\(e\.g\. Hkv in"),
     ("kv-heads", lambda: ak.attention(q, k, v[:, :1]), SCE, r"k has Hkv=2 heads but v has 1"),
-    ("d-zero", lambda: ak.attention(q[..., :0], k[..., :0], v), SCE, r"D=0.*D >= 1"),
+    ("dtype-mix-is-runtime-error", lambda: ak.attention(q, k.double(), v), RuntimeError, r"dtype mismatch"),
     ("device", lambda: ak.attention(q, k.to("meta"), v), SCE, r"k is on meta .* k\.to\(q\.device\)"),
     # attention: masks
     ("mask-int", lambda: ak.attention(q, k, v, ones(5, 5, dtype=torch.long)), ME, r"mask has dtype torch.int64.*from_hf_attention_mask"),
     ("mask-shape", lambda: ak.attention(q, k, v, ones(3, 5, dtype=torch.bool)), SCE, r"mask of shape .*its L dim is 3, expected 1 or 5"),
     ("mask-5d", lambda: ak.attention(q, k, v, ones(1, 2, 4, 5, 5, dtype=torch.bool)), SCE, r"mask has 5 dims.*at most 4"),
-    ("mask-list", lambda: ak.attention(q, k, v, [[True]]), TypeError, r"mask must be a Mask or a bool tensor"),
+    ("mask-list", lambda: ak.attention(q, k, v, [[True]]), TypeError, r"mask must be a Mask, a bool tensor .* float tensor"),
+    ("mask-function", lambda: ak.attention(q, k, v, lambda b, h, i, j: i >= j), TypeError, r"function; wrap it as mask=Mask\.from_mod\(fn\)"),
+    ("mask-keep-as-float", lambda: ak.attention(q, k, v, torch.tril(ones(5, 5))), ME, r"only 0s and 1s.*m\.bool\(\).*from_additive_mask"),
+    ("mask-float-plus-inf", lambda: ak.attention(q, k, v, torch.zeros(5, 5).fill_diagonal_(math.inf)), ME, r"holds \+inf.*m\.bool\(\).*from_additive_mask"),
+    ("mask-float-nan", lambda: ak.attention(q, k, v, torch.zeros(5, 5).fill_diagonal_(math.nan)), ME, r"holds NaN.*from_additive_mask"),
+    ("mask-causal-bias-size", lambda: ak.attention(q, k, v, causal_upper_left(5, 6)), SCE, r"CausalBias was made for L=5 queries and S=6 keys"),
     ("mask-device", lambda: ak.attention(q, k, v, ones(5, 5, dtype=torch.bool, device="meta")), SCE, r"mask is on meta"),
     ("causal-l-ne-s", lambda: ak.attention(q, k7, v7, ak.causal()), SCE, r"L=5 queries and S=7 keys.*align='top_left'.*align='bottom_right'"),
     ("sliding-l-ne-s", lambda: ak.attention(q, k7, v7, ak.sliding_window(2)), SCE, r"sliding_window\(align="),
@@ -104,7 +110,7 @@ BAD = [
     ("or-nothing", lambda: ak.or_masks(), ME, r"or_masks needs at least one mask, e\.g\."),
     ("combine-float", lambda: ak.causal() & torch.zeros(5, 5), ME, r"float tensor is an additive bias.*from_additive_mask"),
     ("combine-int", lambda: ak.causal() & ones(5, 5, dtype=torch.long), ME, r"integer masks are ambiguous"),
-    ("combine-list", lambda: ak.causal() & [1], TypeError, r"mask must be a Mask or a bool tensor, got list"),
+    ("combine-list", lambda: ak.causal() & [1], TypeError, r"mask must be a Mask, a bool tensor .* got list"),
     ("draw-ambiguous", lambda: ak.causal().draw(2, 5), SCE, r"alignment is ambiguous.*causal\(offset=n\)"),
     ("offset-and-align", lambda: ak.causal("bottom_right", offset=2), ME, r"give align='bottom_right' or offset=2, not both"),
     ("offset-float", lambda: ak.sliding_window(2, offset=1.5), TypeError, r"offset must be an int"),
@@ -193,6 +199,9 @@ UNUSUAL = [
     ("transposed-mask", lambda: (q, k, v, (torch.rand(2, 1, 5, 5) < 0.7).transpose(-1, -2))),
     ("bias-of-another-dtype", lambda: (q, k, v, t(5, 5, dtype=torch.float64))),
     ("padding-of-zero-keys", lambda: (q, k, v, ak.key_padding(torch.tensor([0, 5])))),
+    ("head-dim-zero", lambda: (q[..., :0], k[..., :0], v, ak.causal())),
+    ("torch-causal-bias", lambda: (q, k, v, causal_lower_right(5, 5))),
+    ("float-mask-of-zeros-and-ones-only", lambda: (q, k, v, torch.ones(5, 5))),
 ]
 
 

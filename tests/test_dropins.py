@@ -100,8 +100,10 @@ def test_sdpa_refuses_what_torch_refuses_and_runs_compiled_fullgraph():
     q = torch.randn(2, 4, 6, 8)
     with pytest.raises(RuntimeError, match="attn_mask should not be set when is_causal"):
         sdpa(q, q, q, torch.ones(6, 6, dtype=torch.bool), is_causal=True)
-    with pytest.raises(RuntimeError, match=r"must match|leading dims"):
+    with pytest.raises(RuntimeError, match=r"enable_gqa=True"):
         sdpa(q, torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8))  # GQA without the flag
+    with pytest.raises(RuntimeError, match=r"must match|leading dims"):
+        sdpa(q, torch.randn(2, 3, 6, 8), torch.randn(2, 3, 6, 8))  # no GQA: 4 % 3
     mask = torch.rand(2, 1, 6, 6) > 0.3
     compiled = torch.compile(lambda q, m: sdpa(q, q, q, m), fullgraph=True)
     torch.testing.assert_close(compiled(q, mask), F.scaled_dot_product_attention(q, q, q, mask))

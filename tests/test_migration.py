@@ -70,3 +70,16 @@ def test_flash_alibi_slopes_are_attnkits_alibi_bottom_right():
     mask = ak.causal(align="bottom_right") & ak.alibi(4, align="bottom_right")
     own = ak.attention(*(t.transpose(1, 2) for t in (q, k, v)), mask)
     torch.testing.assert_close(own.transpose(1, 2), drop_in)
+
+
+def test_the_tuple_return_is_the_first_difference_listed_and_is_what_the_page_says():
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "migration.md").read_text()
+    section = page.split("## `torch.nn.MultiheadAttention`")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    assert "returns `(out, weights)`" in rows[1]  # rows[0] is the header
+    mha = ak.MultiHeadAttention(16, 4)
+    x = torch.randn(2, 5, 16)
+    out, _ = mha(x, x, x)  # the habit unpacks the batch, silently, as the page warns
+    torch.testing.assert_close(out, mha(x)[0])

@@ -313,3 +313,46 @@ def test_a_pure_function_is_checked_once_and_one_holding_data_every_call(monkeyp
     assert (
         first.materialize(2, 1, 8, 8)[0, 0, 5, 3] and not second.materialize(2, 1, 8, 8)[0, 0, 5, 3]
     )
+
+
+def _compile_all_devices(config):
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    return config
+
+
+def test_generate_with_a_fullgraph_compiled_step_equals_sdpa_and_never_recompiles():
+    model = _model("llama")
+    batch = _batch()
+    outs = {}
+    for impl in ("sdpa", "attnkit"):
+        model.set_attn_implementation(impl)
+        torch._dynamo.reset()
+        config = _compile_all_devices(transformers.CompileConfig(fullgraph=True))
+        run = dict(max_new_tokens=4, do_sample=False, cache_implementation="static",
+                   compile_config=config, pad_token_id=0)  # fmt: skip
+        outs[impl] = model.generate(**batch, **run)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            again = model.generate(**batch, **run)
+        assert torch.equal(again, outs[impl])
+    assert torch.equal(outs["sdpa"], outs["attnkit"])
+
+
+def test_a_fullgraph_compiled_decoding_step_gives_sdpas_logits():
+    model = _model("mistral")
+    batch = _batch()
+    first = batch["input_ids"].shape[1]
+    logits = {}
+    for impl in ("sdpa", "attnkit"):
+        model.set_attn_implementation(impl)
+        torch._dynamo.reset()
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            out = model(**batch, cache=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)  # (B, 1)
+            mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1)
+            step = torch.compile(model.forward, fullgraph=True)
+            logits[impl] = step(
+                input_ids=token, attention_mask=mask, cache=cache,
+                cache_position=torch.tensor([first]), use_cache=True,
+            ).logits  # fmt: skip
+    torch.testing.assert_close(logits["attnkit"], logits["sdpa"], atol=2e-5, rtol=1e-4)

@@ -16,6 +16,7 @@ from attnkit.contracts import (
 from attnkit.dropins import sdpa, varlen_attn
 from attnkit.errors import (
     BlockTableError,
+    DtypeMismatchError,
     MaskError,
     OutOfBlocksError,
     RanksDisagreeError,
@@ -52,11 +53,13 @@ from attnkit.reference import (
 )
 from attnkit.softmax import masked_softmax
 
-# the planner prices with the cost table measured on this CPU at its first use
+# the planner prices with the table `attnkit.calibrate` chooses (built in for the CPU's
+# kind, or one `attnkit calibrate` kept), found at its first use; nothing is measured
 cost.measure_with(calibrate.active_table)
 
 __all__ = [
     "BlockTableError",
+    "DtypeMismatchError",
     "KVCache",
     "Mask",
     "MaskError",

@@ -6,6 +6,7 @@ Core code asks these names; it never inspects `torch.__version__` itself.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -201,3 +202,16 @@ def _probe_empty_rows() -> bool:
     grads = (q.grad, k.grad, v.grad)
     zero_row = bool((out[0, 0, 1] == 0).all()) and bool((q.grad[0, 0, 1] == 0).all())  # type: ignore[index]
     return zero_row and all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+
+
+def torch_causal_bias() -> tuple[type, Any] | None:
+    """torch's `CausalBias` tensor class and its `CausalVariant` enum
+    (`torch.nn.attention.bias`, PyTorch 2.2+), or None: also while that module is not
+    loaded, since no `CausalBias` exists then (importing it loads dynamo: seconds)."""
+    if "torch.nn.attention.bias" not in sys.modules:
+        return None
+    try:
+        from torch.nn.attention.bias import CausalBias, CausalVariant
+    except ImportError:
+        return None
+    return CausalBias, CausalVariant

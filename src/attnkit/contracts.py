@@ -15,8 +15,10 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from attnkit.errors import ShapeContractError
+from attnkit.errors import DtypeMismatchError, ShapeContractError
 from attnkit.masks import Mask, as_mask, check_broadcastable, integer_mask_error, structure
+from attnkit.masks.checks import check_additive
+from attnkit.masks.convert import from_torch_mask
 
 __all__ = [
     "AttentionCall",
@@ -47,8 +49,8 @@ class Dims:
 
     @property
     def groups(self) -> int:
-        """G = H // Hkv query heads share one K/V head."""
-        return self.H // self.Hkv
+        """G = H // Hkv query heads share one K/V head (1 when there are no heads)."""
+        return self.H // self.Hkv if self.Hkv else 1
 
 
 @dataclass(frozen=True)
@@ -162,10 +164,6 @@ def _check_shapes(
             f"head dim mismatch: q has D={D} but k has D={Dk}; scores are q·kᵀ, so q and k "
             "need the same head dim (project them to one size)."
         )
-    if D < 1:
-        raise ShapeContractError(
-            "q and k have head dim D=0: a score q·kᵀ needs at least one feature (D >= 1)."
-        )
     if Sv != S:
         raise ShapeContractError(
             f"K/V length mismatch: k has S={S} keys but v has S={Sv} values; each key needs "
@@ -175,7 +173,7 @@ def _check_shapes(
         raise ShapeContractError(
             f"k has Hkv={Hkv} heads but v has {Hv}; k and v must have the same number of heads."
         )
-    if H < 1 or Hkv < 1 or H % Hkv != 0:
+    if H and (Hkv < 1 or H % Hkv != 0):  # H = 0 (minimum 0): an empty call, as torch's
         raise ShapeContractError(
             f"H={H} query heads is not divisible by Hkv={Hkv} key/value heads; GQA needs "
             f"H % Hkv == 0 with both >= 1 (e.g. Hkv in "
@@ -218,7 +216,7 @@ def _check_tensors(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Ten
             )
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(
+        raise DtypeMismatchError(
             f"dtype mismatch: q is {q.dtype}, k is {k.dtype}, v is {v.dtype}; cast them to "
             "one dtype."
         )
@@ -236,16 +234,25 @@ def _check_device(name: str, t: Tensor, device: torch.device) -> None:
 
 
 def normalize_mask(
-    mask: Mask | Tensor | None, dims: Dims, device: torch.device
+    mask: object, dims: Dims, device: torch.device, *, check_bias: bool = True
 ) -> tuple[Mask | None, Tensor | None]:
-    """Split `mask=` into a visibility `Mask` and an additive float bias, both checked."""
+    """Split `mask=` into a visibility `Mask` and an additive float bias, both checked.
+
+    torch's `CausalBias` is read as the `causal` mask it stands for. A float mask's
+    values are checked (`masks.check_additive`: no +inf or NaN, not a keep-mask cast to
+    float) if `check_bias`: `sdpa` adds whatever torch would add, and a compiled call
+    does not read the mask's values at each step.
+    """
     target = (dims.B, dims.H, dims.L, dims.S)
     if mask is None:
         return None, None
+    mask = from_torch_mask(mask, dims.L, dims.S)
     if isinstance(mask, Tensor):
         _check_device("mask", mask, device)
         if mask.is_floating_point():
             check_broadcastable("mask", tuple(mask.shape), target)
+            if check_bias:
+                check_additive("mask", mask)
             return None, mask
         if mask.dtype != torch.bool:
             raise integer_mask_error("mask", mask.dtype)
@@ -314,15 +321,20 @@ def normalize_call(
     scale: float | None = None,
     softcap: float | None = None,
     dropout_p: float = 0.0,
+    check_bias: bool = True,
 ) -> AttentionCall:
     """Validate every argument of `attention(...)` and return the normalized call.
 
-    Empty sizes are valid (B, L, S or Dv = 0): see `AttentionCall.is_empty`. Inputs of
-    any strides are accepted; backends get them with a contiguous last dim.
+    Empty sizes are valid (B, H, L, S or Dv = 0): see `AttentionCall.is_empty`. A head
+    dim D = 0 makes every score 0 (each query averages the values it may see, as torch's
+    SDPA gives). Inputs of any strides are accepted; backends get them with a contiguous
+    last dim. `check_bias`: a float mask's values are checked (`normalize_mask`).
     """
     q, k, v = _check_tensors(q, k, v)
     dims = _check_shapes(q.shape, k.shape, v.shape, minimum=0)
-    visibility, bias = normalize_mask(mask, dims, q.device)
+    visibility, bias = normalize_mask(mask, dims, q.device, check_bias=check_bias)
+    if dims.D == 0:  # every score is 0, whatever the scale
+        scale, dims = 1.0, Dims(dims.B, dims.H, dims.Hkv, dims.L, dims.S, 1, dims.Dv)
     scale = 1.0 / math.sqrt(dims.D) if scale is None else _check_number("scale", scale)
     if softcap is not None and not _check_number("softcap", softcap) > 0:
         raise ValueError(f"softcap must be > 0 (s = c·tanh(s/c)), got {softcap}.")
@@ -333,10 +345,18 @@ def normalize_call(
     return AttentionCall(q, k, v, visibility, bias, scale, softcap, dropout_p, dims)
 
 
+def _one_zero_feature(t: Tensor) -> Tensor:
+    """q or k of head dim 0 as head dim 1 holding zeros: the same scores (all 0), one
+    feature for the kernels; joined to the caller's tensor, whose gradient stays (…, 0)."""
+    return torch.cat([t, t.new_zeros(*t.shape[:-1], 1)], dim=-1) if t.shape[-1] == 0 else t
+
+
 def normalize_inputs(
     q: Tensor, k: Tensor, v: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor, float]:
-    """q, k, v as backends take them (`unit_last_stride`) and a scale > 0 (`_fold_scale`);
-    each tensor comes back as itself where it needs no change."""
+    """q, k, v as backends take them (`unit_last_stride`; head dim 0 as one zero feature)
+    and a scale > 0 (`_fold_scale`); each tensor comes back as itself where it needs no
+    change."""
+    q, k = _one_zero_feature(q), _one_zero_feature(k)
     q, scale = _fold_scale(q, scale)
     return unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), scale

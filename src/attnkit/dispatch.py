@@ -54,10 +54,12 @@ def attention_call(
     dropout_p: float,
     backend: str,
     need_lse: bool,
+    check_bias: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached."""
+    """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached.
+    `check_bias`: a float mask's values are checked at its first call (not by `sdpa`)."""
     held = _held(mask)
-    options = (scale, softcap, dropout_p, backend, need_lse)
+    options = (scale, softcap, dropout_p, backend, need_lse, check_bias)
     plain = held is not None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
     lane = _lane_key(q, k, v, mask, held, options) if plain else None  # type: ignore[arg-type]
     if lane is not None and (kernel := _LANE.get(lane)) is not None:
@@ -68,7 +70,10 @@ def attention_call(
         key = _key(q, k, v, q.shape, k.shape, v.shape, state, options)
     prepared = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
     if prepared is None:
-        call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+        call = normalize_call(
+            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
+            check_bias=check_bias,
+        )  # fmt: skip
         # a kernel takes the inputs as given: only where normalizing changed none of them,
         # and never for a tensor given as the mask (the kernel would hold it, and with it
         # its own cache entry)
@@ -109,7 +114,7 @@ def _lane_key(
     tensors or a bias, one that hides a pair, no keys, or k and v of other lengths. What
     a cached key leaves out (S) is checked here: S >= 1, the same in k and v, and the
     mask's own check for it."""
-    if options[-1] or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
+    if options[4] or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
@@ -285,9 +290,9 @@ def _key(
 ) -> tuple[object, ...] | None:
     """Everything validation, planning and preparing read (of plain tensors q, k, v;
     the sizes as given: the lane leaves S out; `options`: scale, softcap, dropout_p,
-    backend, need_lse); None where a call is not cached (an option that is not a plain
-    number: the full path checks it)."""
-    scale, softcap, dropout_p, backend, _ = options
+    backend, need_lse, check_bias); None where a call is not cached (an option that is
+    not a plain number: the full path checks it)."""
+    scale, softcap, dropout_p, backend = options[:4]
     if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
         return None
     if type(backend) is not str:

@@ -15,8 +15,10 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import AuxRequest
-from attnkit.functional import attention, attention_with_lse
+from attnkit.errors import BlockTableError
+from attnkit.functional import attend, attention_with_lse
 from attnkit.masks import causal, row_spans
+from attnkit.masks.convert import from_torch_mask
 
 __all__ = ["AuxRequest", "sdpa", "varlen_attn"]
 
@@ -51,6 +53,10 @@ def sdpa(
     Differs from torch: a query row that sees no key gives 0 (torch's CPU kernels do
     too; some of its GPU kernels give NaN), and its gradients are 0.
     """
+    _check_ranks(query, key, value)
+    given = from_torch_mask(attn_mask, query.shape[-2], key.shape[-2])
+    if is_causal and given is not attn_mask:
+        raise ValueError("CausalBias should not be used with causal=True")  # torch's words
     if is_causal and attn_mask is not None:
         raise RuntimeError(
             "_scaled_dot_product_attention: Explicit attn_mask should not be set when "
@@ -58,10 +64,26 @@ def sdpa(
             "attnkit.attention(q, k, v, ak.causal() & ...))"
         )
     (q, k, v), lead = _flattened(query, key, value, enable_gqa)  # (B, H|Hkv, L|S, E|Ev)
-    mask = _TOP_LEFT if is_causal else _batched_mask(attn_mask, lead)
-    out = attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)  # (B, Hq, L, Ev)
+    mask = _TOP_LEFT if is_causal else given
+    if isinstance(mask, Tensor):
+        mask = _batched_mask(mask, lead)
+    out, _ = attend(
+        q, k, v, mask, scale=scale, softcap=None, dropout_p=dropout_p, backend="auto",
+        need_lse=False, check_bias=False,
+    )  # (B, Hq, L, Ev)  # fmt: skip
     shape = (*lead, *out.shape[1:])
     return out.reshape(shape[len(shape) - max(query.dim(), key.dim(), value.dim()) :])
+
+
+def _check_ranks(query: Tensor, key: Tensor, value: Tensor) -> None:
+    """torch's refusal of inputs of fewer than 2 dims (L and E at least), in its words."""
+    if min(query.dim(), key.dim(), value.dim()) < 2:
+        raise RuntimeError(
+            "Expected query, key, and value to all be  at least 2 dimensional, but got "
+            f"query.dim: {query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} "
+            "instead. (sdpa takes (..., L, E) queries and (..., S, E) keys and values: "
+            "unsqueeze(0) a single vector.)"
+        )
 
 
 def _flattened(
@@ -81,6 +103,12 @@ def _flattened(
         lead = _broadcast(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         heads = (Hq, Hk, Hk)
     else:  # heads broadcast as any other leading dim
+        if Hk == Hv and 1 < Hk < Hq and Hq % Hk == 0:
+            raise RuntimeError(
+                f"sdpa: query has {Hq} heads but key and value have {Hk}: grouped-query "
+                "attention needs enable_gqa=True (each group of "
+                f"{Hq // Hk} query heads reads one key/value head)."
+            )
         lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         lead, heads = lead[:-1], (lead[-1],) * 3
     B = math.prod(lead)
@@ -285,7 +313,7 @@ def check_block_table(
         return
     N, (pages, page_size) = lengths.shape[0], pool
     if block_table.dim() != 2 or block_table.shape[0] < N:
-        raise _block_table_error(
+        raise BlockTableError(
             f"{call}: block_table must be (N, max_pages) with a row per sequence ({N}), got "
             f"{tuple(block_table.shape)}; give one row of page ids per sequence"
         )
@@ -297,7 +325,7 @@ def check_block_table(
     bad = (used & ((ids < 0) | (ids >= pages))).nonzero()
     if bad.numel():
         n, p = int(bad[0, 0]), int(bad[0, 1])
-        raise _block_table_error(
+        raise BlockTableError(
             f"{call}: block_table[{n}, {p}] = {int(ids[n, p])} is no page of the pool (ids 0 "
             f"to {pages - 1}: {_counted(pages, 'page')}), and sequence {n} uses the first "
             f"{_counted(int(count[n]), 'entry')} of its row for its {int(lengths[n])} positions "
@@ -311,7 +339,7 @@ def _check_capacity(call: str, width: int, page_size: int, lengths: Tensor, name
     if too_long.numel():
         n = int(too_long[0, 0])
         length, name = int(lengths[n]), named.format(n=n, next=n + 1)
-        raise _block_table_error(
+        raise BlockTableError(
             f"{call}: sequence {n} has {length} positions ({name}), but block_table lists "
             f"{_counted(width, 'page')} of {page_size} slots per row ({width * page_size} "
             f"positions); give block_table at least {-(-length // page_size)} pages per row "
@@ -323,9 +351,3 @@ def _counted(n: int, word: str) -> str:
     """'1 page', '2 pages', '1 entry', '3 entries'."""
     plural = word[:-1] + "ies" if word.endswith("y") else word + "s"
     return f"{n} {word if n == 1 else plural}"
-
-
-def _block_table_error(message: str) -> Exception:
-    from attnkit.errors import BlockTableError  # on the failing path only
-
-    return BlockTableError(message)

@@ -1,7 +1,9 @@
 """The error types of attnkit.
 
 Those about arguments subclass `ValueError`, so code that already catches `ValueError`
-keeps working; `OutOfBlocksError` is a `RuntimeError` (the arguments are fine, the pool
+keeps working; `DtypeMismatchError` is both a `TypeError` (attnkit's word for wrong
+dtypes) and a `RuntimeError` (what torch's SDPA raises), so code written for either
+catches it; `OutOfBlocksError` is a `RuntimeError` (the arguments are fine, the pool
 is full). Every message names the argument, what was expected, what was given, and the
 fix.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "BlockTableError",
+    "DtypeMismatchError",
     "MaskError",
     "OutOfBlocksError",
     "RanksDisagreeError",
@@ -23,6 +26,10 @@ class ShapeContractError(ValueError):
 
 class MaskError(ValueError):
     """A mask is malformed: wrong dtype, ambiguous convention, bad lengths or windows."""
+
+
+class DtypeMismatchError(TypeError, RuntimeError):
+    """q, k and v (or a mask) have different dtypes."""
 
 
 class BlockTableError(ValueError):

@@ -17,6 +17,7 @@ from attnkit.dispatch import attention_call
 from attnkit.errors import ShapeContractError
 from attnkit.habits import points_habits
 from attnkit.masks import Mask
+from attnkit.masks.convert import from_torch_mask
 from attnkit.planner import Plan, plan_call
 from attnkit.reference import weights_and_lse
 from attnkit.softmax import add_sinks
@@ -60,17 +61,47 @@ def attention(
             q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks, dropout_p=dropout_p,
             backend=backend,
         )[0]  # fmt: skip
+    return attend(
+        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
+        need_lse=False,
+    )[0]  # fmt: skip
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: object,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    dropout_p: float,
+    backend: str,
+    need_lse: bool,
+    check_bias: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """`attention_with_lse` without sinks (lse None unless `need_lse` where nothing
+    compiles): eagerly through the prepared calls, or as one custom op under
+    `torch.compile` (`attnkit.compiled`). torch's `CausalBias` enters as the `causal`
+    mask it stands for. `check_bias`: refuse float masks that look like mistakes
+    (`masks.check_additive`; `sdpa` adds them as torch does)."""
+    mask = from_torch_mask(mask, _length(q), _length(k))
     if torch.compiler.is_compiling():  # one custom op in the graph (attnkit.compiled)
         from attnkit.compiled import traced_attention  # loaded under torch.compile only
 
         return traced_attention(
-            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
-            backend=backend, need_lse=False,
-        )[0]  # fmt: skip
+            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,  # type: ignore[arg-type]
+            backend=backend, need_lse=need_lse,
+        )  # fmt: skip
     return attention_call(
-        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
-        need_lse=False,
-    )[0]  # fmt: skip
+        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,  # type: ignore[arg-type]
+        backend=backend, need_lse=need_lse, check_bias=check_bias,
+    )  # fmt: skip
+
+
+def _length(t: object) -> int | None:
+    """L or S of a (..., L|S, D) tensor, None for anything else (the contracts say why)."""
+    return t.shape[-2] if isinstance(t, Tensor) and t.dim() >= 2 else None
 
 
 @points_habits
@@ -96,20 +127,11 @@ def attention_with_lse(
     """
     if sinks is not None:
         sinks = check_sinks(sinks, q)
-    if torch.compiler.is_compiling():
-        from attnkit.compiled import traced_attention
-
-        out, lse = traced_attention(
-            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,
-            backend=backend, need_lse=True,
-        )  # fmt: skip
-    else:
-        out, maybe_lse = attention_call(
-            q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
-            need_lse=True,
-        )  # fmt: skip
-        assert maybe_lse is not None
-        lse = maybe_lse
+    out, lse = attend(
+        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
+        need_lse=True,
+    )  # fmt: skip
+    assert lse is not None
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
 
 

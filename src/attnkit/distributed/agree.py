@@ -23,7 +23,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnkit.distributed.comm import Group
-from attnkit.errors import MaskError, RanksDisagreeError, ShapeContractError
+from attnkit.errors import (
+    BlockTableError,
+    DtypeMismatchError,
+    MaskError,
+    RanksDisagreeError,
+    ShapeContractError,
+)
 from attnkit.masks import Mask
 from attnkit.masks.spec import encodable, encode
 
@@ -31,8 +37,12 @@ __all__ = ["agree"]
 
 T = TypeVar("T")
 _ERRORS: dict[str, type[Exception]] = {
-    e.__name__: e for e in (ShapeContractError, MaskError, TypeError, ValueError, RuntimeError)
-}
+    e.__name__: e
+    for e in (
+        ShapeContractError, MaskError, BlockTableError, DtypeMismatchError, TypeError,
+        ValueError, RuntimeError,
+    )
+}  # fmt: skip
 
 
 def agree(

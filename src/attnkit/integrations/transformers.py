@@ -92,7 +92,6 @@ def register(name: str = "attnkit") -> str:
 # ----------------------------------------------------------------------- the mask function
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # reads masks as data: eager
 def mask_function(
     batch_size: int,
     q_length: int,
@@ -104,18 +103,56 @@ def mask_function(
     local_size: int | None = None,
     device: torch.device | str = "cpu",
     **kwargs: Any,
-) -> Mask | None:
+) -> Mask | Tensor | None:
     """transformers' mask interface: the `Mask` for one forward (see the module doc).
 
     Query `i` is at position `q_offset + i`, key `j` at `kv_offset + j`; `mask_function`
     takes those positions, and the 2-D `attention_mask` (True = real token) covers the
     keys from position 0. Returns None when every query sees every key.
+
+    Two calls get transformers' own dense (B, 1, L, S) bool mask instead, built by
+    traceable operators as `"sdpa"` has it: one `torch.compile` traces (finding the
+    structure reads tensors as data), and a decoding step of a compileable (static)
+    cache (`allow_is_causal_skip=False` at L = 1), which `generate` builds ahead of a
+    step it may compile: a tensor of one shape every step, so the compiled step neither
+    breaks its graph nor recompiles as the cache fills.
     """
     if isinstance(attention_mask, Mask):  # ours, built ahead by `generate`: use it as is
         return attention_mask
+    static_step = q_length == 1 and not kwargs.get("allow_is_causal_skip", True)
+    if torch.compiler.is_compiling() or static_step:
+        from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+        dense: Tensor | None = sdpa_mask(
+            batch_size, q_length, kv_length, q_offset, kv_offset,  # type: ignore[arg-type]
+            mask_function or causal_mask_function, attention_mask, local_size=local_size,
+            allow_is_causal_skip=False, device=device,
+        )  # fmt: skip  # (B, 1, L, S) bool
+        return dense
+    structured: Mask | None = _structured(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+        local_size, device, kwargs.get("use_vmap", False),
+    )  # fmt: skip
+    return structured
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]  # reads masks as data: eager
+def _structured(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | Tensor,
+    kv_offset: int | Tensor,
+    mask_function: ModFn | None,
+    attention_mask: Tensor | None,
+    local_size: int | None,
+    device: torch.device | str,
+    use_vmap: bool,
+) -> Mask | None:
+    """The recognised structure and the padding (`mask_function` eagerly)."""
     q_offset, kv_offset = int(q_offset), int(kv_offset)
     shape = (batch_size, q_length, kv_length)
-    if kwargs.get("use_vmap", False) and mask_function is not None:
+    if use_vmap and mask_function is not None:
         return _dense(shape, q_offset, kv_offset, mask_function, attention_mask, device)
     visible = _visible(mask_function, shape, q_offset, kv_offset, local_size)
     padding = _padding(attention_mask, batch_size, kv_length, kv_offset)
@@ -376,6 +413,8 @@ def _as_mask(
     rule: top-left causal for a causal module with more than one query)."""
     if isinstance(attention_mask, Mask):
         return attention_mask
+    if torch.compiler.is_compiling() and isinstance(attention_mask, Tensor):
+        return attention_mask  # traced: transformers' bool mask (`mask_function`) as it is
     if isinstance(attention_mask, Tensor):  # a 4-D mask built by the user
         try:
             return from_hf_attention_mask(attention_mask)

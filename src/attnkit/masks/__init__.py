@@ -16,8 +16,16 @@ Conventions (DESIGN.md §2):
 from attnkit.masks import tensor  # noqa: F401  (fills Mask's wrappers: tensors, mask_mods)
 from attnkit.masks.base import Align, Mask, Predicate, and_masks, as_mask, or_masks
 from attnkit.masks.biases import alibi, alibi_bias, alibi_slopes
-from attnkit.masks.checks import causal_offset, check_broadcastable, integer_mask_error
-from attnkit.masks.convert import from_additive_mask, from_hf_attention_mask, from_key_padding_mask
+from attnkit.masks.checks import (
+    causal_offset,
+    check_broadcastable,
+    integer_mask_error,
+)
+from attnkit.masks.convert import (
+    from_additive_mask,
+    from_hf_attention_mask,
+    from_key_padding_mask,
+)
 from attnkit.masks.positions import causal, chunked, prefix_lm, sliding_window
 from attnkit.masks.tokens import document, key_padding, row_spans
 

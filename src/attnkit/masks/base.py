@@ -151,8 +151,8 @@ class Mask:
 
     def to_block_mask(
         self,
-        B: int,
-        H: int,
+        B: int | None,
+        H: int | None,
         L: int,
         S: int,
         *,
@@ -164,9 +164,13 @@ class Mask:
         blocks as `create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size)`,
         built from the key spans in O(blocks) where they are exact, else evaluated in
         row chunks; its `mask_mod` is this mask's predicate (a bias such as `alibi` is
-        not part of it: pass it as a score_mod)."""
+        not part of it: pass it as a score_mod). B or H None, as FlexAttention takes them:
+        the mask's own batch size and head count, 1 where it holds for any (flex
+        broadcasts a dim of 1)."""
         from attnkit.masks.blocks import block_mask
 
+        B = (self.batch_size or 1) if B is None else B
+        H = (self.num_heads or 1) if H is None else H
         return block_mask(self, B, H, L, S, block_size=block_size, device=device)
 
     def draw(self, L: int, S: int | None = None, *, batch: int = 0, head: int = 0) -> str:
@@ -232,12 +236,12 @@ def indices(
     return b, h, i, j
 
 
-def as_mask(mask: Mask | Tensor) -> Mask:
+def as_mask(mask: object) -> Mask:
     """A `Mask` from a `Mask` or a bool tensor (broadcastable to (B, H, L, S))."""
     if isinstance(mask, Mask):
         return mask
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a Mask or a bool tensor, got {type(mask).__name__}.")
+        raise _not_a_mask(mask)
     if mask.dtype == torch.bool:
         return Mask._wrappers["tensor"](mask)
     if mask.is_floating_point():
@@ -247,6 +251,23 @@ def as_mask(mask: Mask | Tensor) -> Mask:
             "it into a visibility mask with from_additive_mask(m)."
         )
     raise integer_mask_error("mask", mask.dtype)
+
+
+def _not_a_mask(mask: object) -> TypeError:
+    """What to do with something that is no mask: FlexAttention's pieces name from_mod."""
+    kind = type(mask).__name__
+    rule = "(fn(b, h, q_idx, kv_idx) -> bool, True = may attend)"
+    if kind == "BlockMask":
+        return TypeError(
+            "mask is a BlockMask; attnkit takes its predicate and builds its own blocks: "
+            f"mask=Mask.from_mod(block_mask.mask_mod) {rule}."
+        )
+    if callable(mask):
+        return TypeError(f"mask is a function; wrap it as mask=Mask.from_mod(fn) {rule}.")
+    return TypeError(
+        f"mask must be a Mask, a bool tensor (True = may attend) or, alone, a float tensor "
+        f"(added to the scores), got {kind}."
+    )
 
 
 class _Combine(Mask):

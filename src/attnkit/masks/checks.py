@@ -15,6 +15,7 @@ __all__ = [
     "ALIGNS",
     "batch_of",
     "causal_offset",
+    "check_additive",
     "check_align",
     "check_batch",
     "check_broadcastable",
@@ -115,3 +116,32 @@ def integer_mask_error(name: str, dtype: torch.dtype) -> MaskError:
         "explicitly: from_hf_attention_mask(m) if 1 = real token, "
         "from_key_padding_mask(m.bool()) if 1 = padding, or m.bool() if 1 = may attend."
     )
+
+
+def check_additive(name: str, bias: torch.Tensor) -> None:
+    """A float mask is an additive bias (0 keeps, -inf hides): refuse the values that
+    show it was meant otherwise (one min/max pass; a second only for 0..1 ranges).
+
+    +inf or NaN would make every score of their rows NaN; only 0s and 1s, both present,
+    is a keep-mask (1 = may attend) cast to float, which as a bias hides nothing and adds
+    1 to the kept scores.
+    """
+    if bias.numel() == 0:
+        return
+    lo, hi = (float(x) for x in torch.aminmax(bias.detach()))
+    fix = (
+        " If 1 means 'may attend', pass m.bool(); an additive mask keeps with 0 and hides "
+        "with -inf (from_additive_mask(m) turns one into a visibility mask)."
+    )
+    if hi != hi or hi == float("inf"):  # NaN, or +inf
+        raise MaskError(
+            f"{name} is a float mask, which attnkit adds to the scores (0 keeps, -inf "
+            f"hides), but it holds {'NaN' if hi != hi else '+inf'}: every score it touches "
+            "would become NaN or +inf." + fix
+        )
+    if lo == 0 and hi == 1 and bool(((bias == 0) | (bias == 1)).all()):
+        raise MaskError(
+            f"{name} is a float mask of only 0s and 1s: a keep-mask cast to float? attnkit "
+            "adds a float mask to the scores (0 keeps, -inf hides), so it would hide "
+            "nothing and add 1 to some scores." + fix
+        )

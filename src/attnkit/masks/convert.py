@@ -5,12 +5,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.errors import MaskError
+from attnkit._compat import torch_causal_bias
+from attnkit.errors import MaskError, ShapeContractError
 from attnkit.masks.base import Mask
+from attnkit.masks.positions import causal
 from attnkit.masks.tensor import _TensorMask
 from attnkit.masks.tokens import _KeyPadding
 
-__all__ = ["from_additive_mask", "from_hf_attention_mask", "from_key_padding_mask"]
+__all__ = [
+    "from_additive_mask",
+    "from_hf_attention_mask",
+    "from_key_padding_mask",
+    "from_torch_mask",
+]
+
+_ALIGNED = {"UPPER_LEFT": causal(align="top_left"), "LOWER_RIGHT": causal(align="bottom_right")}
 
 
 def from_key_padding_mask(key_padding_mask: Tensor) -> Mask:
@@ -77,3 +86,23 @@ def from_additive_mask(additive_mask: Tensor) -> Mask:
             "bias, not a visibility mask; pass the float tensor itself as mask= to add it."
         )
     return _TensorMask(~removed)
+
+
+def from_torch_mask(mask: object, L: int | None = None, S: int | None = None) -> object:
+    """torch's `CausalBias` (`causal_upper_left(L, S)` / `causal_lower_right(L, S)`) as
+    the `causal` mask it stands for (top-left / bottom-right); any other mask as given.
+
+    A `CausalBias` holds no values (it is a tensor only by type): read as a tensor it
+    would be uninitialised memory. Its sizes must be the call's L and S (when known).
+    """
+    found = torch_causal_bias()
+    if found is None or not isinstance(mask, found[0]):
+        return mask
+    sizes = (mask.seq_len_q, mask.seq_len_kv)  # type: ignore[attr-defined]
+    if L is not None and S is not None and sizes != (L, S):
+        raise ShapeContractError(
+            f"the CausalBias was made for L={sizes[0]} queries and S={sizes[1]} keys, but "
+            f"the call has L={L} and S={S}; make it for these sizes, or pass "
+            "attnkit.causal(align=...), which fits any size."
+        )
+    return _ALIGNED[mask.variant.name]  # type: ignore[attr-defined]
