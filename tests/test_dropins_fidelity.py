@@ -182,3 +182,20 @@ def test_to_block_mask_takes_none_for_batch_and_heads_as_flex_does(dims):
     full = padding.to_block_mask(2, dims[1] or 1, 256, 256, block_size=128)
     assert block.kv_num_blocks.shape[0] == 2  # the mask's own batch: exact per row
     torch.testing.assert_close(block.kv_num_blocks[:, :1], full.kv_num_blocks[:, :1])
+
+
+def test_routing_torchs_sdpa_to_attnkit_does_not_make_attnkit_call_itself(monkeypatch):
+    q, k, v = _qkv(L=6, S=6, dtype=torch.float32)
+    mask = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(2)) > 0.3
+    want = [
+        F.scaled_dot_product_attention(q, k, v, mask),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    ]
+    monkeypatch.setattr(F, "scaled_dot_product_attention", ak.sdpa)  # how people swap it in
+    got = [
+        F.scaled_dot_product_attention(q, k, v, mask),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    ]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+        _grads(a, (q, k, v))

@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "CPU_KINDS",
     "SDPA_HAS_GQA",
+    "TORCH_SDPA",
     "TORCH_VERSION",
     "AuxRequest",
     "cpu_features",
@@ -38,6 +39,12 @@ TORCH_VERSION: tuple[int, int] = _version_tuple(torch.__version__)
 # `enable_gqa=` of F.scaled_dot_product_attention arrived in torch 2.5 (a builtin: no signature
 # to inspect); older versions need K/V heads repeated by hand.
 SDPA_HAS_GQA: bool = TORCH_VERSION >= (2, 5)
+
+
+# torch's own SDPA, bound where torch defines it: code that routes
+# `F.scaled_dot_product_attention` to `attnkit.sdpa` (a drop-in's usual use) must not make
+# attnkit's backends call themselves
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
 def cpu_flash_attention() -> Any | None:
@@ -195,7 +202,7 @@ def _probe_empty_rows() -> bool:
     q, k, v = (torch.ones(1, 1, n, 2, requires_grad=True) for n in (2, 3, 3))
     visible = torch.tensor([[True, True, False], [False, False, False]])
     try:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        out = TORCH_SDPA(q, k, v, attn_mask=visible)
         out.sum().backward()  # type: ignore[no-untyped-call]
     except RuntimeError:
         return False

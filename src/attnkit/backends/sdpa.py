@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import cost
 from attnkit._compat import (
+    TORCH_SDPA,
     cpu_flash_attention,
     cpu_flash_attention_backward,
     cpu_flash_gqa,
@@ -163,7 +163,7 @@ class _Kernel:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
         if self.work != self.dtype:
             q, k, v = q.to(self.work), k.to(self.work), v.to(self.work)
-        out = F.scaled_dot_product_attention(
+        out = TORCH_SDPA(
             q, k, v, attn_mask=self.attn_mask, dropout_p=self.dropout_p,
             is_causal=self.is_causal, scale=self.scale, enable_gqa=self.gqa,
         )  # fmt: skip  # (B, H, L, Dv)
@@ -306,7 +306,7 @@ class SdpaBackend(Backend):
             assert flash is not None  # can_use refused the call otherwise
             out, lse = flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=call.scale)
         else:
-            out = F.scaled_dot_product_attention(
+            out = TORCH_SDPA(
                 q,
                 k,
                 v,

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit._compat import TORCH_SDPA
 from attnkit.attender import Attender
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.functional import attention
@@ -127,7 +127,7 @@ def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Ten
     """One new token's heads grouped (1, Hkv, G, D) over all of keys (1, Hkv, S, D):
     (1, H, Dv). One fused call without a mask, the G query heads as G rows against their
     shared K/V head (GQA reads each K/V head once)."""
-    out = F.scaled_dot_product_attention(q, keys, values, scale=scale)  # (1, Hkv, G, Dv)
+    out = TORCH_SDPA(q, keys, values, scale=scale)  # (1, Hkv, G, Dv)
     return out.flatten(1, 2)
 
 
