@@ -19,6 +19,7 @@ from attnkit.errors import BlockTableError
 from attnkit.functional import attend, attention_with_lse
 from attnkit.masks import causal, row_spans
 from attnkit.masks.convert import from_torch_mask
+from attnkit.packed import attend_packed, window_mask
 
 __all__ = ["AuxRequest", "sdpa", "varlen_attn"]
 
@@ -122,6 +123,8 @@ def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     try:
         return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
     except RuntimeError as err:
+        if isinstance(err, RecursionError):
+            raise
         raise RuntimeError(f"sdpa: the leading dims of query, key and value: {err}") from None
 
 
@@ -188,9 +191,11 @@ def varlen_attn(
         (T_q, H, Dv) contiguous, and lse (T_q, H) contiguous with `return_aux.lse`.
 
     Differs from torch: runs on any device attnkit serves; a query that sees no key
-    gives 0 (lse -inf); backward works with `seqused_k` and `block_table` too. The
-    packed sequences are one `row_spans` mask (each query's keys as an interval): no
-    per-sequence loop, and the tiled backend skips what no query of a tile sees.
+    gives 0 (lse -inf); backward works with `seqused_k` and `block_table` too. Each
+    sequence is attended on its own (`attnkit.packed`), so its outputs and gradients are
+    bitwise the same whatever else is packed with it, in any order (under
+    `torch.compile` the pack is one call over each query's key interval: exact, not
+    order-invariant).
     """
     _check_heads(query.shape[1], key.shape[2 if block_table is not None else 1], enable_gqa)
     if len(window_size) != 2:
@@ -203,12 +208,20 @@ def varlen_attn(
         key, value, cu_seq_k = gather_pages(key, value, block_table, seqused_k)
     elif cu_seq_k is None:
         raise ValueError("varlen_attn needs cu_seq_k (or block_table with seqused_k)")
-    spans, _ = packed_spans(cu_seq_q, cu_seq_k, query.shape[0], window_size, seqused_k)
-    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, H, T, D)
-    out, lse = attention_with_lse(q, k, v, row_spans(spans.lo, spans.hi), scale=scale)
-    out = out[0].transpose(0, 1).contiguous()  # (T_q, H, Dv): .view(T_q, H * Dv) works
+    if torch.compiler.is_compiling():  # lengths unknown: the pack as one call
+        spans, _ = packed_spans(cu_seq_q, cu_seq_k, query.shape[0], window_size, seqused_k)
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # (1, H, T, D)
+        out, lse = attention_with_lse(q, k, v, row_spans(spans.lo, spans.hi), scale=scale)
+        out, lse = out[0].transpose(0, 1), lse[0]  # (T_q, H, Dv), (H, T_q)
+    else:  # each sequence on its own: order-invariant
+        window = (int(window_size[0]), int(window_size[1]))
+        out, lse = attend_packed(
+            query, key, value, cu_seq_q, cu_seq_k, lambda n, L, S: window_mask(window, L, S),
+            scale=scale, used=seqused_k,
+        )  # fmt: skip
+    out = out.contiguous()  # (T_q, H, Dv): .view(T_q, H * Dv) works
     if return_aux is not None and return_aux.lse:
-        return out, lse[0].transpose(0, 1).contiguous()  # (T_q, H)
+        return out, lse.transpose(0, 1).contiguous()  # (T_q, H)
     return out
 
 

@@ -35,6 +35,7 @@ from attnkit.errors import ShapeContractError
 from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask, row_spans
 from attnkit.masks.biases import _ALiBi
+from attnkit.packed import MaskOf, attend_packed, window_mask
 
 __all__ = [
     "flash_attn_func",
@@ -112,14 +113,39 @@ def flash_attn_varlen_func(
     else:
         used = None
     window = _window(causal, window_size)
-    spans, seq = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], window, used)
-    if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per query row
-        alibi_slopes = alibi_slopes[seq.to(alibi_slopes.device)][None]  # (1, T_q, H)
-    mask = _mask(spans.one_batch_row(), alibi_slopes, q.dtype)
-    qp, kp, vp = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
-    out, lse = _attend(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
-    out = out[0].transpose(0, 1).contiguous()  # (T_q, H, Dv)
-    return (out, lse[0].contiguous(), None) if return_attn_probs else out
+    if torch.compiler.is_compiling():  # lengths unknown: the pack as one call
+        spans, seq = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], window, used)
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per row
+            alibi_slopes = alibi_slopes[seq.to(alibi_slopes.device)][None]  # (1, T_q, H)
+        mask = _mask(spans.one_batch_row(), alibi_slopes, q.dtype)
+        qp, kp, vp = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
+        out, lse = _attend(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
+        out, lse = out[0].transpose(0, 1), lse[0]  # (T_q, H, Dv), (H, T_q)
+    else:  # each sequence on its own: order-invariant
+        out, lse = attend_packed(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, _sequence_mask(window, alibi_slopes, q.dtype),
+            scale=softmax_scale, softcap=softcap if softcap > 0 else None,
+            dropout_p=dropout_p, used=used,
+        )  # fmt: skip
+    out = out.contiguous()  # (T_q, H, Dv)
+    return (out, lse.contiguous(), None) if return_attn_probs else out
+
+
+def _sequence_mask(window: Window, alibi_slopes: Tensor | None, dtype: torch.dtype) -> MaskOf:
+    """Sequence n's mask: its window, and ALiBi with its slopes (H,) or row n of (N, H)
+    around each query's aligned position."""
+    if alibi_slopes is None:
+        return lambda n, L, S: window_mask(window, L, S)
+
+    def mask_of(n: int, L: int, S: int) -> Mask:
+        assert alibi_slopes is not None
+        rows = torch.arange(L, device=alibi_slopes.device)
+        zero, keys = torch.zeros((), dtype=torch.long), torch.tensor(S)
+        spans = window_spans(zero.to(rows.device), keys.to(rows.device), L, rows, window)
+        slopes = alibi_slopes[n] if alibi_slopes.dim() == 2 else alibi_slopes  # (H,)
+        return _mask(spans.one_batch_row(), slopes, dtype)
+
+    return mask_of
 
 
 def flash_attn_with_kvcache(
