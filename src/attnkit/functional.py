@@ -14,6 +14,7 @@ from torch import Tensor
 
 from attnkit.contracts import check_sinks, normalize_call
 from attnkit.dispatch import attention_call
+from attnkit.documents import attend_documents, documents
 from attnkit.errors import ShapeContractError
 from attnkit.habits import points_habits
 from attnkit.masks import Mask
@@ -86,6 +87,19 @@ def attend(
     mask it stands for. `check_bias`: refuse float masks that look like mistakes
     (`masks.check_additive`; `sdpa` adds them as torch does)."""
     mask = from_torch_mask(mask, _length(q), _length(k))
+    found = None if torch.compiler.is_compiling() else documents(mask, q, k)
+    if found is not None and isinstance(mask, Mask):  # packed documents: a call each
+        normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
+
+        def one(
+            q: Tensor, k: Tensor, v: Tensor, inner: Mask | None
+        ) -> tuple[Tensor, Tensor | None]:
+            return attend(
+                q, k, v, inner, scale=scale, softcap=softcap, dropout_p=dropout_p,
+                backend=backend, need_lse=need_lse,
+            )  # fmt: skip
+
+        return attend_documents(q, k, v, found, one)
     if torch.compiler.is_compiling():  # one custom op in the graph (attnkit.compiled)
         from attnkit.compiled import traced_attention  # loaded under torch.compile only
 
@@ -234,4 +248,13 @@ def explain(
     if sinks is not None:
         check_sinks(sinks, q)
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    return plan_call(call, backend, need_lse=need_lse or sinks is not None)
+    plan = plan_call(call, backend, need_lse=need_lse or sinks is not None)
+    found = documents(from_torch_mask(mask, _length(q), _length(k)), q, k)
+    if found is not None:
+        calls = sum(len(row) for row in found.lengths)
+        plan.notes.append(
+            f"packed documents: runs as {calls} calls, one per document, each planned on its "
+            "own (a document's result does not depend on the pack); the plan above is the "
+            "whole row's"
+        )
+    return plan

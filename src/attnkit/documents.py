@@ -1,0 +1,101 @@
+"""Packed documents in `attention`: each document attended on its own.
+
+`attention(q, k, v, document(ids) & causal())` over a row of packed documents must give
+each document the bits it gets alone, whatever is packed beside it and in whatever
+order (`attnkit.packed` says why one call over the row cannot: its blocks start at
+positions that move with the packing). Where the mask says so exactly, the call is cut
+into one call per document:
+
+- one `document(ids)` (self-attention, L == S, ids sorted: each document one run of
+  positions), alone or `&` masks that depend only on `j - i` (`causal`,
+  `sliding_window`, with any alignment or offset: L == S in the row and in each
+  document, so they read the same inside a document as in the row);
+- the cut: q, k, v split along L per batch row (views), one call per document with the
+  positional part as its mask, the results joined by `cat` (the backward writes each
+  document's gradients into its rows, with no sum across documents).
+
+Any other mask keeps the one call (exact, not order-invariant); so does a call that
+`torch.compile` traces (the lengths are data).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attnkit.masks import Mask
+from attnkit.masks.base import _Combine, and_masks
+from attnkit.masks.positions import _Causal, _SlidingWindow
+from attnkit.masks.tokens import _Document
+
+__all__ = ["Documents", "attend_documents", "documents"]
+
+# one call: q (1, H, n, D), k and v (1, Hkv, n, D|Dv), its mask -> out, lse (or None)
+AttendOne = Callable[[Tensor, Tensor, Tensor, Mask | None], tuple[Tensor, Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Each batch row's document lengths (summing to L) and the mask inside a document."""
+
+    lengths: list[list[int]]
+    inner: Mask | None
+
+
+def documents(mask: object, q: Tensor, k: Tensor) -> Documents | None:
+    """The documents of a call whose mask is packed documents and position only (see the
+    module doc), or None (the call runs as one)."""
+    if not isinstance(mask, Mask) or q.dim() != 4 or k.dim() != 4:
+        return None
+    parts = _conjuncts(mask)
+    found = [p for p in parts if isinstance(p, _Document)]
+    inner = [p for p in parts if not isinstance(p, _Document)]
+    if len(found) != 1 or not all(isinstance(p, (_Causal, _SlidingWindow)) for p in inner):
+        return None
+    doc, (B, L), S = found[0], (q.shape[0], q.shape[2]), k.shape[2]
+    ids = doc.q_ids  # (B|1, L)
+    if doc.kv_ids is not None or L != S or ids.shape[1] != L or ids.shape[0] not in (1, B):
+        return None
+    if B * L == 0 or not doc._sorted():  # nothing to cut (an empty call runs as one)
+        return None
+    starts = torch.ones(B, L, dtype=torch.bool)
+    starts[:, 1:] = (ids[:, 1:] != ids[:, :-1]).cpu()  # a new document begins
+    lengths = [torch.diff(row.nonzero()[:, 0], append=torch.tensor([L])).tolist() for row in starts]
+    return Documents(lengths, None if not inner else and_masks(*inner))
+
+
+def _conjuncts(mask: Mask) -> list[Mask]:
+    """The parts of nested `&`s (the mask itself when it is not one)."""
+    if isinstance(mask, _Combine) and mask.op == "&":
+        return [leaf for part in mask.parts for leaf in _conjuncts(part)]
+    return [mask]
+
+
+def attend_documents(
+    q: Tensor, k: Tensor, v: Tensor, found: Documents, attend_one: AttendOne
+) -> tuple[Tensor, Tensor | None]:
+    """Each document of each batch row as its own call.
+
+    Args:
+        q: (B, H, L, D); k: (B, Hkv, L, D); v: (B, Hkv, L, Dv).
+    Returns:
+        out (B, H, L, Dv) and lse (B, H, L), or None where `attend_one` gives none.
+    """
+    rows_out, rows_lse = [], []
+    for b, lengths in enumerate(found.lengths):
+        pieces = [torch.split(t[b : b + 1], lengths, dim=2) for t in (q, k, v)]  # (1, ., n, .)
+        qs, ks, vs = pieces
+        results = [attend_one(*qkv, found.inner) for qkv in zip(qs, ks, vs, strict=True)]
+        rows_out.append(torch.cat([out for out, _ in results], dim=2))  # (1, H, L, Dv)
+        lses = [lse for _, lse in results]
+        rows_lse.append(_joined(lses, dim=2))  # (1, H, L)
+    return torch.cat(rows_out), _joined(rows_lse, dim=0)  # (B, H, L, Dv), (B, H, L)
+
+
+def _joined(parts: list[Tensor | None], dim: int) -> Tensor | None:
+    """`cat` of the parts, None where any part is None."""
+    known = [p for p in parts if p is not None]
+    return torch.cat(known, dim=dim) if len(known) == len(parts) else None

@@ -1,0 +1,92 @@
+"""`attention` with packed documents: each document gives the bits it gets alone,
+whatever is packed beside it and in whatever order (`attnkit.documents`), and the same
+result as the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.documents import documents
+
+LENGTHS = [37, 120, 1, 64, 5, 200]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+POSITIONAL = {
+    "alone": None,
+    "causal": ak.causal(),
+    "window": ak.sliding_window(7),
+    "causal_window": ak.causal() & ak.sliding_window(3, 2),
+}
+
+
+def _docs(lengths, dtype, H=4, Hkv=2, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(1, h, n, D, generator=g).to(dtype) for h in (H, Hkv, Hkv, H)] for n in lengths
+    ]
+
+
+def _run(docs, order, positional):
+    """Pack the documents of `order` in one row; each one's out, lse and grads by index."""
+    inputs = [torch.cat([docs[i][j] for i in order], dim=2).requires_grad_() for j in range(3)]
+    dout = torch.cat([docs[i][3] for i in order], dim=2)
+    ids = torch.cat([torch.full((docs[i][0].shape[2],), n) for n, i in enumerate(order)])
+    mask = ak.document(ids) if positional is None else ak.document(ids) & positional
+    out, lse = ak.attention_with_lse(*inputs, mask)
+    grads = torch.autograd.grad(out, inputs, dout)
+    found, at = {}, 0
+    for i in order:
+        rows = slice(at, at + docs[i][0].shape[2])
+        found[i] = [out[:, :, rows], lse[:, :, rows], *(g[:, :, rows] for g in grads)]
+        at = rows.stop
+    return found, (inputs, mask, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("positional", POSITIONAL.values(), ids=POSITIONAL.keys())
+def test_a_document_gets_the_same_bits_in_any_pack(dtype, positional):
+    docs = _docs(LENGTHS, dtype)
+    first, (inputs, mask, out) = _run(docs, range(len(LENGTHS)), positional)
+    for order in ([5, 2, 4, 0, 3, 1], [1, 3], [3]):
+        again, _ = _run(docs, order, positional)
+        for i in order:
+            for a, b in zip(first[i], again[i], strict=True):
+                assert torch.equal(a, b), f"document {i}"
+    want = ak.attention(*(t.double() for t in inputs), mask, backend="reference")
+    torch.testing.assert_close(out.double(), want, **_tolerance(dtype))
+
+
+def _tolerance(dtype):
+    return {
+        torch.float64: {},
+        torch.float32: {"atol": 1e-5, "rtol": 1e-4},
+        torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+        torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+    }[dtype]
+
+
+def test_batch_rows_each_cut_by_their_own_documents():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 10, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    ids = torch.tensor([[0] * 3 + [1] * 7, [0] * 6 + [1] * 4])
+    mask = ak.document(ids) & ak.causal()
+    torch.testing.assert_close(
+        ak.attention(q, k, v, mask), ak.attention(q, k, v, mask, backend="reference")
+    )
+    assert documents(mask, q, k).lengths == [[3, 7], [6, 4]]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        ak.document(torch.tensor([0, 1, 0, 1])),  # a document in two runs: one call
+        ak.document(torch.tensor([0, 0, 1, 1])) & ak.chunked(2),  # absolute positions
+        ak.document(torch.tensor([0, 0, 1, 1])) & ak.prefix_lm(1),
+        ak.document(torch.tensor([0, 0, 1, 1])) | ak.causal(),
+        ak.causal(),
+    ],
+)
+def test_other_masks_keep_the_one_call(mask):
+    q = k = torch.randn(1, 1, 4, 8)
+    assert documents(mask, q, k) is None
