@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit import BlockTableError
+from attnkit import BlockTableError, ShapeContractError
 from attnkit.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from fuzz_dropins import cumulative
 from fuzz_dropins import flash_formula as formula
@@ -303,6 +303,19 @@ def test_kvcache_refuses_a_table_too_short_or_outside_the_pool_and_writes_nothin
                                 block_table=table)  # fmt: skip
     assert "block_table" in str(info.value) and isinstance(info.value, ValueError)
     assert torch.equal(pool_k, before_k) and torch.equal(pool_v, before_v)  # bitwise unchanged
+
+
+@pytest.mark.parametrize(("seqlens", "new"), [([3, 8], 1), ([2, 9], 0), ([5, 7], 2)])
+def test_kvcache_without_pages_refuses_keys_past_the_cache_and_writes_nothing(seqlens, new):
+    g = torch.Generator().manual_seed(10)
+    k_cache, v_cache = (torch.randn(2, 8, 2, 4, generator=g) for _ in range(2))  # S_cache 8
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k = torch.randn(2, new, 2, 4, generator=g) if new else None
+    with pytest.raises(ShapeContractError, match=r"sequence 1 needs \d+ cache positions.*"
+                       r"S_cache=8; give a longer cache"):  # fmt: skip
+        flash_attn_with_kvcache(torch.randn(2, 1, 4, 4, generator=g), k_cache, v_cache, k=k,
+                                v=k, cache_seqlens=torch.tensor(seqlens))  # fmt: skip
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
 def test_kvcache_capacity_message_names_the_numbers_and_the_fix():

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import AuxRequest
-from attnkit.errors import BlockTableError
+from attnkit.errors import BlockTableError, ShapeContractError
 from attnkit.functional import attend, attention_with_lse
 from attnkit.masks import causal, row_spans
 from attnkit.masks.convert import from_torch_mask
@@ -358,6 +358,19 @@ def _check_capacity(call: str, width: int, page_size: int, lengths: Tensor, name
             f"positions); give block_table at least {-(-length // page_size)} pages per row "
             f"(more pages for sequence {n})"
         )
+
+
+def check_cache_room(ends: Tensor, S_cache: int, new: int) -> None:
+    """`flash_attn_with_kvcache` without `block_table`: each sequence's keys must fit the
+    cache's S_cache positions (checked before any write; eager calls: lengths are data)."""
+    if torch.compiler.is_compiling() or not bool((ends > S_cache).any()):
+        return
+    b = int((ends > S_cache).nonzero()[0, 0])
+    raise ShapeContractError(
+        f"flash_attn_with_kvcache: sequence {b} needs {int(ends[b])} cache positions "
+        f"(cache_seqlens[{b}] = {int(ends[b]) - new} + {new} new keys) but k_cache holds "
+        f"S_cache={S_cache}; give a longer cache, or fewer positions in cache_seqlens"
+    )
 
 
 def _counted(n: int, word: str) -> str:

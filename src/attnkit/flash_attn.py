@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.dropins import KeySpans, check_block_table, gather_pages, packed_spans, window_spans
+from attnkit.dropins import (
+    KeySpans,
+    check_block_table,
+    check_cache_room,
+    gather_pages,
+    packed_spans,
+    window_spans,
+)
 from attnkit.errors import ShapeContractError
 from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask, row_spans
@@ -137,13 +144,10 @@ def _sequence_mask(window: Window, alibi_slopes: Tensor | None, dtype: torch.dty
     if alibi_slopes is None:
         return lambda n, L, S: window_mask(window, L, S)
 
-    def mask_of(n: int, L: int, S: int) -> Mask:
-        assert alibi_slopes is not None
-        rows = torch.arange(L, device=alibi_slopes.device)
-        zero, keys = torch.zeros((), dtype=torch.long), torch.tensor(S)
-        spans = window_spans(zero.to(rows.device), keys.to(rows.device), L, rows, window)
-        slopes = alibi_slopes[n] if alibi_slopes.dim() == 2 else alibi_slopes  # (H,)
-        return _mask(spans.one_batch_row(), slopes, dtype)
+    def mask_of(n: int, L: int, S: int, slopes: Tensor = alibi_slopes) -> Mask:
+        rows = torch.arange(L, device=slopes.device)
+        spans = window_spans(rows.new_zeros(()), rows.new_tensor(S), L, rows, window)
+        return _mask(spans.one_batch_row(), slopes[n] if slopes.dim() == 2 else slopes, dtype)
 
     return mask_of
 
@@ -193,6 +197,8 @@ def flash_attn_with_kvcache(
         named = "cache_seqlens[{n}]" + (f" + {new} new keys" if new else "")
         check_block_table("flash_attn_with_kvcache", block_table, seqlens + new, _pool(k_cache),
                           named)  # fmt: skip
+    else:
+        check_cache_room(seqlens + new, k_cache.shape[1], new)
     if rotary_cos is not None and rotary_sin is not None:
         local = causal or tuple(window_size) != (-1, -1)
         q_at = seqlens[:, None] + (torch.arange(L, device=dev)[None] if local else 0)
