@@ -65,6 +65,7 @@ BAD = [
     # attention: options
     ("scale-nan", lambda: ak.attention(q, k, v, scale=math.nan), ValueError, r"scale must be a finite number"),
     ("scale-str", lambda: ak.attention(q, k, v, scale="0.1"), TypeError, r"scale must be a float, got str"),
+    ("scale-str-head-dim-zero", lambda: ak.attention(q[..., :0], k[..., :0], v, scale="0.1"), TypeError, r"scale must be a float, got str"),
     ("scale-tensor", lambda: ak.attention(q, k, v, scale=torch.tensor(0.1)), TypeError, r"scale must be a float, got Tensor"),
     ("softcap-zero", lambda: ak.attention(q, k, v, softcap=0.0), ValueError, r"softcap must be > 0"),
     ("softcap-inf", lambda: ak.attention(q, k, v, softcap=math.inf), ValueError, r"softcap must be a finite"),

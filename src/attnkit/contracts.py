@@ -333,9 +333,10 @@ def normalize_call(
     q, k, v = _check_tensors(q, k, v)
     dims = _check_shapes(q.shape, k.shape, v.shape, minimum=0)
     visibility, bias = normalize_mask(mask, dims, q.device, check_bias=check_bias)
+    scale = None if scale is None else _check_number("scale", scale)
     if dims.D == 0:  # every score is 0, whatever the scale
         scale, dims = 1.0, Dims(dims.B, dims.H, dims.Hkv, dims.L, dims.S, 1, dims.Dv)
-    scale = 1.0 / math.sqrt(dims.D) if scale is None else _check_number("scale", scale)
+    scale = 1.0 / math.sqrt(dims.D) if scale is None else scale
     if softcap is not None and not _check_number("softcap", softcap) > 0:
         raise ValueError(f"softcap must be > 0 (s = c·tanh(s/c)), got {softcap}.")
     dropout_p = _check_number("dropout_p", dropout_p)
