@@ -114,7 +114,8 @@ def _lane_key(
     tensors or a bias, one that hides a pair, no keys, or k and v of other lengths. What
     a cached key leaves out (S) is checked here: S >= 1, the same in k and v, and the
     mask's own check for it."""
-    if options[4] or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
+    _, _, _, _, need_lse, _ = options  # scale, softcap, dropout_p, backend, ..., check_bias
+    if need_lse or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:

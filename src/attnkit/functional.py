@@ -249,7 +249,7 @@ def explain(
         check_sinks(sinks, q)
     call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
     plan = plan_call(call, backend, need_lse=need_lse or sinks is not None)
-    found = documents(from_torch_mask(mask, _length(q), _length(k)), q, k)
+    found = documents(mask, q, k)  # a CausalBias is never packed documents
     if found is not None:
         calls = sum(len(row) for row in found.lengths)
         plan.notes.append(
