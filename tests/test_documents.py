@@ -90,3 +90,23 @@ def test_batch_rows_each_cut_by_their_own_documents():
 def test_other_masks_keep_the_one_call(mask):
     q = k = torch.randn(1, 1, 4, 8)
     assert documents(mask, q, k) is None
+
+
+@pytest.mark.parametrize("D", [5, 6, 7])
+def test_head_dims_off_the_vector_width_keep_a_documents_bits(D):
+    """Each document runs on its own copy (`documents.placed_alike`): a view at another
+    memory offset is rounded differently by the kernels (found: AVX512, D = 5..7)."""
+    docs = _docs([3, 7, 1, 5], torch.float32, H=9, Hkv=3, D=D, seed=D)
+
+    def packed(order):  # each document's output, by its index (forward only, no grad)
+        q, k, v = (torch.cat([docs[i][j] for i in order], dim=2) for j in range(3))
+        ids = torch.cat([torch.full((docs[i][0].shape[2],), n) for n, i in enumerate(order)])
+        with torch.no_grad():
+            out = ak.attention(q, k, v, ak.document(ids) & ak.sliding_window(3, 2))
+        sizes = [docs[i][0].shape[2] for i in order]
+        return dict(zip(order, torch.split(out, sizes, dim=2), strict=True))
+
+    first = packed(range(4))
+    for order in ([3, 2, 1, 0], [1], [2, 1]):
+        for i, out in packed(order).items():
+            assert torch.equal(out, first[i]), f"document {i}"

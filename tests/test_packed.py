@@ -112,3 +112,25 @@ def test_bad_offsets_are_refused_naming_them():
                     seqused_k=torch.tensor([3, 4]))  # fmt: skip
     with pytest.raises(ValueError, match=r"both hold N \+ 1 offsets"):
         varlen_attn(q, k, v, torch.tensor([0, 3, 6]), torch.tensor([0, 6]), 3, 3)
+
+
+@pytest.mark.parametrize("D", [5, 6, 7])
+def test_head_dims_off_the_vector_width_keep_the_bits_in_any_pack(D):
+    """A sequence's rows start anywhere in the pack; the kernels round a view at another
+    memory offset differently (found: AVX512, D = 5..7), so each sequence runs on its
+    own copy."""
+    lengths = [0, 3, 1, 7, 2]
+    sequences = _sequences(lengths, 9, 3, D, torch.float32, seed=D)
+
+    def packed(order):  # each sequence's output, by its index (forward only, no grad)
+        q, k, v = (torch.cat([sequences[i][j] for i in order]) for j in range(3))
+        cu = torch.tensor([0, *torch.tensor([lengths[i] for i in order]).cumsum(0)])
+        with torch.no_grad():
+            out = varlen_attn(q, k, v, cu.int(), cu.int(), 7, 7, window_size=(3, 2),
+                              enable_gqa=True)  # fmt: skip
+        return dict(zip(order, torch.split(out, [lengths[i] for i in order]), strict=True))
+
+    first = packed(range(5))
+    for order in ([4, 3, 2, 1, 0], [3], [2, 3]):
+        for i, out in packed(order).items():
+            assert torch.equal(out, first[i]), f"sequence {i}"

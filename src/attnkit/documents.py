@@ -31,7 +31,7 @@ from attnkit.masks.base import _Combine, and_masks
 from attnkit.masks.positions import _Causal, _SlidingWindow
 from attnkit.masks.tokens import _Document
 
-__all__ = ["Documents", "attend_documents", "documents"]
+__all__ = ["Documents", "attend_documents", "documents", "placed_alike"]
 
 # one call: q (1, H, n, D), k and v (1, Hkv, n, D|Dv), its mask -> out, lse (or None)
 AttendOne = Callable[[Tensor, Tensor, Tensor, Mask | None], tuple[Tensor, Tensor | None]]
@@ -87,12 +87,22 @@ def attend_documents(
     rows_out, rows_lse = [], []
     for b, lengths in enumerate(found.lengths):
         pieces = [torch.split(t[b : b + 1], lengths, dim=2) for t in (q, k, v)]  # (1, ., n, .)
-        qs, ks, vs = pieces
+        qs, ks, vs = ([placed_alike(p) for p in part] for part in pieces)
         results = [attend_one(*qkv, found.inner) for qkv in zip(qs, ks, vs, strict=True)]
         rows_out.append(torch.cat([out for out, _ in results], dim=2))  # (1, H, L, Dv)
         lses = [lse for _, lse in results]
         rows_lse.append(_joined(lses, dim=2))  # (1, H, L)
     return torch.cat(rows_out), _joined(rows_lse, dim=0)  # (B, H, L, Dv), (B, H, L)
+
+
+def placed_alike(t: Tensor) -> Tensor:
+    """`t` in memory of its own: contiguous, from an aligned allocation.
+
+    A view of a pack starts wherever its sequence sits, and the CPU kernels round a
+    view at another offset differently (SDPA's flash kernel with AVX512 at head dims
+    that are no multiple of its vectors: 5, 6, 7 floats), so each piece is copied to
+    where any pack would put it: the same bits whatever is packed beside it."""
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _joined(parts: list[Tensor | None], dim: int) -> Tensor | None:

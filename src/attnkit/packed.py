@@ -25,6 +25,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
+from attnkit.documents import placed_alike
 from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask, causal, sliding_window
 
@@ -73,7 +74,7 @@ def attend_packed(
     keys, values = (_cut(t, first_k, stored, lk) for t in (key, value))
     outs, lses = [], []
     for n, (q, k, v) in enumerate(zip(torch.split(query, lq), keys, values, strict=True)):
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H|Hkv, L|S, D)
+        q, k, v = (placed_alike(t.transpose(0, 1)[None]) for t in (q, k, v))  # (1, H|Hkv, L|S, D)
         out, lse = attention_with_lse(
             q, k, v, mask_of(n, q.shape[2], k.shape[2]), scale=scale, softcap=softcap,
             dropout_p=dropout_p,
