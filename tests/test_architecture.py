@@ -155,3 +155,66 @@ def test_no_source_file_is_long():
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
     assert not long, f"files over {MAX_LINES} lines (split them by concept): {long}"
+
+
+def _literal_backend_lookups(tree: ast.AST) -> list[int]:
+    """Lines of `BACKENDS["name"]` and `get_backend("name")` with a literal name."""
+    found = []
+    for node in ast.walk(tree):
+        literal = isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+        if literal and ast.unparse(node.value).endswith("BACKENDS"):
+            found.append(node.lineno)
+        called = isinstance(node, ast.Call) and ast.unparse(node.func).endswith("get_backend")
+        if called and node.args and isinstance(node.args[0], ast.Constant):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_module_outside_backends_looks_a_backend_up_by_its_name():
+    """A backend owns what it does; callers ask the interface (`dense_fastest`,
+    `serves_backward`, `version`), so adding one touches `backends/` alone."""
+    found = [
+        f"{name}:{line}"
+        for name, path in _modules().items()
+        if not name.startswith("attnkit.backends")
+        for line in _literal_backend_lookups(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert not found, f"backends looked up by a literal name outside attnkit/backends: {found}"
+    sample = ast.parse('BACKENDS["sdpa"].run()\nget_backend("tiled")\nget_backend(name)\n')
+    assert sorted(_literal_backend_lookups(sample)) == [1, 2]  # the check can fail
+
+
+CACHE_TYPES = {"Bounded", "PerMask", "PerTensor", "WeakKeyDictionary", "WeakValueDictionary"}
+# the process-wide caches that remain: attention()'s prepared calls, and the mask-side
+# ones still to move into prepared calls (the list only shrinks)
+CACHES = {
+    "attnkit.dispatch._HELD",
+    "attnkit.masks.spec._DECODED",
+    "attnkit.masks.window._CACHE",
+    "attnkit.masks.tensor._GIVEN",
+    "attnkit.masks.intervals._FOUND",
+    "attnkit.integrations.transformers._STRUCTURES",
+}
+
+
+def _module_caches(name: str, tree: ast.Module) -> set[str]:
+    found = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call):
+            called = ast.unparse(value.func).rpartition(".")[2]
+            if called in CACHE_TYPES:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                found.update(f"{name}.{ast.unparse(t)}" for t in targets)
+    return found
+
+
+def test_process_wide_caches_are_the_known_few():
+    """What a call derives belongs to its prepared call (`attnkit.prepared`): no module
+    keeps a cache of its own beyond these."""
+    found = set()
+    for name, path in _modules().items():
+        found |= _module_caches(name, ast.parse(path.read_text(encoding="utf-8")))
+    assert found <= CACHES, f"new module-level caches: {sorted(found - CACHES)}"
+    sample = ast.parse("_X: Bounded[int, int] = Bounded(4)\n_Y = weakref.WeakKeyDictionary()\n")
+    assert _module_caches("m", sample) == {"m._X", "m._Y"}  # the check can fail

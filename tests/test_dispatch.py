@@ -21,13 +21,13 @@ def plans(monkeypatch):
     """Counts the calls really prepared (validated, planned, kernel built), but for the
     reference backend's (the tests' ground truth)."""
     count = [0]
-    original = dispatch._prepare
+    original = dispatch._prepared
 
-    def counting(call, name, *args, **kwargs):
-        count[0] += name != "reference"
-        return original(call, name, *args, **kwargs)
+    def counting(q, k, v, mask, options, *args):
+        count[0] += options[3] != "reference"  # (scale, softcap, dropout_p, backend, ...)
+        return original(q, k, v, mask, options, *args)
 
-    monkeypatch.setattr(dispatch, "_prepare", counting)
+    monkeypatch.setattr(dispatch, "_prepared", counting)
     return count
 
 

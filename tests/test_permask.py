@@ -8,7 +8,7 @@ import weakref
 import torch
 
 import attnkit as ak
-from attnkit.backends import get_backend
+from attnkit import dispatch
 from attnkit.masks.base import as_mask
 from attnkit.permask import STRUCTURES_KEPT, PerMask
 
@@ -88,7 +88,7 @@ def test_tiled_plans_once_for_masks_built_anew_each_call(monkeypatch):
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(tiled, "best_plan", counting)
-    get_backend("tiled")._plans.clear()  # type: ignore[attr-defined]
+    dispatch.clear()  # plans live in the prepared calls
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
     want = ak.attention(q, k, v, ak.causal() & ak.sliding_window(40), backend="reference")

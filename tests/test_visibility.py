@@ -45,9 +45,18 @@ def test_cleaned_inputs_carry_no_nan_from_keys_nobody_sees():
     assert torch.equal(k2[:, :, :5], k[:, :, :5]) and torch.equal(q2, q)
 
 
+def _prepared_call(q, k, v, mask):
+    """The call as `attention()`'s cache prepares it: its derived values kept."""
+    from attnkit.dispatch import prepared_call
+
+    options = dict(scale=None, softcap=None, dropout_p=0.0, backend="auto", need_lse=False)
+    return prepared_call(q, k, v, mask, **options).call(q, k, v, mask)
+
+
 def test_seen_is_found_once_per_mask_and_size_and_anew_after_an_in_place_change():
     """One home for the rows and keys anybody sees: a repeated call (or an equal mask
-    built anew) finds them kept; a mask tensor changed in place is looked at again."""
+    built anew) finds them kept by its prepared call; a mask tensor changed in place is
+    looked at again."""
     q, k, v = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4)
     finds: list[int] = []
 
@@ -58,20 +67,20 @@ def test_seen_is_found_once_per_mask_and_size_and_anew_after_an_in_place_change(
 
         return find
 
-    window = normalize_call(
+    window = _prepared_call(
         q, k, v, ak.causal(align="bottom_right") & ak.sliding_window(2, align="bottom_right")
     )
-    first = seen(window, counting(seen(window)))  # computed by structure, then kept
-    again = normalize_call(
+    first = seen(window, counting(structure.seen(window.mask, 2, 2, 6, 8)))  # then kept
+    again = _prepared_call(
         q, k, v, ak.causal(align="bottom_right") & ak.sliding_window(2, align="bottom_right")
     )
-    assert seen(again, counting(first)) is first and finds == []
+    assert seen(again, counting(first)) is first and finds == [1]
     lengths = torch.tensor([8, 3])
-    padded = normalize_call(q, k, v, ak.key_padding(lengths))
-    keys = seen(padded)[1]  # (B, 1, S)
+    mask = ak.key_padding(lengths)
+    keys = seen(_prepared_call(q, k, v, mask))[1]  # (B, 1, S)
     assert torch.equal(keys[1, 0], torch.arange(8) < 3)
     lengths[1] = 5  # in place
-    assert torch.equal(seen(padded)[1][1, 0], torch.arange(8) < 5)
+    assert torch.equal(seen(_prepared_call(q, k, v, mask))[1][1, 0], torch.arange(8) < 5)
     assert seen(normalize_call(q, k, v, None)) is None  # no mask: everybody sees all
 
 

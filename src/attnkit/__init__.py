@@ -19,10 +19,17 @@ from attnkit.errors import (
     DtypeMismatchError,
     MaskError,
     OutOfBlocksError,
+    PreparedMismatchError,
     RanksDisagreeError,
     ShapeContractError,
 )
-from attnkit.functional import attention, attention_probs, attention_with_lse, explain
+from attnkit.functional import (
+    attention,
+    attention_probs,
+    attention_with_lse,
+    explain,
+    prepare,
+)
 from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import (
     Mask,
@@ -45,6 +52,7 @@ from attnkit.modules import MultiHeadAttention, SingleHeadAttention
 from attnkit.paged import PagedKVCache, PagedLayer, Step, paged_attention
 from attnkit.planner import Plan
 from attnkit.positional import RotaryEmbedding
+from attnkit.prepared import Prepared
 from attnkit.reference import (
     attention_weights,
     build_attention_mask,
@@ -68,6 +76,8 @@ __all__ = [
     "PagedKVCache",
     "PagedLayer",
     "Plan",
+    "Prepared",
+    "PreparedMismatchError",
     "RanksDisagreeError",
     "RotaryEmbedding",
     "ShapeContractError",
@@ -100,6 +110,7 @@ __all__ = [
     "or_masks",
     "paged_attention",
     "prefix_lm",
+    "prepare",
     "scaled_dot_product_attention",
     "sdpa",
     "sliding_window",

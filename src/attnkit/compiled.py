@@ -23,21 +23,18 @@ float masks that require grad (the op gives mask tensors no gradient) and masks 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from attnkit.backends import BACKENDS, Backend
-from attnkit.bounded import Bounded
-from attnkit.contracts import AttentionCall, _check_shapes, normalize_call, unit_last_stride
-from attnkit.dispatch import run
+from attnkit.contracts import _check_shapes, unit_last_stride
+from attnkit.dispatch import attention_call, prepared_call
 from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
-from attnkit.planner import backend_for_run
-from attnkit.precision import HALF, compute_dtype, kernel_dtype
+from attnkit.precision import compute_dtype
+from attnkit.prepared import Prepared, execute
 from attnkit.threads import in_fresh_thread
 
 R = TypeVar("R")
@@ -113,10 +110,10 @@ def _run_eagerly(
     backend: Any,
     need_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    call = normalize_call(
-        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, check_bias=False
-    )  # a compiled call never reads a float mask's values (nor does `sdpa`)
-    out, lse = run(call, backend, need_lse=need_lse)
+    out, lse = attention_call(
+        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
+        need_lse=need_lse, check_bias=False,
+    )  # fmt: skip  # a compiled call never reads a float mask's values (nor does `sdpa`)
     return out, _lse_or_empty(lse, q)
 
 
@@ -125,17 +122,24 @@ def _lse_or_empty(lse: Tensor | None, q: Tensor) -> Tensor:
     return q.new_empty(0, dtype=compute_dtype(q.dtype)) if lse is None else lse
 
 
-def _call(
+def _prepared(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask_tensors: list[Tensor],
-    mask_spec: str,
+    mask: Mask | Tensor | None,
+    backend: str,
     scale: float | None,
     softcap: float | None,
-) -> AttentionCall:
-    mask = decode(mask_spec, mask_tensors)
-    return normalize_call(q, k, v, mask, scale=scale, softcap=softcap, check_bias=False)
+    need_lse: bool,
+    grad: bool,
+) -> Prepared:
+    """The op's prepared call (through `attention()`'s cache), planned as an eager call
+    of inputs requiring grad (`grad`) or not would be: each op call of a compiled step
+    plans once."""
+    return prepared_call(
+        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=0.0, backend=backend,
+        need_lse=need_lse, check_bias=False, grad=grad,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("attnkit::attention_forward", mutates_args=())
@@ -159,54 +163,24 @@ def attention_op(
     backward op where the backend can give it (`lse_kept`; else the backward recomputes
     and lse holds zeros).
     """
-    call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
-    if call.is_empty:
-        out, lse = run(call, backend, need_lse=need_lse or requires_grad)
-        kept = lse is not None
+    mask = decode(mask_spec, mask_tensors)
+    prepared = _prepared(q, k, v, mask, backend, scale, softcap, need_lse, requires_grad)
+    call = prepared.call(q, k, v, mask)
+    if prepared.backend is None:  # nothing to compute
+        out, lse = execute(call, None, need_lse=True)
+        kept = True
     else:
-        chosen, kept = _op_plan(call, mask_tensors, mask_spec, backend, scale, need_lse,
-                                requires_grad)  # fmt: skip
+        # keep the log-sum-exp for the backward op where it can use it (no second forward)
+        kept = prepared.derived.get("compiled.keep", lambda: need_lse or (
+            requires_grad and serves(call, scale)
+            and prepared.backend.can_use(call, need_lse=True) is None  # type: ignore[union-attr]
+        ))  # fmt: skip
         with torch.no_grad():
-            out, lse = chosen.run(call, need_lse=kept)
+            out, lse = prepared.backend.run(call, need_lse=kept)
         if requires_grad and not kept:
             lse = q.new_zeros(q.shape[:3], dtype=compute_dtype(q.dtype))
     lse_kept = torch.tensor(kept and requires_grad, device=q.device)
     return _fresh(out, (q, k, v)), _fresh(_lse_or_empty(lse, q), (q, k, v)), lse_kept
-
-
-def _op_plan(
-    call: AttentionCall,
-    mask_tensors: list[Tensor],
-    mask_spec: str,
-    backend: str,
-    scale: float | None,
-    need_lse: bool,
-    requires_grad: bool,
-) -> tuple[Backend, bool]:
-    """The backend an eager call of inputs requiring grad (or not) would take, and whether
-    to keep the log-sum-exp for the backward op (where it can use it: no second forward).
-    Kept per (mask spec, its tensors' identity, version and size, sizes, dtype, device,
-    options, flex's state): each op call of a compiled step plans once."""
-    q, k, v = call.q, call.k, call.v
-    key = (
-        mask_spec, tuple((t.data_ptr(), t._version, t.shape) for t in mask_tensors),
-        q.shape, k.shape, v.shape, q.dtype, q.device, backend, scale, call.softcap,
-        need_lse, requires_grad, BACKENDS["flex"].version,
-        kernel_dtype(q.dtype, q.device) if q.dtype in HALF else None,
-    )  # fmt: skip
-    found = _OP_PLANS.get(key)
-    if found is None:
-        wanted = replace(call, q=q.detach().requires_grad_()) if requires_grad else call
-        chosen = backend_for_run(wanted, backend, need_lse=need_lse)
-        keep = need_lse or (
-            requires_grad and serves(call, scale) and chosen.can_use(call, need_lse=True) is None
-        )
-        found = _OP_PLANS.put(key, (chosen, keep))
-    return found
-
-
-OP_PLANS_KEPT = 64
-_OP_PLANS: Bounded[tuple[object, ...], tuple[Backend, bool]] = Bounded(OP_PLANS_KEPT)
 
 
 def _fresh(t: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
@@ -261,7 +235,8 @@ def attention_backward_op(
     """dq, dk, dv of `attnkit::attention_forward`: from the forward's `out` and `lse`
     (one fused backward) where it kept one and a fused backward takes the call, else
     the eager call rerun with autograd."""
-    call = _call(q, k, v, mask_tensors, mask_spec, scale, softcap)
+    mask = decode(mask_spec, mask_tensors)
+    call = _prepared(q, k, v, mask, backend, scale, softcap, need_lse, True).call(q, k, v, mask)
     lse_grad = dlse if need_lse and dlse.numel() else None
     grads = None
     if bool(lse_kept) and serves(call, scale):
@@ -271,8 +246,10 @@ def attention_backward_op(
         def recompute() -> tuple[Tensor | None, ...]:
             lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             with torch.enable_grad():
-                call = _call(lq, lk, lv, mask_tensors, mask_spec, scale, softcap)
-                out, lse = run(call, backend, need_lse=need_lse)
+                out, lse = attention_call(
+                    lq, lk, lv, mask, scale=scale, softcap=softcap, dropout_p=0.0,
+                    backend=backend, need_lse=need_lse, check_bias=False,
+                )  # fmt: skip
                 outputs, grads = [out], [dout]
                 if need_lse and lse is not None and dlse.numel():
                     outputs.append(lse)

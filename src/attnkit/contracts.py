@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
+from attnkit.derived import Derived
 from attnkit.errors import DtypeMismatchError, ShapeContractError
 from attnkit.masks import Mask, as_mask, check_broadcastable, integer_mask_error, structure
 from attnkit.masks.checks import check_additive
@@ -66,6 +67,10 @@ class AttentionCall:
     softcap: float | None
     dropout_p: float
     dims: Dims
+    # what the call derives from its mask and sizes (seen rows, tile plan, ...): shared
+    # by every run of one prepared call
+    derived: Derived = field(default_factory=Derived, compare=False)
+    grad: bool | None = None  # planned as if autograd records (None: as it does now)
 
     @property
     def is_dense(self) -> bool:
@@ -110,7 +115,9 @@ class AttentionCall:
 
     @property
     def requires_grad(self) -> bool:
-        """Autograd will need a backward pass through this call."""
+        """Autograd will need a backward pass through this call (or `grad` says so)."""
+        if self.grad is not None:
+            return self.grad
         return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
 
 

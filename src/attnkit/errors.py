@@ -15,6 +15,7 @@ __all__ = [
     "DtypeMismatchError",
     "MaskError",
     "OutOfBlocksError",
+    "PreparedMismatchError",
     "RanksDisagreeError",
     "ShapeContractError",
 ]
@@ -39,6 +40,11 @@ class BlockTableError(ValueError):
 
 class OutOfBlocksError(RuntimeError):
     """A `PagedKVCache` step needs more free blocks than the pool has; nothing changed."""
+
+
+class PreparedMismatchError(ValueError):
+    """A prepared call (`attnkit.prepare`) was given inputs of other sizes, dtypes,
+    devices or grad mode than it was prepared for, or its mask changed in place."""
 
 
 class RanksDisagreeError(ValueError):

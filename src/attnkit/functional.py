@@ -8,23 +8,25 @@ validated plan of a repeated call.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from attnkit.contracts import check_sinks, normalize_call
-from attnkit.dispatch import attention_call
-from attnkit.documents import attend_documents, documents
+from attnkit.dispatch import attention_call, prepared_call
+from attnkit.documents import Documents, attend_documents, documents
 from attnkit.errors import ShapeContractError
 from attnkit.habits import points_habits
 from attnkit.masks import Mask
 from attnkit.masks.convert import from_torch_mask
-from attnkit.planner import Plan, plan_call
+from attnkit.planner import Plan
+from attnkit.prepared import Prepared, fit, mask_state
 from attnkit.reference import weights_and_lse
 from attnkit.softmax import add_sinks
 from attnkit.visibility import effective_visibility, hide_unseen
 
-__all__ = ["attention", "attention_probs", "attention_with_lse", "explain"]
+__all__ = ["attention", "attention_probs", "attention_with_lse", "explain", "prepare"]
 
 MaskLike = Mask | Tensor | None
 
@@ -227,6 +229,130 @@ def _probs(
 
 
 @points_habits
+def prepare(
+    q: Tensor | Sequence[int],
+    k: Tensor | Sequence[int],
+    v: Tensor | Sequence[int],
+    mask: MaskLike = None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Tensor | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+    need_lse: bool = False,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    requires_grad: bool = False,
+) -> Prepared:
+    """The call `attention(q, k, v, mask, ...)` prepared once, to run on new q, k, v.
+
+    Validation, the backend's choice and everything derived from the mask and sizes
+    (the rows and keys seen, a tile plan, SDPA's mask tensor) are done here or at the
+    first run and kept by the `Prepared`, so a model that runs many layers of one kind
+    per step prepares once per step. `prepared(q, k, v)` checks that the inputs fit
+    (sizes, dtypes, devices, grad mode, the mask's tensors unchanged) and runs;
+    `prepared.with_lse(q, k, v)` (with `need_lse=True`) also gives the log-sum-exp;
+    `prepared.explain()` is `attnkit.explain` of the call.
+
+    Args:
+        q: (B, H, L, D), or its shape: inputs given as shapes take `dtype` (default
+            float32), `device` (default cpu) and `requires_grad` (plan for a backward).
+        k: (B, Hkv, S, D), or its shape.
+        v: (B, Hkv, S, Dv), or its shape.
+        mask: as `attention`; kept by the `Prepared` (its tensors must not change).
+        scale: as `attention`.
+        softcap: as `attention`.
+        sinks: as `attention`.
+        dropout_p: as `attention`.
+        backend: as `attention`; the prepared call keeps the one chosen.
+        need_lse: the log-sum-exp is wanted (`with_lse`).
+        dtype: the dtype of inputs given as shapes.
+        device: the device of inputs given as shapes.
+        requires_grad: inputs given as shapes will require grad.
+    Returns:
+        a `Prepared`.
+    Raises:
+        `PreparedMismatchError` (a `ValueError`) from a call whose inputs do not fit,
+        naming what changed; the errors of `attention` for invalid arguments.
+
+    Example:
+        >>> import torch, attnkit as ak
+        >>> q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+        >>> step = ak.prepare(q, k, v, ak.causal())
+        >>> torch.allclose(step(q, k, v), ak.attention(q, k, v, ak.causal()))
+        True
+    """
+    q, k, v = _given(q, dtype, device, requires_grad), _given(k, dtype, device,
+                     requires_grad), _given(v, dtype, device, requires_grad)  # fmt: skip
+    with torch.set_grad_enabled(torch.is_grad_enabled() or requires_grad):
+        return _prepare(q, k, v, mask, scale, softcap, sinks, dropout_p, backend, need_lse)
+
+
+def _given(
+    x: Tensor | Sequence[int],
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+    requires_grad: bool,
+) -> Tensor:
+    """A tensor as given, or one of its shape to prepare with (never read)."""
+    if isinstance(x, Tensor):
+        if dtype is not None or device is not None or requires_grad:
+            raise TypeError(
+                "dtype, device and requires_grad describe inputs given as shapes; q, k and v "
+                "are tensors here, so they say it themselves."
+            )
+        return x
+    if not isinstance(x, Sequence) or isinstance(x, str):
+        raise TypeError(f"q, k and v must be tensors or shapes, got {type(x).__name__}.")
+    shape = tuple(x)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
+        raise ShapeContractError(f"a shape holds sizes (ints >= 0), got {shape}.")
+    dev = torch.device("cpu" if device is None else device)
+    found = torch.empty(shape, dtype=dtype or torch.float32, device=dev)
+    return found.requires_grad_() if requires_grad else found
+
+
+def _prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskLike,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+    dropout_p: float,
+    backend: str,
+    need_lse: bool,
+) -> Prepared:
+    if sinks is not None:
+        sinks = check_sinks(sinks, q)
+    lse = need_lse or sinks is not None  # sinks merge in through the log-sum-exp
+    mask = from_torch_mask(mask, _length(q), _length(k))  # type: ignore[assignment]
+    options = dict(scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend)
+    found = prepared_call(q, k, v, mask, **options, need_lse=lse)  # type: ignore[arg-type]
+    packed = documents(mask, q, k)
+    notes = [] if packed is None else [_documents_note(packed)]
+    route = partial(attend, mask=mask, **options, need_lse=lse)  # type: ignore[arg-type]
+    numbers = (None if scale is None else float(scale), None if softcap is None else
+               float(softcap), float(dropout_p), backend, lse, True)  # fmt: skip
+    key = fit(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), numbers)
+    assert key is not None  # validated: plain numbers
+    return found.bound(
+        mask, fit=key, sinks=sinks, route=route, routed=packed is not None, notes=notes
+    )
+
+
+def _documents_note(packed: Documents) -> str:
+    calls = sum(len(row) for row in packed.lengths)
+    return (
+        f"packed documents: runs as {calls} calls, one per document, each planned on its "
+        "own (a document's result does not depend on the pack); the plan above is the "
+        "whole row's"
+    )
+
+
+@points_habits
 def explain(
     q: Tensor,
     k: Tensor,
@@ -243,18 +369,7 @@ def explain(
     """What `attention(...)` with these arguments would run, and why; runs nothing.
 
     `print(plan)` shows the choice, the reasons and the cost. Sinks need the backend's
-    log-sum-exp (with its gradient), as `need_lse=True` does.
+    log-sum-exp (with its gradient), as `need_lse=True` does. The same as
+    `prepare(...).explain()`.
     """
-    if sinks is not None:
-        check_sinks(sinks, q)
-    call = normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
-    plan = plan_call(call, backend, need_lse=need_lse or sinks is not None)
-    found = documents(mask, q, k)  # a CausalBias is never packed documents
-    if found is not None:
-        calls = sum(len(row) for row in found.lengths)
-        plan.notes.append(
-            f"packed documents: runs as {calls} calls, one per document, each planned on its "
-            "own (a document's result does not depend on the pack); the plan above is the "
-            "whole row's"
-        )
-    return plan
+    return _prepare(q, k, v, mask, scale, softcap, sinks, dropout_p, backend, need_lse).explain()

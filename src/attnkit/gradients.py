@@ -6,7 +6,8 @@ of its keys are P = exp(s - lse), and the score gradients dS = P ⊙ (dP − row
 given O and lse. So a call's gradients, or those of any rectangle of a larger problem
 (a context-parallel piece: the rows' global O and lse, a shard of keys), come from one
 fused backward: one call for the whole batch where no mask is needed (`sdpa`), block by
-block over the mask's spans otherwise (`tiled`).
+block over the mask's spans otherwise (`tiled`). Each backend says whether its `backward`
+takes a call (`Backend.serves_backward`); the first in the registry that does runs it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def serves(call: AttentionCall, scale: float | None) -> bool:
     runs (CPU, no softcap, D == Dv, ...)."""
     if call.is_empty or (scale is not None and scale <= 0):
         return False
-    return BACKENDS["tiled"].can_use(call, need_lse=True) is None
+    return any(b.serves_backward(call) for b in BACKENDS.values())
 
 
 def fused_gradients(
@@ -34,7 +35,9 @@ def fused_gradients(
     """dq, dk, dv of `call` (as `normalize_call` made it) from the output and
     log-sum-exp of its rows (the call's own, or a larger problem's), in the inputs'
     dtypes; None where no backend's fused backward takes the call."""
-    grads = BACKENDS["sdpa"].backward(call, out, lse, dout, dlse)  # one call: dense, causal
-    if grads is None:
-        grads = BACKENDS["tiled"].backward(call, out, lse, dout, dlse)
-    return grads
+    for backend in BACKENDS.values():  # sdpa (one call: dense, causal) before tiled
+        if backend.serves_backward(call):
+            grads = backend.backward(call, out, lse, dout, dlse)
+            if grads is not None:
+                return grads
+    return None

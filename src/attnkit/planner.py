@@ -87,13 +87,13 @@ def _human_bytes(n: int) -> str:
 
 def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backend:
     """The backend `choose_backend` would choose, without the reasons for the others. A
-    dense call (`is_dense`: decoding steps among them) goes straight to sdpa when it can
-    serve it, as costing would choose (its dense kernel is the cheapest per pair).
-    `attnkit.dispatch` caches the choice."""
+    dense call (`is_dense`: decoding steps among them) goes straight to the backend
+    whose dense kernel is the cheapest per pair (`Backend.dense_fastest`: sdpa) when it
+    can serve it, as costing would choose. A prepared call keeps the choice."""
     if name == "auto" and call.is_dense and call.softcap is None:
-        sdpa = BACKENDS["sdpa"]
-        if sdpa.can_use(call, need_lse=need_lse) is None:
-            return sdpa
+        for backend in BACKENDS.values():
+            if backend.dense_fastest and backend.can_use(call, need_lse=need_lse) is None:
+                return backend
     return _pick(call, name, need_lse)[0]
 
 

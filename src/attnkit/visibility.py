@@ -3,13 +3,13 @@
 A hidden entry gets weight 0, but `0 * NaN = NaN`: padded keys holding garbage, or a
 query row that sees nothing, would still poison outputs and gradients through the
 matrix products. So every backend takes its inputs cleaned here: the rows nobody's
-keys reach and the keys nobody sees (`seen`) are found once per mask, size and device
-(from the mask's spans in O(B·(L + S)) where it has exact ones, else by evaluating it in
-row chunks: `masks.structure.seen`, or by a backend's cheaper way: tiled walks its
-plan's blocks), kept for the calls after it (`permask.PerMask`, renewed when the mask's
-tensors change in place), and zeroed (`zero_unseen`, `cleaned`). A float bias's `-inf`
-entries hide too (`effective_visibility`); backends that build the dense mask anyway
-take rows and keys from it (`hide_unseen`).
+keys reach and the keys nobody sees (`seen`) are found once per prepared call (from the
+mask's spans in O(B·(L + S)) where it has exact ones, else by evaluating it in row
+chunks: `masks.structure.seen`, or by a backend's cheaper way: tiled walks its plan's
+blocks), kept by the prepared call for its runs (`call.derived`), and zeroed
+(`zero_unseen`, `cleaned`). A float bias's `-inf` entries hide too
+(`effective_visibility`); backends that build the dense mask anyway take rows and keys
+from it (`hide_unseen`).
 """
 
 from __future__ import annotations
@@ -19,19 +19,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnkit import permask
-from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall
 from attnkit.masks import structure
 
 __all__ = ["cleaned", "effective_visibility", "hide_unseen", "seen", "zero_unseen"]
 
 Seen = tuple[Tensor, Tensor]  # (B, H|1, L) rows that see a key, (B, H|1, S) keys seen
-SEEN_PER_MASK = 16  # sizes and devices remembered per mask
-
-_SEEN: permask.PerMask[Bounded[tuple[object, ...], Seen]] = permask.PerMask(
-    lambda mask: Bounded(SEEN_PER_MASK)
-)
 
 
 def seen(call: AttentionCall, find: Callable[[], Seen] | None = None) -> Seen | None:
@@ -39,20 +32,19 @@ def seen(call: AttentionCall, find: Callable[[], Seen] | None = None) -> Seen | 
     their head sees, (B, H|1, S) (H only for a `head_dependent` mask), by the call's
     mask; None without a mask (every row sees every key).
 
-    Found once per mask, size and device: by `find` where the backend has a cheaper
-    way, else `masks.structure.seen`.
+    Found once per prepared call (`call.derived`): by `find` where the backend has a
+    cheaper way, else `masks.structure.seen`.
     """
     mask, d = call.mask, call.dims
     if mask is None:
         return None
-    device = call.q.device
-    key = (d.B, d.H, d.L, d.S, device, structure.state(mask))
-    held = _SEEN.of(mask)
-    found = held.get(key)
-    if found is None:
-        found = find() if find is not None else structure.seen(mask, d.B, d.H, d.L, d.S, device)
-        held.put(key, found)
-    return found
+
+    def found() -> Seen:
+        if find is not None:
+            return find()
+        return structure.seen(mask, d.B, d.H, d.L, d.S, call.q.device)
+
+    return call.derived.get("seen", found)
 
 
 def zero_unseen(

@@ -1,6 +1,8 @@
 """The registry of backends: one name each, one interface (`protocol.Backend`), and a
 reason to refuse. `auto` runs the cheapest backend that can serve; `AUTO_ORDER` breaks
-ties.
+ties. A backend is one file and one line below (or `register` for one of a user's own):
+the planner, `explain`, the gradients, the compiled op and the tests' fuzz harness find
+it here, and nothing outside this package names one.
 """
 
 from __future__ import annotations
@@ -21,19 +23,22 @@ __all__ = [
     "Work",
     "backend_names",
     "get_backend",
+    "register",
+    "state",
+    "unregister",
 ]
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (ReferenceBackend(), SdpaBackend(), TiledBackend(), FlexBackend(), BlockwiseBackend())
 }
-AUTO_ORDER: tuple[str, ...] = (
+AUTO_ORDER: list[str] = [
     "sdpa",
     "tiled",
     "flex",
     "blockwise",
     "reference",
-)  # ties: earlier wins
+]  # ties: earlier wins
 
 
 def backend_names() -> tuple[str, ...]:
@@ -45,3 +50,31 @@ def get_backend(name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {backend_names()}.")
     return BACKENDS[name]
+
+
+_REGISTERED = [0]  # registrations and removals so far
+
+
+def state() -> tuple[int, int]:
+    """Changes when a backend is registered or removed, or one's own state changes what
+    it costs (`Backend.version`: flex's kernels turning warm); prepared calls key on it."""
+    return _REGISTERED[0], sum(b.version for b in BACKENDS.values())
+
+
+def register(backend: Backend) -> None:
+    """Add `backend` under its `name` (last in `AUTO_ORDER`); a taken name raises."""
+    if not isinstance(backend, Backend) or not isinstance(getattr(backend, "name", None), str):
+        raise TypeError("register() takes a Backend (attnkit.backends.Backend) with a name.")
+    if backend.name in BACKENDS or backend.name == "auto":
+        raise ValueError(f"a backend called {backend.name!r} is registered already.")
+    BACKENDS[backend.name] = backend
+    AUTO_ORDER.append(backend.name)
+    _REGISTERED[0] += 1
+
+
+def unregister(name: str) -> None:
+    """Remove the backend called `name` (one `register` added)."""
+    get_backend(name)
+    del BACKENDS[name]
+    AUTO_ORDER.remove(name)
+    _REGISTERED[0] += 1

@@ -2,8 +2,8 @@
 
 A `Mask`'s predicate is already a function of `(b, h, q_idx, kv_idx)`, so it is the
 `mask_mod` as it stands. The `BlockMask` (`Mask.to_block_mask`: from the key spans, no pair
-evaluated where each row sees one interval) is built once per mask and size and kept by
-the backend (never on the mask); the compiled kernel is cached by `torch.compile` per
+evaluated where each row sees one interval) is built once per prepared call (never kept
+on the mask); the compiled kernel is cached by `torch.compile` per
 shape. Compiling costs seconds (about 20 s on the 2-core CPU machines), so `auto` only
 picks `flex` for a call whose kernel is already compiled ("warm"); `backend="flex"`
 compiles on first use. Preparing and running run in a fresh thread: inside a compiled
@@ -21,11 +21,8 @@ from torch import Tensor
 from attnkit import cost
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.backends.protocol import Backend
-from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall
 from attnkit.masks import blocks
-from attnkit.masks.structure import state
-from attnkit.permask import PerMask
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.reference import attend
 from attnkit.threads import in_fresh_thread
@@ -34,7 +31,6 @@ from attnkit.visibility import cleaned
 __all__ = ["FlexBackend"]
 
 CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what its CPU kernel lowers
-PREPARED_PER_MASK = 8  # block masks remembered per mask object
 RECOMPILE_LIMIT = 256  # one compiled kernel per shape and mask structure kept warm
 CHECK_ROWS = 16  # query rows of a first call checked against the reference
 BROKEN = (
@@ -74,10 +70,6 @@ class FlexBackend(Backend):
         self._compiled: Any = None
         self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
         self._broken: dict[tuple[Any, ...], str] = {}  # failed or found wrong: why
-        # block masks per mask (`PerMask`) and size
-        self._block_masks: PerMask[Bounded[tuple[Any, ...], Any]] = PerMask(
-            lambda mask: Bounded(PREPARED_PER_MASK)
-        )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if flex_attention_module() is None:
@@ -126,23 +118,20 @@ class FlexBackend(Backend):
         return d.B * d.H * d.L * (d.Dv + 1) * 4
 
     def _block_mask(self, call: AttentionCall) -> Any:
-        """The `BlockMask` of a call, made once per mask and size (kept here, by
-        `PerMask`; renewed when its tensors change in place: `masks.structure.state`).
+        """The `BlockMask` of a call, made once per prepared call (`call.derived`).
         Masks are values: nothing is stored on them."""
         mask = call.mask
         assert mask is not None
         d = call.dims
-        key = (d.B, d.H, d.L, d.S, call.q.device, state(mask))
-        cache = self._block_masks.of(mask)
-        found = cache.get(key)
-        if found is None:
-            block_mask = in_fresh_thread(  # vmap inside: it fails in a compiled graph's op
+
+        def make() -> Any:
+            return in_fresh_thread(  # vmap inside: it fails in a compiled graph's op
                 lambda: blocks.block_mask(
                     mask, d.B, d.H, d.L, d.S, device=call.q.device, broadcast=True
                 )
             )
-            found = cache.put(key, block_mask)
-        return found
+
+        return call.derived.get("flex.block_mask", make)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         flex = flex_attention_module()

@@ -64,6 +64,9 @@ class Backend:
     """The base of every backend: the four calls it must answer, and defaults."""
 
     name: str
+    # the cheapest per pair on a dense call (no mask reaches a kernel): `auto` takes it
+    # for such a call without pricing the others, where it can serve
+    dense_fastest: bool = False
 
     @property
     def version(self) -> int:
@@ -91,6 +94,10 @@ class Backend:
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """The call `run` makes, decided once for repeated calls, or None."""
         return None
+
+    def serves_backward(self, call: AttentionCall) -> bool:
+        """True if `backward` takes `call` (`gradients.fused_gradients` asks)."""
+        return False
 
     def backward(
         self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None

@@ -178,6 +178,7 @@ class SdpaBackend(Backend):
     """Fused kernels from PyTorch; no softcap; log-sum-exp on CPU through the flash op."""
 
     name = "sdpa"
+    dense_fastest = True
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.softcap is not None:
@@ -214,6 +215,15 @@ class SdpaBackend(Backend):
             return batch * d.H * d.L * d.S * call.q.element_size()
         return batch * d.L * d.S  # a bool mask, broadcast over heads
 
+    def serves_backward(self, call: AttentionCall) -> bool:
+        """Calls whose kernel needs no mask (dense, top-left causal) on CPU, D == Dv."""
+        d = call.dims
+        if cpu_flash_attention_backward() is None or call.q.device.type != "cpu":
+            return False
+        if d.D != d.Dv or call.softcap is not None:
+            return False
+        return self._is_causal(call) or call.is_dense
+
     def backward(
         self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -223,11 +233,9 @@ class SdpaBackend(Backend):
         summed in float32."""
         d = call.dims
         backward_op = cpu_flash_attention_backward()
-        if backward_op is None or call.q.device.type != "cpu" or d.D != d.Dv:
+        if backward_op is None or not self.serves_backward(call):
             return None
         is_causal = self._is_causal(call)
-        if not (is_causal or call.is_dense) or call.softcap is not None:
-            return None
         work = kernel_dtype(call.q.dtype, call.q.device)
         q, k, v = (t.to(work) for t in (call.q, call.k, call.v))
         # the op's own GQA sums a K/V head's G gradients in `work`: float32 only

@@ -18,7 +18,6 @@ gradient (as ring attention does).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,11 +28,9 @@ from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.protocol import Backend, Block, Work
 from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
-from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks.spans import exact_spans
-from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal, state
-from attnkit.permask import PerMask
+from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal
 from attnkit.precision import compute_dtype, kernel_dtype
 from attnkit.softmax import merge_in_place, with_lse_gradient
 from attnkit.visibility import Seen, seen, zero_unseen
@@ -45,7 +42,6 @@ CHUNK_BYTES = 2 << 20  # temporaries of one backward call: block rows, gradients
 # documents, S=4096 fp32, 2 vs 32 MiB, round-robin; benchmarks/tile_levers.py's "one
 # call"); the backward's larger gradients do not gain
 FORWARD_CHUNK_BYTES = 32 << 20
-PLANS_PER_MASK = 8  # problem sizes remembered per mask object
 BACKWARD_KEYS = 1024  # the backward cuts key spans to this width (its key gradients)
 
 
@@ -255,17 +251,6 @@ def _blocks_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-@dataclass
-class _Prepared:
-    """A plan, and the visibility of its blocks per device (kept per mask and size)."""
-
-    plan: TilePlan
-    visibility: dict[torch.device, Visibility] = field(default_factory=dict)
-
-
-Plans = Bounded[tuple[Any, ...], _Prepared]  # a mask's plans by problem size
-
-
 class TiledBackend(Backend):
     """Block-sparse: runs the fused kernel only on the key spans each query tile may see."""
 
@@ -284,27 +269,12 @@ class TiledBackend(Backend):
             return "the mask differs between heads"
         return None
 
-    def __init__(self) -> None:
-        # plans per mask (`PerMask`: by structure, by object or by the caller's tensor)
-        # and problem size; a mask whose tensors change in place gets a new plan
-        # (`masks.structure.state` in the key)
-        self._plans: PerMask[Plans] = PerMask(
-            lambda mask: Bounded((4 if mask is None else 1) * PLANS_PER_MASK)
-        )
-
-    def _prepared(self, call: AttentionCall) -> _Prepared:
-        """The plan of a call and its visibility: made once per mask and size."""
-        d, mask = call.dims, call.mask
-        plans = self._plans.of(mask)
-        key = (d.B, d.H, d.Hkv, d.L, d.S, None if mask is None else state(mask))
-        found = plans.get(key)
-        if found is None:
-            found = plans.put(key, _Prepared(best_plan(mask, d.B, d.H, d.Hkv, d.L, d.S)))
-        return found
-
     def plan(self, call: AttentionCall) -> TilePlan:
-        """The tile plan of a call: computed once per mask and size, for cost and run."""
-        return self._prepared(call).plan
+        """The tile plan of a call: made once per prepared call, for cost and run."""
+        d = call.dims
+        return call.derived.get(
+            "tiled.plan", lambda: best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S)
+        )
 
     def notes(self, call: AttentionCall) -> list[str]:
         tiles, d = self.plan(call), call.dims
@@ -352,13 +322,11 @@ class TiledBackend(Backend):
     def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan, Seen | None]:
         """The plan's block masks, the plan, and the (B, 1, L) rows and (B, 1, S) keys
         anybody sees (`visibility.seen`: where the mask has no exact spans, from the
-        plan's blocks alone; None without a mask)."""
-        prepared, d, device = self._prepared(call), call.dims, call.q.device
-        vis = prepared.visibility.get(device)
-        if vis is None:
-            vis = Visibility(call.mask, (d.B, d.H, d.L, d.S), device)
-            prepared.visibility[device] = vis
-        plan = prepared.plan
+        plan's blocks alone; None without a mask), all made once per prepared call."""
+        d, plan = call.dims, self.plan(call)
+        vis = call.derived.get(
+            "tiled.visibility", lambda: Visibility(call.mask, (d.B, d.H, d.L, d.S), call.q.device)
+        )
 
         def from_blocks() -> Seen:
             bias = vis.bias is not None
@@ -374,6 +342,9 @@ class TiledBackend(Backend):
         vis, plan, found = self._visibility(call)
         out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale, found)  # type: ignore[no-untyped-call]
         return out.to(call.q.dtype), lse if need_lse else None
+
+    def serves_backward(self, call: AttentionCall) -> bool:
+        return self.can_use(call, need_lse=True) is None
 
     def backward(
         self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None

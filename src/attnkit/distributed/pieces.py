@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from attnkit.contracts import normalize_call
+from attnkit.dispatch import prepared_call
 from attnkit.distributed.layout import Layout, Span
 from attnkit.functional import attention_with_lse
 from attnkit.gradients import fused_gradients, serves
@@ -121,10 +122,12 @@ class Problem:
         q, k, v = q.to(work), k.to(work), v.to(work)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (q0, q1), (k0, k1), part in self.rectangles(r, s):
-            call = normalize_call(
-                q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], part, scale=self.scale,
-                softcap=self.softcap, dropout_p=0.0,
+            qp, kp, vp = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
+            prepared = prepared_call(  # the forward's piece: its plan, seen rows and keys
+                qp, kp, vp, part, scale=self.scale, softcap=self.softcap, dropout_p=0.0,
+                backend="auto", need_lse=True,
             )  # fmt: skip
+            call = prepared.call(qp, kp, vp, part)
             if not serves(call, self.scale):
                 return None
             lse_grad = None if dlse is None else dlse[:, :, q0:q1]

@@ -1,0 +1,330 @@
+"""A prepared call: an attention call with everything but q, k, v decided, as a value.
+
+Preparing validates the arguments (`contracts.normalize_call`), chooses the backend
+(`planner.backend_for_run`) and lets it prepare its kernel (`Backend.prepare`: SDPA's
+mask tensor and flags); what the backends derive from the mask and sizes on the first
+run (the rows and keys seen, a tile plan, a block mask) joins it (`derived.Derived`).
+A `Prepared` holds neither q, k, v nor, inside `attention()`'s cache, the mask: its
+`fit` is the key of everything those steps read (sizes, strides, dtypes, devices,
+whether autograd records, the options, the state of the mask's tensors), and a run on
+inputs of that key needs no step again.
+
+`attnkit.prepare(...)` hands one out, bound to its mask (`bound`): calling it checks
+that the inputs fit (a `PreparedMismatchError` names what changed, an in-place change of
+the mask's tensors included) and runs it; `explain()` gives its `Plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnkit.backends import Backend, Kernel, get_backend
+from attnkit.backends import state as backend_state
+from attnkit.contracts import AttentionCall, Dims, normalize_inputs
+from attnkit.errors import PreparedMismatchError
+from attnkit.masks import Mask
+from attnkit.masks.base import as_mask
+from attnkit.masks.tensor import given_tensor
+from attnkit.planner import Plan, backend_for_run, plan_call
+from attnkit.precision import HALF, compute_dtype, kernel_dtype
+from attnkit.softmax import add_sinks
+
+__all__ = ["FIT_FIELDS", "Prepared", "execute", "fit", "mask_state", "prepare_call"]
+
+MaskArg = Mask | Tensor | None
+Route = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+
+_PLAIN = (float, int, type(None))  # score options a key can hold (bool is refused later)
+
+# what each place of a `fit` key holds, for the error that names what changed
+FIT_FIELDS = (
+    "q's shape", "k's shape", "v's shape", "q's strides", "k's strides", "v's strides",
+    "q's dtype", "k's dtype", "v's dtype", "q's device", "k's device", "v's device",
+    "the dtype half inputs compute in", "whether autograd records (grad mode, requires_grad)",
+    "scale", "softcap", "dropout_p", "backend", "need_lse", "check_bias",
+    "the mask's tensors (identity and version: changed in place?)",
+    "the backends registered and their state",
+)  # fmt: skip
+_STRIDES = range(3, 6)  # other strides: the same call without the prepared kernel
+_VERSION = len(FIT_FIELDS) - 1  # a backend turning warm: the plan is still exact
+
+
+def fit(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    state: tuple[object, ...],
+    options: tuple[object, ...],
+    grad: bool | None = None,
+) -> tuple[object, ...] | None:
+    """Everything validation, planning and preparing read (of plain tensors q, k, v;
+    the sizes as given: a decoding lane leaves S out; `state`: `mask_state`;
+    `options`: scale, softcap, dropout_p, backend, need_lse, check_bias; `grad`: planned
+    as if autograd records, None: whether it does). None where a call is not cached (an
+    option that is not a plain number: the full path checks it)."""
+    scale, softcap, dropout_p, backend = options[:4]
+    if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
+        return None
+    if type(backend) is not str:
+        return None
+    if grad is None:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    device = q.device
+    return (
+        q_shape, k_shape, v_shape, q.stride(), k.stride(), v.stride(),
+        q.dtype, k.dtype, v.dtype, device, k.device, v.device,
+        kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
+        grad, *options, state,
+        backend_state(),
+    )  # fmt: skip
+
+
+def mask_state(mask: MaskArg) -> tuple[object, ...]:
+    """The identity, version and size of each tensor the mask holds or is: a tensor
+    changed in place has a new version, so a key that holds it finds nothing."""
+    given = mask if isinstance(mask, Tensor) else None
+    if isinstance(mask, Mask):
+        given = given_tensor(mask)
+        if given is None:
+            return tuple((t.data_ptr(), t._version, t.shape) for t in mask.tensors())
+    if given is None:
+        return ()
+    return (given.data_ptr(), given._version, given.shape, given.stride(), given.dtype,
+            given.device)  # fmt: skip
+
+
+class Prepared:
+    """A validated, planned call with q, k, v left out (see the module doc).
+
+    `run(q, k, v, mask)` is `attention_with_lse` without sinks for inputs of its `fit`,
+    unchecked; `prepared(q, k, v)` (from `attnkit.prepare`) checks first.
+    """
+
+    def __init__(
+        self,
+        fit: tuple[object, ...] | None,
+        call: AttentionCall,
+        backend: Backend | None,
+        *,
+        asked: str,
+        need_lse: bool,
+        scale: float,
+        kernel: Kernel | None,
+    ) -> None:
+        self.fit = fit
+        self.backend = backend  # None: nothing to compute
+        self.asked = asked  # the backend asked for ("auto": the planner's choice)
+        self.need_lse = need_lse
+        self.dims: Dims = call.dims
+        self.scale = scale  # as given or its default (normalize_inputs folds its sign into q)
+        self.softcap, self.dropout_p = call.softcap, call.dropout_p
+        self.kernel = kernel  # the backend's own prepared call, for inputs as given
+        self.derived = call.derived  # what the backends derive on the first run
+        # set by `bound` (attnkit.prepare): the mask, sinks, and how routed calls run
+        self._mask: tuple[MaskArg] | None = None
+        self._sinks: Tensor | None = None
+        self._route: Route | None = None
+        self._routed = False
+        self._notes: list[str] = []
+
+    # ------------------------------------------------------------- the cache's runs
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> tuple[Tensor, Tensor | None]:
+        """Attention over inputs of this call's `fit` (unchecked) and its mask."""
+        if self.kernel is not None:
+            out = self.kernel(q, k, v)
+            if out is not None:
+                return out, None
+        return execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
+
+    def call(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> AttentionCall:
+        """The `AttentionCall` of new inputs: what `normalize_call` would give (unchecked:
+        the fit guarantees they pass), with this call's derived values."""
+        q, k, v, scale = normalize_inputs(q, k, v, self.scale)
+        visibility = None if mask is None or _is_bias(mask) else as_mask(mask)
+        bias = mask if isinstance(mask, Tensor) and _is_bias(mask) else None
+        return AttentionCall(
+            q, k, v, visibility, bias, scale, self.softcap, self.dropout_p, self.dims,
+            self.derived,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------- attnkit.prepare's
+
+    def bound(
+        self,
+        mask: MaskArg,
+        *,
+        fit: tuple[object, ...],
+        sinks: Tensor | None,
+        route: Route,
+        routed: bool,
+        notes: list[str],
+    ) -> Prepared:
+        """This call for a user to hold: its mask (and sinks) kept, `fit` checked at
+        every call. `route` runs the call as `attention` would (under `torch.compile`,
+        and always where `routed`: packed documents run a call each)."""
+        found = Prepared.__new__(Prepared)
+        found.__dict__.update(self.__dict__)
+        found.fit, found._mask, found._sinks = fit, (mask,), sinks
+        found._route, found._routed = route, routed
+        found._notes = notes
+        return found
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The output (B, H, L, Dv) for new q, k, v of the prepared kind."""
+        return self._checked(q, k, v)[0]
+
+    def with_lse(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The output and log-sum-exp (B, H, L), as `attention_with_lse`; the call must
+        have been prepared with `need_lse=True`."""
+        if not self.need_lse:
+            raise ValueError(
+                "this call was prepared without its log-sum-exp (the backend may give none); "
+                "prepare it with attnkit.prepare(..., need_lse=True)."
+            )
+        out, lse = self._checked(q, k, v)
+        assert lse is not None
+        return out, lse
+
+    def explain(self) -> Plan:
+        """What this call runs and why (`attnkit.explain` of its arguments)."""
+        mask = self._bound_mask()
+        assert self.fit is not None
+        shapes, strides = self.fit[0:3], self.fit[3:6]
+        dtypes, devices, grad = self.fit[6:9], self.fit[9:12], bool(self.fit[13])
+        with torch.set_grad_enabled(grad):
+            q, k, v = (
+                torch.empty_strided(s, st, dtype=t, device=d, requires_grad=grad)  # type: ignore[arg-type]
+                for s, st, t, d in zip(shapes, strides, dtypes, devices, strict=True)
+            )
+            plan = plan_call(self.call(q, k, v, mask), self.asked, need_lse=self.need_lse)
+        plan.notes.extend(self._notes)
+        return plan
+
+    def _bound_mask(self) -> MaskArg:
+        if self._mask is None:
+            raise TypeError("a prepared call of attention()'s cache: use attnkit.prepare(...)")
+        return self._mask[0]
+
+    def _checked(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        mask = self._bound_mask()
+        assert self._route is not None and self.fit is not None
+        if torch.compiler.is_compiling():  # one traced op, as attention() under compile
+            return self._with_sinks(*self._route(q, k, v))
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        options = self.fit[14:20]
+        now = fit(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), options)
+        assert now is not None  # the options are the prepared call's own
+        if now == self.fit and not self._routed:
+            return self._with_sinks(*self.run(q, k, v, mask))
+        changed = [i for i, (a, b) in enumerate(zip(now, self.fit, strict=True)) if a != b]
+        wrong = [i for i in changed if i not in _STRIDES and i != _VERSION]
+        if wrong:
+            i = wrong[0]
+            raise PreparedMismatchError(
+                f"this call was prepared for {FIT_FIELDS[i]} {self.fit[i]}, got {now[i]}; "
+                "prepare it again with attnkit.prepare(...) for the new inputs (or call "
+                "attnkit.attention, which prepares as it goes)."
+            )
+        if self._routed:
+            return self._with_sinks(*self._route(q, k, v))
+        out, lse = execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
+        return self._with_sinks(out, lse)  # other strides: the kernel takes none as given
+
+    def _with_sinks(self, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if self._sinks is None:
+            return out, lse
+        assert lse is not None
+        return add_sinks(out, lse, self._sinks)
+
+    def __repr__(self) -> str:
+        d = self.dims
+        name = "none" if self.backend is None else self.backend.name
+        return (
+            f"Prepared(backend={name!r}, q=(B={d.B}, H={d.H}, L={d.L}, D={d.D}), "
+            f"k/v=(Hkv={d.Hkv}, S={d.S}, Dv={d.Dv}))"
+        )
+
+
+def _is_bias(mask: Mask | Tensor) -> bool:
+    return isinstance(mask, Tensor) and mask.is_floating_point()
+
+
+def prepare_call(
+    call: AttentionCall,
+    name: str,
+    need_lse: bool,
+    scale: float,
+    *,
+    fit: tuple[object, ...] | None,
+    kernel_ok: bool,
+    grad: bool | None = None,
+) -> Prepared:
+    """Plan a validated `call` once (`scale`: as given, before its sign is folded into
+    q; `grad`: plan as if autograd records); keep the backend's prepared kernel where
+    `kernel_ok` (inputs as given)."""
+    planned = call if grad is None else replace(call, grad=grad)
+    chosen = _choose(planned, name, need_lse)
+    kernel = None
+    if chosen is not None and kernel_ok:
+        kernel = chosen.prepare(planned, need_lse=need_lse)
+    return Prepared(fit, call, chosen, asked=name, need_lse=need_lse, scale=scale, kernel=kernel)
+
+
+def _choose(call: AttentionCall, name: str, need_lse: bool) -> Backend | None:
+    """The backend for `call`, None for an empty one (an unknown name still raises)."""
+    if call.is_empty:
+        if name != "auto":
+            get_backend(name)  # an unknown name still raises
+        return None
+    return backend_for_run(call, name, need_lse=need_lse)
+
+
+def execute(
+    call: AttentionCall, backend: Backend | None, *, need_lse: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Run `backend` on `call` (None: an empty call, all zeros) and join a result that no
+    input reaches (no query sees a key) to q, k, v with zero gradients."""
+    if backend is None:
+        d = call.dims
+        out = call.q.new_zeros(d.B, d.H, d.L, d.Dv)
+        lse: Tensor | None = call.q.new_full(
+            (d.B, d.H, d.L), -math.inf, dtype=compute_dtype(call.q.dtype)
+        )
+    else:
+        out, lse = backend.run(call, need_lse=need_lse)
+    if out.requires_grad or not torch.is_grad_enabled():
+        return out, lse
+    if not any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return out, lse
+    joined: tuple[Tensor, Tensor | None] = _Constant.apply(  # type: ignore[no-untyped-call]
+        out, lse, call.q, call.k, call.v
+    )
+    return joined
+
+
+class _Constant(torch.autograd.Function):
+    """A result that does not depend on q, k, v, joined to them with zero gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, out: Tensor, lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+        return out.clone(), None if lse is None else lse.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        zeros = [torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.inputs]
+        return (None, None, *zeros)

@@ -1,0 +1,100 @@
+"""The backend interface is closed: a backend registered from outside (one class, one
+`register` line) is found by `auto`, `explain`, the gradients, the compiled op and the
+fuzz harness, with nothing else touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+import attnkit as ak
+from attnkit import dispatch
+from attnkit.backends import BACKENDS, Backend, backend_names, get_backend, register, unregister
+from attnkit.contracts import AttentionCall
+from fuzz import RandomDraw
+from fuzz_cases import draw_case
+from fuzz_check import run_case
+
+
+class Toy(Backend):
+    """The reference's math, priced as free: auto takes it wherever it is asked."""
+
+    name = "toy"
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        return "toy serves no dropout" if call.dropout_p > 0 else None
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        return 0.0
+
+    def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
+        return 0
+
+    def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+        self.runs += 1
+        return get_backend("reference").run(call, need_lse=need_lse)
+
+
+@pytest.fixture
+def toy():
+    backend = Toy()
+    register(backend)
+    dispatch.clear()
+    yield backend
+    unregister("toy")
+    dispatch.clear()
+
+
+def _qkv(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 4, 16, 8, generator=g).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def test_auto_and_explain_find_a_registered_backend(toy):
+    q, k, v = _qkv()
+    mask = ak.causal() & ak.sliding_window(3)
+    assert "toy" in backend_names()
+    plan = ak.explain(q, k, v, mask)
+    assert plan.backend == "toy" and plan.reasons["toy"] is None
+    assert "toy" in str(plan)
+    want = ak.attention(q, k, v, mask, backend="reference")
+    torch.testing.assert_close(ak.attention(q, k, v, mask), want)
+    assert toy.runs == 1
+    reason = ak.explain(q, k, v, mask, dropout_p=0.1).reasons["toy"]
+    assert reason == "toy serves no dropout"
+
+
+def test_gradients_and_the_compiled_op_run_a_registered_backend(toy):
+    q, k, v = _qkv(requires_grad=True)
+    mask = ak.causal() & ak.sliding_window(3)
+    ak.attention(q, k, v, mask).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    runs = toy.runs
+    for t in (q, k, v):
+        t.grad = None
+    ak.attention(q, k, v, mask, backend="reference").sum().backward()
+    for got, t in zip(grads, (q, k, v), strict=True):
+        torch.testing.assert_close(got, t.grad)
+    compiled = torch.compile(lambda q, k, v: ak.attention(q, k, v, mask), fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, k, v), ak.attention(q, k, v, mask))
+    assert toy.runs > runs
+
+
+def test_the_fuzz_harness_runs_a_registered_backend(toy):
+    outcomes = [o for i in range(4) for o in run_case(draw_case(RandomDraw(11, i)))]
+    ran = [o for o in outcomes if o.backend == "toy"]
+    assert ran and all(not o.failed for o in ran)
+
+
+def test_register_refuses_a_taken_name_and_other_objects():
+    with pytest.raises(ValueError, match="registered already"):
+        register(BACKENDS["sdpa"])
+    with pytest.raises(TypeError, match="Backend"):
+        register(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown backend"):
+        unregister("nothing")
