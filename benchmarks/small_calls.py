@@ -6,7 +6,8 @@ unmasked) and with padding (`& key_padding(lengths)`, lengths drawn in [S/2, S],
 SDPA with the same bool mask). Round-robin medians (`attnkit.benchmark.round_robin`) of `--runs`
 calls each, under `torch.no_grad()` as generation runs; the ratio is SDPA's time over
 attnkit's (>= 1: attnkit at least as fast); `overhead` is attnkit's time minus SDPA's, in
-microseconds (the planning and checks a call pays beyond the kernel).
+microseconds (the planning and checks a call pays beyond the kernel), for `attention` and
+for a prepared call (`attnkit.prepare`: what a model's layers of one step share).
 
 Then (`--parts`): a small training call (B=16, H=4, Hkv=2, L=128, D=32, causal, forward
 and backward) against SDPA's `is_causal`; `MultiHeadAttention` + `KVCache` decoding
@@ -48,12 +49,14 @@ def decode_row(B: int, S: int, padded: bool, runs: int) -> dict[str, Any]:
         mask = mask & ak.key_padding(lengths)
         bool_mask = (torch.arange(S)[None] < lengths[:, None])[:, None, None, :]  # (B,1,1,S)
     with torch.no_grad():
+        step = ak.prepare(q, k, v, mask)  # what a model's layers of one step share
         times = round_robin(
             {
                 "sdpa": lambda: F.scaled_dot_product_attention(
                     q, k, v, attn_mask=bool_mask, enable_gqa=True
                 ),
                 "attnkit": lambda: ak.attention(q, k, v, mask),
+                "prepared": lambda: step(q, k, v),
             },
             runs,
         )
@@ -61,6 +64,9 @@ def decode_row(B: int, S: int, padded: bool, runs: int) -> dict[str, Any]:
         "B": B, "S": S, "padding": padded, "sdpa_us": times["sdpa"] * 1e6,
         "attnkit_us": times["attnkit"] * 1e6, "ratio": times["sdpa"] / times["attnkit"],
         "overhead_us": (times["attnkit"] - times["sdpa"]) * 1e6,
+        "prepared_us": times["prepared"] * 1e6,
+        "prepared_ratio": times["sdpa"] / times["prepared"],
+        "prepared_overhead_us": (times["prepared"] - times["sdpa"]) * 1e6,
     }  # fmt: skip
 
 
@@ -267,14 +273,18 @@ def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         lines += [
             "",
             f"Decode step, H={H}, Hkv={HKV}, D={D}, L=1, float32, {meta['runs']} calls; "
-            "overhead: attnkit's time minus SDPA's (the same kernel), µs.",
+            "overhead: attnkit's time minus SDPA's (the same kernel), µs; prepared: the "
+            "call of `attnkit.prepare(...)` a model's layers of one step share.",
             "",
-            "| B | S | padding | SDPA (µs) | attnkit (µs) | × SDPA | overhead (µs) |",
-            "|---|---|---|---|---|---|---|",
+            "| B | S | padding | SDPA (µs) | attnkit (µs) | × SDPA | overhead (µs) "
+            "| prepared (µs) | × SDPA | overhead (µs) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {r['B']} | {r['S']} | {'yes' if r['padding'] else 'no'} | {r['sdpa_us']:.0f} | "
-            f"{r['attnkit_us']:.0f} | {r['ratio']:.2f} | {r['overhead_us']:.0f} |"
+            f"{r['attnkit_us']:.0f} | {r['ratio']:.2f} | {r['overhead_us']:.0f} | "
+            f"{r['prepared_us']:.0f} | {r['prepared_ratio']:.2f} | "
+            f"{r['prepared_overhead_us']:.1f} |"
             for r in results["decode"]
         ]
     for part, unit, title in (

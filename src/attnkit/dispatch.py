@@ -12,10 +12,11 @@ structure, others by their object, weakly: they go when the mask goes), at most
 `PREPARED_PER_MASK` each, and never hold the mask or q, k, v themselves.
 
 A call where every query sees every key by the mask's structure alone (a decoding step:
-bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the number of
-keys S: kept under a key without S (the decoding lane), it serves the next step of a
-growing cache (one more key, a new mask object each step) with no validation or
-planning but its own checks.
+bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the mask and the
+number of keys S: kept under a key without either (the decoding lane, beside the calls
+without a mask), it serves the next step of a growing cache (one more key, a new mask
+object each step: transformers builds one per forward) with no validation or planning
+but its own checks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from attnkit.bounded import Bounded
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.masks import Mask
 from attnkit.permask import PerMask
-from attnkit.prepared import Prepared, execute, fit, mask_state, prepare_call
+from attnkit.prepared import MaskTensors, Prepared, execute, fit, prepare_call
 from attnkit.prepared import _choose as choose
 
 __all__ = ["PREPARED_PER_MASK", "attention_call", "clear", "prepared_call", "run"]
@@ -53,11 +54,8 @@ def attention_call(
 ) -> tuple[Tensor, Tensor | None]:
     """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached.
     `check_bias`: a float mask's values are checked at its first call (not by `sdpa`)."""
-    found = prepared_call(
-        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
-        need_lse=need_lse, check_bias=check_bias, lane=True,
-    )  # fmt: skip
-    return found.run(q, k, v, mask)
+    options = (scale, softcap, dropout_p, backend, need_lse, check_bias)
+    return _lookup(q, k, v, mask, options, None, True).run(q, k, v, mask)
 
 
 def prepared_call(
@@ -73,24 +71,37 @@ def prepared_call(
     need_lse: bool,
     check_bias: bool = True,
     grad: bool | None = None,
-    lane: bool = False,
 ) -> Prepared:
     """The prepared call of these arguments: cached, or validated, planned and kept.
     `grad`: planned as if autograd records (None: whether it does; the compiled op's
-    implementation runs with autograd below it); `lane`: a decoding step may be served
-    by a call prepared for another S (only `run` it then: its sizes are another's)."""
-    held = _held(mask)
+    implementation runs with autograd below it)."""
     options = (scale, softcap, dropout_p, backend, need_lse, check_bias)
-    plain = held is not None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+    return _lookup(q, k, v, mask, options, grad, False)
+
+
+def _lookup(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: MaskArg,
+    options: tuple[object, ...],
+    grad: bool | None,
+    lane: bool,
+) -> Prepared:
+    """`prepared_call`; `lane`: a decoding step may be served by a call prepared for
+    another S (then only `run` it: its sizes are another's)."""
+    plain = type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
     lane_key = None
-    if lane and plain and grad is None:
-        lane_key = _lane_key(q, k, v, mask, held, options)  # type: ignore[arg-type]
-        found = None if lane_key is None else held.plans.get(lane_key)  # type: ignore[union-attr]
+    if lane and plain and grad is None and (mask is None or isinstance(mask, Mask)):
+        lane_key = _lane_key(q, k, v, mask, options)
+        found = None if lane_key is None else _HELD.of(None).plans.get(lane_key)
         if found is not None:
             return found
+    held = _held(mask)
+    plain = plain and held is not None
     key = None
     if plain:
-        state = mask_state(mask)
+        state = held.state()  # type: ignore[union-attr]
         key = fit(q, k, v, q.shape, k.shape, v.shape, state, options, grad)
     found = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
     if found is None:
@@ -98,7 +109,7 @@ def prepared_call(
         if key is not None:
             held.plans.put(key, found)  # type: ignore[union-attr]
         if lane_key is not None and found.kernel is not None and found.kernel.serves_any_length:
-            held.plans.put(lane_key, found)  # type: ignore[union-attr]
+            _HELD.of(None).plans.put(lane_key, found)  # any mask that sees every key
     return found
 
 
@@ -129,19 +140,15 @@ def _prepared(
 
 
 def _lane_key(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: MaskArg,
-    held: _Held,
-    options: tuple[object, ...],
+    q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, options: tuple[object, ...]
 ) -> tuple[object, ...] | None:
-    """The lane's key, or None where the call is not one it serves: a mask holding
-    tensors or a bias, one that hides a pair, no keys, or k and v of other lengths. What
-    the key leaves out (S) is checked here: S >= 1, the same in k and v, and the mask's
-    own check for it."""
+    """The lane's key, or None where the call is not one it serves: a mask with a bias,
+    one that may hide a pair whatever its tensors hold (`sees_all`), no keys, or k and v
+    of other lengths. The key holds no mask (any mask that sees every key runs the same
+    unmasked kernel) and no S; what it leaves out is checked here: S >= 1, the same in k
+    and v, and the mask's own check for it."""
     _, _, _, _, need_lse, _ = options  # scale, softcap, dropout_p, backend, ..., check_bias
-    if need_lse or held.tensors or isinstance(mask, Tensor):  # need_lse: no kernel
+    if need_lse:  # no kernel
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:
@@ -171,11 +178,12 @@ def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tens
 # ------------------------------------------------------------------ the cache
 
 
-class _Held:
-    """The prepared calls of one mask (or of calls without a mask), by `fit` key."""
+class _Held(MaskTensors):
+    """The prepared calls of one mask (or of calls without a mask), by `fit` key, and
+    the tensors whose identity and version every key holds (they die with the mask)."""
 
     def __init__(self, mask: MaskArg) -> None:
-        self.tensors = mask.tensors() if isinstance(mask, Mask) else ()  # (they die with it)
+        super().__init__(mask, weak=True)
         limit = 4 * PREPARED_PER_MASK if mask is None else PREPARED_PER_MASK
         self.plans: Bounded[tuple[object, ...], Prepared] = Bounded(limit)
 

@@ -48,8 +48,8 @@ class Documents:
 def documents(mask: object, q: Tensor, k: Tensor) -> Documents | None:
     """The documents of a call whose mask is packed documents and position only (see the
     module doc), or None (the call runs as one)."""
-    if not isinstance(mask, Mask) or q.dim() != 4 or k.dim() != 4:
-        return None
+    if not isinstance(mask, (_Combine, _Document)) or q.dim() != 4 or k.dim() != 4:
+        return None  # (a document mask is one, or one part of an `&`)
     parts = _conjuncts(mask)
     found = [p for p in parts if isinstance(p, _Document)]
     inner = [p for p in parts if not isinstance(p, _Document)]

@@ -88,7 +88,8 @@ def attend(
     `torch.compile` (`attnkit.compiled`). torch's `CausalBias` enters as the `causal`
     mask it stands for. `check_bias`: refuse float masks that look like mistakes
     (`masks.check_additive`; `sdpa` adds them as torch does)."""
-    mask = from_torch_mask(mask, _length(q), _length(k))
+    if not (mask is None or type(mask) is Tensor or isinstance(mask, Mask)):
+        mask = from_torch_mask(mask, _length(q), _length(k))  # a CausalBias, or refused later
     found = None if torch.compiler.is_compiling() else documents(mask, q, k)
     if found is not None and isinstance(mask, Mask):  # packed documents: a call each
         normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)

@@ -17,6 +17,7 @@ the mask's tensors included) and runs it; `explain()` gives its `Plan`.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -88,18 +89,34 @@ def fit(
     )  # fmt: skip
 
 
+class MaskTensors:
+    """The tensors a mask's state is made of, found once: the caller's tensor given as
+    the mask (or wrapped by `as_mask`), else every tensor the mask holds. `weak`: the
+    given tensor is held weakly (a cache keyed by it must not keep it alive)."""
+
+    def __init__(self, mask: MaskArg, *, weak: bool = False) -> None:
+        given = mask if isinstance(mask, Tensor) else None
+        if isinstance(mask, Mask):
+            given = given_tensor(mask)
+        self._given: Callable[[], Tensor | None] | None = None
+        if given is not None:
+            self._given = weakref.ref(given) if weak else (lambda: given)
+        self.tensors = mask.tensors() if given is None and isinstance(mask, Mask) else ()
+
+    def state(self) -> tuple[object, ...]:
+        """The identity, version and size of each: a tensor changed in place has a new
+        version, so a key that holds it finds nothing."""
+        if self._given is not None:
+            given = self._given()
+            assert given is not None  # found by it: alive
+            return (given.data_ptr(), given._version, given.shape, given.stride(),
+                    given.dtype, given.device)  # fmt: skip
+        return tuple((t.data_ptr(), t._version, t.shape) for t in self.tensors)
+
+
 def mask_state(mask: MaskArg) -> tuple[object, ...]:
-    """The identity, version and size of each tensor the mask holds or is: a tensor
-    changed in place has a new version, so a key that holds it finds nothing."""
-    given = mask if isinstance(mask, Tensor) else None
-    if isinstance(mask, Mask):
-        given = given_tensor(mask)
-        if given is None:
-            return tuple((t.data_ptr(), t._version, t.shape) for t in mask.tensors())
-    if given is None:
-        return ()
-    return (given.data_ptr(), given._version, given.shape, given.stride(), given.dtype,
-            given.device)  # fmt: skip
+    """`MaskTensors(mask).state()`: what a fit holds of the mask."""
+    return MaskTensors(mask).state()
 
 
 class Prepared:
@@ -131,6 +148,7 @@ class Prepared:
         self.derived = call.derived  # what the backends derive on the first run
         # set by `bound` (attnkit.prepare): the mask, sinks, and how routed calls run
         self._mask: tuple[MaskArg] | None = None
+        self._tensors = MaskTensors(None)
         self._sinks: Tensor | None = None
         self._route: Route | None = None
         self._routed = False
@@ -175,6 +193,7 @@ class Prepared:
         found = Prepared.__new__(Prepared)
         found.__dict__.update(self.__dict__)
         found.fit, found._mask, found._sinks = fit, (mask,), sinks
+        found._tensors = MaskTensors(mask)
         found._route, found._routed = route, routed
         found._notes = notes
         return found
@@ -220,14 +239,14 @@ class Prepared:
         assert self._route is not None and self.fit is not None
         if torch.compiler.is_compiling():  # one traced op, as attention() under compile
             return self._with_sinks(*self._route(q, k, v))
+        if not self._routed and self._fits(q, k, v):
+            return self._with_sinks(*self.run(q, k, v, mask))
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
         options = self.fit[14:20]
-        now = fit(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), options)
+        now = fit(q, k, v, q.shape, k.shape, v.shape, self._tensors.state(), options)
         assert now is not None  # the options are the prepared call's own
-        if now == self.fit and not self._routed:
-            return self._with_sinks(*self.run(q, k, v, mask))
         changed = [i for i, (a, b) in enumerate(zip(now, self.fit, strict=True)) if a != b]
         wrong = [i for i in changed if i not in _STRIDES and i != _VERSION]
         if wrong:
@@ -241,6 +260,23 @@ class Prepared:
             return self._with_sinks(*self._route(q, k, v))
         out, lse = execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
         return self._with_sinks(out, lse)  # other strides: the kernel takes none as given
+
+    def _fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """The fit of plain tensors, field by field (what `fit` would build, but the
+        options, the prepared call's own, and the backends' state, which changes no
+        result)."""
+        f = self.fit
+        assert f is not None
+        return (
+            type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and q.shape == f[0] and k.shape == f[1] and v.shape == f[2]
+            and q.stride() == f[3] and k.stride() == f[4] and v.stride() == f[5]
+            and q.dtype is f[6] and k.dtype is f[7] and v.dtype is f[8]
+            and q.device == f[9] and k.device == f[10] and v.device == f[11]
+            and f[13] == (torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad))
+            and self._tensors.state() == f[20]
+        )  # fmt: skip
 
     def _with_sinks(self, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if self._sinks is None:

@@ -55,10 +55,18 @@ def get_backend(name: str) -> Backend:
 _REGISTERED = [0]  # registrations and removals so far
 
 
+def _stateful() -> list[Backend]:
+    """The backends with a `version` of their own (the rest are always 0)."""
+    return [b for b in BACKENDS.values() if type(b).version is not Backend.version]
+
+
+_STATEFUL = _stateful()
+
+
 def state() -> tuple[int, int]:
     """Changes when a backend is registered or removed, or one's own state changes what
     it costs (`Backend.version`: flex's kernels turning warm); prepared calls key on it."""
-    return _REGISTERED[0], sum(b.version for b in BACKENDS.values())
+    return _REGISTERED[0], sum([b.version for b in _STATEFUL])
 
 
 def register(backend: Backend) -> None:
@@ -70,6 +78,7 @@ def register(backend: Backend) -> None:
     BACKENDS[backend.name] = backend
     AUTO_ORDER.append(backend.name)
     _REGISTERED[0] += 1
+    _STATEFUL[:] = _stateful()
 
 
 def unregister(name: str) -> None:
@@ -78,3 +87,4 @@ def unregister(name: str) -> None:
     del BACKENDS[name]
     AUTO_ORDER.remove(name)
     _REGISTERED[0] += 1
+    _STATEFUL[:] = _stateful()
