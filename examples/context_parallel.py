@@ -99,6 +99,7 @@ def worker(
         kv = q[:, :2]
         plan = akd.explain(q, kv, kv, ak.causal(), layout=args.layout, strategy=args.strategy)
         out.update(losses=losses, seconds=elapsed, plan=str(plan))
+    dist.barrier()  # both ranks finish before either tears gloo down (else one may abort)
     dist.destroy_process_group()
 
 

@@ -188,7 +188,7 @@ CACHE_TYPES = {"Bounded", "PerMask", "PerTensor", "WeakKeyDictionary", "WeakValu
 # the process-wide caches that remain: attention()'s prepared calls, and the mask-side
 # ones still to move into prepared calls (the list only shrinks)
 CACHES = {
-    "attnkit.dispatch._HELD",
+    "attnkit.dispatch._CALLS",
     "attnkit.masks.spec._DECODED",
     "attnkit.masks.window._CACHE",
     "attnkit.masks.tensor._GIVEN",

@@ -142,12 +142,12 @@ def test_the_cache_holds_neither_masks_nor_inputs():
     ak.attention(q, k, v, mask)
     ak.attention(q, k, v, tensor_mask)
     masks = [id(mask), id(tensor_mask)]
-    assert mask in dispatch._HELD and tensor_mask in dispatch._HELD
+    assert mask in dispatch._CALLS and tensor_mask in dispatch._CALLS
     alive = [weakref.ref(x) for x in (mask, tensor_mask, q, k, v)]
     del mask, tensor_mask, q, k, v
     gc.collect()
     assert all(ref() is None for ref in alive)
-    assert not any(i in dispatch._HELD._by_object for i in masks)  # their entries went with them
+    assert not any(i in dispatch._CALLS._by_object for i in masks)  # their entries went with them
 
 
 def test_masks_built_anew_share_the_calls_of_their_structure(plans):
@@ -173,7 +173,7 @@ def test_masks_built_anew_share_the_calls_of_their_structure(plans):
     assert value_key((1, 2.0)) != value_key((True, 2))  # typed numbers
 
 
-def test_a_growing_cache_is_served_by_the_lane_and_stays_exact(plans):
+def test_a_growing_cache_is_served_by_one_call_for_any_length_and_stays_exact(plans):
     """A decoding step (every key seen: bottom-right causal at L = 1) runs one unmasked
     kernel whatever S: one preparation serves every step, a new mask object each."""
     g = torch.Generator().manual_seed(3)
@@ -188,7 +188,7 @@ def test_a_growing_cache_is_served_by_the_lane_and_stays_exact(plans):
     assert plans[0] == 1
 
 
-def test_the_lane_serves_only_calls_that_see_every_key():
+def test_one_call_for_any_length_serves_only_calls_that_see_every_key():
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 4, 1, 8, generator=g)
     k, v = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g)
@@ -203,7 +203,7 @@ def test_the_lane_serves_only_calls_that_see_every_key():
         with pytest.raises(ak.ShapeContractError, match="K/V length mismatch"):
             ak.attention(q, k, v[:, :, :11], bottom)
         assert (ak.attention(q, k[:, :, :0], v[:, :, :0], bottom) == 0).all()  # no keys
-    qg = q.clone().requires_grad_()  # gradients through the lane's kernel
+    qg = q.clone().requires_grad_()  # gradients through that kernel
     ak.attention(qg, k, v, ak.causal(align="bottom_right")).sum().backward()
     qr = q.clone().requires_grad_()
     _reference(qr, k, v, None).sum().backward()

@@ -7,14 +7,14 @@ layer of a decoding step, each step of a loop of fixed sizes -- costs that key, 
 lookup and the kernel, and a prepared call is never served stale (the key holds the
 identity and version of the mask's tensors).
 
-Prepared calls are held per mask (`permask.PerMask`: a mask of numbers alone by its
+Prepared calls are calls per mask (`permask.PerMask`: a mask of numbers alone by its
 structure, others by their object, weakly: they go when the mask goes), at most
 `PREPARED_PER_MASK` each, and never hold the mask or q, k, v themselves.
 
 A call where every query sees every key by the mask's structure alone (a decoding step:
 bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the mask and the
-number of keys S: kept under a key without either (the decoding lane, beside the calls
-without a mask), it serves the next step of a growing cache (one more key, a new mask
+number of keys S: kept under a key without either (`_any_length_key`, beside the calls without a
+mask), it serves the next step of a growing cache (one more key, a new mask
 object each step: transformers builds one per forward) with no validation or planning
 but its own checks.
 """
@@ -86,30 +86,30 @@ def _lookup(
     mask: MaskArg,
     options: tuple[object, ...],
     grad: bool | None,
-    lane: bool,
+    any_length_ok: bool,
 ) -> Prepared:
-    """`prepared_call`; `lane`: a decoding step may be served by a call prepared for
-    another S (then only `run` it: its sizes are another's)."""
+    """`prepared_call`; `any_length_ok`: a decoding step may be served by a call
+    prepared for another S (then only `run` it: its sizes are another's)."""
     plain = type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-    lane_key = None
-    if lane and plain and grad is None and (mask is None or isinstance(mask, Mask)):
-        lane_key = _lane_key(q, k, v, mask, options)
-        found = None if lane_key is None else _HELD.of(None).plans.get(lane_key)
+    any_length = None
+    if any_length_ok and plain and grad is None and (mask is None or isinstance(mask, Mask)):
+        any_length = _any_length_key(q, k, v, mask, options)
+        found = None if any_length is None else _CALLS.of(None).plans.get(any_length)
         if found is not None:
             return found
-    held = _held(mask)
-    plain = plain and held is not None
+    calls = _calls_of(mask)
+    plain = plain and calls is not None
     key = None
     if plain:
-        state = held.state()  # type: ignore[union-attr]
+        state = calls.state()  # type: ignore[union-attr]
         key = fit(q, k, v, q.shape, k.shape, v.shape, state, options, grad)
-    found = None if key is None else held.plans.get(key)  # type: ignore[union-attr]
+    found = None if key is None else calls.plans.get(key)  # type: ignore[union-attr]
     if found is None:
         found = _prepared(q, k, v, mask, options, key, grad)
         if key is not None:
-            held.plans.put(key, found)  # type: ignore[union-attr]
-        if lane_key is not None and found.kernel is not None and found.kernel.serves_any_length:
-            _HELD.of(None).plans.put(lane_key, found)  # any mask that sees every key
+            calls.plans.put(key, found)  # type: ignore[union-attr]
+        if any_length is not None and found.kernel is not None and found.kernel.serves_any_length:
+            _CALLS.of(None).plans.put(any_length, found)  # any mask that sees every key
     return found
 
 
@@ -139,10 +139,10 @@ def _prepared(
     )  # fmt: skip
 
 
-def _lane_key(
+def _any_length_key(
     q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, options: tuple[object, ...]
 ) -> tuple[object, ...] | None:
-    """The lane's key, or None where the call is not one it serves: a mask with a bias,
+    """The key of a call any S serves, or None where the call is not one: a mask with a bias,
     one that may hide a pair whatever its tensors hold (`sees_all`), no keys, or k and v
     of other lengths. The key holds no mask (any mask that sees every key runs the same
     unmasked kernel) and no S; what it leaves out is checked here: S >= 1, the same in k
@@ -178,7 +178,7 @@ def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tens
 # ------------------------------------------------------------------ the cache
 
 
-class _Held(MaskTensors):
+class _MaskCalls(MaskTensors):
     """The prepared calls of one mask (or of calls without a mask), by `fit` key, and
     the tensors whose identity and version every key holds (they die with the mask)."""
 
@@ -190,16 +190,16 @@ class _Held(MaskTensors):
 
 # prepared calls by mask: a mask of numbers alone by its structure (a mask built anew
 # each step shares the calls of an equal one), others by their object
-_HELD: PerMask[_Held] = PerMask(_Held)
+_CALLS: PerMask[_MaskCalls] = PerMask(_MaskCalls)
 
 
-def _held(mask: MaskArg) -> _Held | None:
+def _calls_of(mask: MaskArg) -> _MaskCalls | None:
     """The prepared calls of `mask`; None for a mask argument of another type."""
     if mask is None or isinstance(mask, Mask) or type(mask) is Tensor:
-        return _HELD.of(mask)
+        return _CALLS.of(mask)
     return None
 
 
 def clear() -> None:
     """Forget every prepared call (tests; after changing a backend by hand)."""
-    _HELD.clear()
+    _CALLS.clear()

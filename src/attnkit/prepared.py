@@ -68,7 +68,7 @@ def fit(
     grad: bool | None = None,
 ) -> tuple[object, ...] | None:
     """Everything validation, planning and preparing read (of plain tensors q, k, v;
-    the sizes as given: a decoding lane leaves S out; `state`: `mask_state`;
+    the sizes as given: a decoding step's key may leave S out; `state`: `mask_state`;
     `options`: scale, softcap, dropout_p, backend, need_lse, check_bias; `grad`: planned
     as if autograd records, None: whether it does). None where a call is not cached (an
     option that is not a plain number: the full path checks it)."""

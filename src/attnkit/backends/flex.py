@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import cost
+from attnkit import cost, precision
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.backends.protocol import Backend
 from attnkit.contracts import AttentionCall
 from attnkit.masks import blocks
-from attnkit.precision import compute_dtype, kernel_dtype
+from attnkit.precision import compute_dtype
 from attnkit.reference import attend
 from attnkit.threads import in_fresh_thread
 from attnkit.visibility import cleaned
@@ -40,12 +40,12 @@ BROKEN = (
 )
 
 
-def _work_dtype(call: AttentionCall) -> torch.dtype:
+def _kernel_dtype(call: AttentionCall) -> torch.dtype:
     """Half natively on GPUs (as `kernel_dtype` says); on CPU in float32, where compiled
     flex kernels of half inputs are another compile per dtype and gain nothing."""
     if call.q.device.type == "cpu":
         return compute_dtype(call.q.dtype)
-    return kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+    return precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
 
 
 def _signature(call: AttentionCall) -> tuple[Any, ...]:
@@ -55,7 +55,7 @@ def _signature(call: AttentionCall) -> tuple[Any, ...]:
         tuple(call.q.shape),
         tuple(call.k.shape),
         tuple(call.v.shape),
-        _work_dtype(call),
+        _kernel_dtype(call),
         call.q.device.type,
         call.softcap is not None,
     )
@@ -138,7 +138,7 @@ class FlexBackend(Backend):
         assert flex is not None and call.mask is not None
         if self._compiled is None:
             self._compiled = torch.compile(flex.flex_attention, dynamic=False)
-        work = _work_dtype(call)
+        kernel_dtype = _kernel_dtype(call)
         score_mod = None
         if call.softcap is not None:
             cap = call.softcap
@@ -148,7 +148,9 @@ class FlexBackend(Backend):
 
         block_mask = self._block_mask(call)
         # keys no query sees may hold NaN: flex masks their scores, but 0·NaN still leaks
-        q, k, v = cleaned(call, call.q.to(work), call.k.to(work), call.v.to(work))
+        q, k, v = cleaned(
+            call, call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
+        )
         signature = _signature(call)
 
         def kernel() -> Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit import cost
+from attnkit import cost, precision
 from attnkit._compat import (
     TORCH_SDPA,
     cpu_flash_attention,
@@ -28,7 +28,7 @@ from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import is_sdpa_causal
-from attnkit.precision import HALF, kernel_dtype
+from attnkit.precision import HALF
 from attnkit.softmax import with_lse_gradient
 from attnkit.visibility import effective_visibility, hide_unseen, seen, zero_unseen
 
@@ -148,7 +148,7 @@ class _Kernel:
     kernel, so a non-finite output (keys no query sees may hold NaN) gives None."""
 
     dtype: torch.dtype
-    work: torch.dtype
+    kernel_dtype: torch.dtype  # what the kernel computes in
     attn_mask: Tensor | None
     is_causal: bool
     scale: float
@@ -161,8 +161,8 @@ class _Kernel:
         return self.attn_mask is None and not self.is_causal
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-        if self.work != self.dtype:
-            q, k, v = q.to(self.work), k.to(self.work), v.to(self.work)
+        if self.kernel_dtype != self.dtype:
+            q, k, v = q.to(self.kernel_dtype), k.to(self.kernel_dtype), v.to(self.kernel_dtype)
         out = TORCH_SDPA(
             q, k, v, attn_mask=self.attn_mask, dropout_p=self.dropout_p,
             is_causal=self.is_causal, scale=self.scale, enable_gqa=self.gqa,
@@ -236,15 +236,15 @@ class SdpaBackend(Backend):
         if backward_op is None or not self.serves_backward(call):
             return None
         is_causal = self._is_causal(call)
-        work = kernel_dtype(call.q.dtype, call.q.device)
-        q, k, v = (t.to(work) for t in (call.q, call.k, call.v))
-        # the op's own GQA sums a K/V head's G gradients in `work`: float32 only
-        repeat = d.groups > 1 and (work in HALF or not cpu_flash_gqa())
+        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device)
+        q, k, v = (t.to(kernel_dtype) for t in (call.q, call.k, call.v))
+        # the op's own GQA sums a K/V head's G gradients in `kernel_dtype`: float32 only
+        repeat = d.groups > 1 and (kernel_dtype in HALF or not cpu_flash_gqa())
         if repeat:
             k, v = k.repeat_interleave(d.groups, 1), v.repeat_interleave(d.groups, 1)
-        out, dout = out.to(work), unit_last_stride(dout.to(work))
+        out, dout = out.to(kernel_dtype), unit_last_stride(dout.to(kernel_dtype))
         if dlse is not None:
-            q, k, v, out, dout = with_lse_gradient(q, k, v, out, dout, dlse.to(work))
+            q, k, v, out, dout = with_lse_gradient(q, k, v, out, dout, dlse.to(kernel_dtype))
         gq, gk, gv = backward_op(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=None, scale=call.scale
         )
@@ -271,8 +271,8 @@ class SdpaBackend(Backend):
         d, mask = call.dims, call.mask
         if need_lse or call.has_bias:
             return None
-        work = kernel_dtype(call.q.dtype, call.q.device)
-        if d.groups > 1 and work in HALF and call.requires_grad:
+        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device)
+        if d.groups > 1 and kernel_dtype in HALF and call.requires_grad:
             return None  # K/V repeated by `run`, their gradients summed in float32
         is_causal = self._is_causal(call)
         attn_mask = None
@@ -281,7 +281,7 @@ class SdpaBackend(Backend):
             if attn_mask is not None and not _check_instead_of_cleaning(call, need_lse):
                 return None  # cleaning first (gradients, dropout, other devices)
         return _Kernel(
-            call.q.dtype, work, attn_mask, is_causal, call.scale, call.dropout_p,
+            call.q.dtype, kernel_dtype, attn_mask, is_causal, call.scale, call.dropout_p,
             d.groups > 1, checked=attn_mask is not None,
         )  # fmt: skip
 
@@ -289,9 +289,9 @@ class SdpaBackend(Backend):
         d = call.dims
         q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
         # half natively where the hardware is fast, except under a bias (needs float32)
-        work = kernel_dtype(q.dtype, q.device, bias=call.has_bias)
-        if work != q.dtype:  # (`.to` costs microseconds even when nothing changes)
-            q, k, v = q.to(work), k.to(work), v.to(work)
+        kernel_dtype = precision.kernel_dtype(q.dtype, q.device, bias=call.has_bias)
+        if kernel_dtype != q.dtype:  # (`.to` costs microseconds even when nothing changes)
+            q, k, v = q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
             if _check_instead_of_cleaning(call, need_lse):
@@ -304,7 +304,7 @@ class SdpaBackend(Backend):
         # (PyTorch's CPU kernels sum them in half); float32 and forward-only calls use
         # the kernel's own GQA (the flash op's where it has one)
         repeat = d.groups > 1 and (
-            (need_lse and not cpu_flash_gqa()) or (work in HALF and call.requires_grad)
+            (need_lse and not cpu_flash_gqa()) or (kernel_dtype in HALF and call.requires_grad)
         )
         if repeat:
             k, v = repeat_kv_exact_grad(k, d.groups), repeat_kv_exact_grad(v, d.groups)

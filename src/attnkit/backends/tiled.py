@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import cost
+from attnkit import cost, precision
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends.protocol import Backend, Block, Work
 from attnkit.backends.tilemask import Visibility
@@ -31,7 +31,7 @@ from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_p
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal
-from attnkit.precision import compute_dtype, kernel_dtype
+from attnkit.precision import compute_dtype
 from attnkit.softmax import merge_in_place, with_lse_gradient
 from attnkit.visibility import Seen, seen, zero_unseen
 
@@ -337,8 +337,8 @@ class TiledBackend(Backend):
         return vis, plan, seen(call, None if vis.spans is not None else from_blocks)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-        work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
-        q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
+        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+        q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         vis, plan, found = self._visibility(call)
         out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale, found)  # type: ignore[no-untyped-call]
         return out.to(call.q.dtype), lse if need_lse else None
@@ -352,8 +352,8 @@ class TiledBackend(Backend):
         """Gradients of q, k, v of a call (as `normalize_call` made them) from its output
         and log-sum-exp, whichever backend computed them (the math is one): for the
         compiled backward op, which then needs no second forward pass."""
-        work = kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
-        q, k, v = call.q.to(work), call.k.to(work), call.v.to(work)
+        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+        q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         vis, plan, found = self._visibility(call)
         if found is not None:
             q, k, v = zero_unseen(q, k, v, *found)

@@ -52,7 +52,7 @@ def alibi_bias(
     adding `-inf` where needed, e.g. `bias.masked_fill(~causal().materialize(...), -inf)`.
     """
     S = L if S is None else S
-    offset = causal_offset(align, L, S, who="alibi_bias")
+    offset = causal_offset(align, L, S, constructor="alibi_bias")
     i = torch.arange(L, device=device)[:, None] + offset
     j = torch.arange(S, device=device)[None, :]
     distance = (i - j).abs().float()  # (L, S)
@@ -84,7 +84,7 @@ class _ALiBi(Mask):
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
         if self.positions is None:
-            causal_offset(self.align, L, S, who="alibi")
+            causal_offset(self.align, L, S, constructor="alibi")
         if H != self.slopes.shape[-1]:
             raise ShapeContractError(
                 f"alibi has {self.slopes.shape[-1]} slopes (one per head) but the call has "
@@ -118,7 +118,7 @@ class _ALiBi(Mask):
         if slopes.dim() > 1:
             slopes = slopes.expand(B, *slopes.shape[1:])
         at = None if self.positions is None else self.positions.to(device).expand(B, L)
-        offset = 0 if at is not None else causal_offset(self.align, L, S, who="alibi")
+        offset = 0 if at is not None else causal_offset(self.align, L, S, constructor="alibi")
 
         def aligned(b: Tensor, i: Tensor) -> Tensor:  # query row i's aligned key position
             return i + offset if at is None else at[b, i]

@@ -50,7 +50,7 @@ def check_offset(align: str | None, offset: object) -> int | None:
 
 
 def causal_offset(
-    align: str | None, L: int, S: int, who: str = "causal", offset: int | None = None
+    align: str | None, L: int, S: int, constructor: str = "causal", offset: int | None = None
 ) -> int:
     """How far the diagonal of query `i` shifts right: key `i + offset` is the last visible.
 
@@ -59,11 +59,12 @@ def causal_offset(
     if offset is not None:
         return offset
     if align is None and L != S:
+        fn = constructor
         raise ShapeContractError(
-            f"{who} mask with L={L} queries and S={S} keys: the alignment is ambiguous. "
-            f"Choose {who}(align='top_left') (key j visible to query i iff j <= i, as SDPA's "
-            f"is_causal), {who}(align='bottom_right') (iff j <= i + S - L, as flash-attention "
-            f"and KV-cache decoding) or {who}(offset=n) (iff j <= i + n, for a cache whose "
+            f"{fn} mask with L={L} queries and S={S} keys: the alignment is ambiguous. "
+            f"Choose {fn}(align='top_left') (key j visible to query i iff j <= i, as SDPA's "
+            f"is_causal), {fn}(align='bottom_right') (iff j <= i + S - L, as flash-attention "
+            f"and KV-cache decoding) or {fn}(offset=n) (iff j <= i + n, for a cache whose "
             "offset is neither)."
         )
     return S - L if align == "bottom_right" else 0

@@ -32,7 +32,7 @@ class _Positional(Mask):
     is 0 (top_left), S - L (bottom_right) or an explicit offset; with L != S and neither
     given it raises (attnkit never guesses)."""
 
-    who = "causal"
+    constructor = "causal"
     align: str | None
     offset: int | None
 
@@ -42,7 +42,7 @@ class _Positional(Mask):
         self.align = align
 
     def shift(self, L: int, S: int) -> int:
-        return causal_offset(self.align, L, S, who=self.who, offset=self.offset)
+        return causal_offset(self.align, L, S, constructor=self.constructor, offset=self.offset)
 
     def check(self, B: int, H: int, L: int, S: int) -> None:
         self.shift(L, S)
@@ -117,7 +117,7 @@ def causal(align: Align | None = None, *, offset: int | None = None) -> Mask:
 
 
 class _SlidingWindow(_Positional):
-    who = "sliding_window"
+    constructor = "sliding_window"
 
     def __init__(self, left: int, right: int, align: str | None, offset: int | None) -> None:
         self.left = check_count("left", left)
@@ -167,7 +167,7 @@ def sliding_window(
 
 
 class _Chunked(_Positional):
-    who = "chunked"
+    constructor = "chunked"
 
     def __init__(self, size: int, align: str | None, offset: int | None) -> None:
         self.size = check_count("size", size, minimum=1)
@@ -213,7 +213,7 @@ def chunked(size: int, align: Align | None = None, *, offset: int | None = None)
 
 
 class _PrefixLM(_Positional):
-    who = "prefix_lm"
+    constructor = "prefix_lm"
 
     def __init__(
         self, prefix_len: int | Tensor, align: str | None, offset: int | None = None
