@@ -104,3 +104,21 @@ def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[li
     S = L if S is None else S
     B = mask.batch_size or 1
     return mask.materialize(B, 1, L, S)[batch, 0].int().tolist()
+
+
+def count_tile_plans(monkeypatch) -> list[tuple[object, ...]]:
+    """The tile plans tiled makes from now on (their arguments but the mask), counted;
+    prepared calls forgotten first, so the count starts at 0."""
+    from attnkit import dispatch
+    from attnkit.backends import tiled
+
+    planned: list[tuple[object, ...]] = []
+    real = tiled.best_plan
+
+    def counting(*args: object) -> object:
+        planned.append(args[1:])
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tiled, "best_plan", counting)
+    dispatch.clear()
+    return planned

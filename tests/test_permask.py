@@ -8,9 +8,9 @@ import weakref
 import torch
 
 import attnkit as ak
-from attnkit import dispatch
 from attnkit.masks.base import as_mask
 from attnkit.permask import STRUCTURES_KEPT, PerMask
+from helpers import count_tile_plans
 
 
 def _cache() -> tuple[PerMask[list[object]], list[object]]:
@@ -78,17 +78,7 @@ def test_entries_go_with_their_object_and_structures_are_bounded():
 
 def test_tiled_plans_once_for_masks_built_anew_each_call(monkeypatch):
     """A decoding loop that builds `causal() & sliding_window(w)` each step plans once."""
-    from attnkit.backends import tiled
-
-    planned = []
-    real = tiled.best_plan
-
-    def counting(*args: object) -> object:
-        planned.append(args[1:])
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(tiled, "best_plan", counting)
-    dispatch.clear()  # plans live in the prepared calls
+    planned = count_tile_plans(monkeypatch)  # plans live in the prepared calls
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 300, 16, generator=g) for _ in range(3))
     want = ak.attention(q, k, v, ak.causal() & ak.sliding_window(40), backend="reference")

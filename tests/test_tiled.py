@@ -8,7 +8,7 @@ import torch
 import attnkit as ak
 from attnkit.backends.tileplan import plan_tiles
 from attnkit.masks.structure import state
-from helpers import out_and_grads, small_qkv
+from helpers import count_tile_plans, out_and_grads, small_qkv
 
 
 def qkv(B=2, H=4, Hkv=2, L=300, S=300, D=16, dtype=torch.float64):
@@ -203,16 +203,7 @@ def test_plans_count_covered_rows_so_uncovered_ones_stay_zero(mask):
 
 
 def test_plans_are_reused_per_mask_and_renewed_when_its_tensors_change(monkeypatch):
-    from attnkit.backends import tiled
-
-    planned = []
-    real = tiled.best_plan
-
-    def counting(*args: object) -> object:
-        planned.append(args[1:])
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(tiled, "best_plan", counting)
+    planned = count_tile_plans(monkeypatch)
     lengths = torch.tensor([300, 120])
     mask = ak.causal() & ak.key_padding(lengths)
     q, k, v = qkv()
