@@ -30,6 +30,3 @@ class Derived:
             self._values[name] = make()
         found: T = self._values[name]
         return found
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._values

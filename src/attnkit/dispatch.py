@@ -26,13 +26,12 @@ import math
 from torch import Tensor
 
 from attnkit.bounded import Bounded
-from attnkit.contracts import AttentionCall, normalize_call
+from attnkit.contracts import normalize_call
 from attnkit.masks import Mask
 from attnkit.permask import PerMask
-from attnkit.prepared import MaskTensors, Prepared, execute, fit, prepare_call
-from attnkit.prepared import _choose as choose
+from attnkit.prepared import MaskTensors, Prepared, fit, prepare_call
 
-__all__ = ["PREPARED_PER_MASK", "attention_call", "clear", "prepared_call", "run"]
+__all__ = ["PREPARED_PER_MASK", "attention_call", "clear", "prepared_call"]
 
 MaskArg = Mask | Tensor | None
 
@@ -168,11 +167,6 @@ def _any_length_key(
     k_rest = (k_shape[0], k_shape[1], k_shape[3])  # (B, Hkv, D): S left out
     v_rest = (v_shape[0], v_shape[1], v_shape[3])
     return fit(q, k, v, q_shape, k_rest, v_rest, (), options)
-
-
-def run(call: AttentionCall, name: str, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-    """A validated call on backend `name` ("auto": the planner's choice), uncached."""
-    return execute(call, choose(call, name, need_lse), need_lse=need_lse)
 
 
 # ------------------------------------------------------------------ the cache
