@@ -184,17 +184,10 @@ def test_no_module_outside_backends_looks_a_backend_up_by_its_name():
     assert sorted(_literal_backend_lookups(sample)) == [1, 2]  # the check can fail
 
 
-CACHE_TYPES = {"Bounded", "PerMask", "PerTensor", "WeakKeyDictionary", "WeakValueDictionary"}
-# the process-wide caches that remain: attention()'s prepared calls, and the mask-side
-# ones still to move into prepared calls (the list only shrinks)
-CACHES = {
-    "attnkit.dispatch._CALLS",
-    "attnkit.masks.spec._DECODED",
-    "attnkit.masks.window._CACHE",
-    "attnkit.masks.tensor._GIVEN",
-    "attnkit.masks.intervals._FOUND",
-    "attnkit.integrations.transformers._STRUCTURES",
-}
+CACHE_TYPES = {"Bounded", "PerMask", "WeakKeyDictionary", "WeakValueDictionary"}
+# the process-wide caches: attention()'s prepared calls (the cost table is `cost`'s
+# active table, a value it is given)
+CACHES = {"attnkit.dispatch._CALLS"}
 
 
 def _module_caches(name: str, tree: ast.Module) -> set[str]:

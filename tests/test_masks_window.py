@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import dispatch
 from attnkit.masks import as_mask
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import dense_bias, is_sdpa_causal, key_bounds
@@ -64,13 +65,24 @@ def test_causal_windows_off_and_on_the_diagonal_take_the_unmasked_and_causal_ker
     assert "rows 10:20, keys 0:10" in below.describe()
 
 
-def test_the_same_window_is_the_same_object_until_the_mask_changes():
+def test_the_same_window_finds_its_prepared_call_until_the_mask_changes():
+    """A window is built anew for each call of a piece: an equal one finds the call
+    prepared for the first (its plans), and an in-place change of the mask does not."""
     ids = DOCS.clone()
     mask = ak.document(ids)
-    first = window(mask, H=1, L=L, S=S, rows=(0, 5), cols=(0, 5))
-    assert window(mask, H=1, L=L, S=S, rows=(0, 5), cols=(0, 5)) is first
+    q = torch.randn(2, 1, 5, 8)
+
+    def prepared():
+        part = window(mask, H=1, L=L, S=S, rows=(0, 5), cols=(0, 5))
+        return dispatch.prepared_call(
+            q, q, q, part, scale=None, softcap=None, dropout_p=0.0, backend="auto",
+            need_lse=False,
+        )  # fmt: skip
+
+    first = prepared()
+    assert prepared() is first
     ids[0, 0] = 5
-    assert window(mask, H=1, L=L, S=S, rows=(0, 5), cols=(0, 5)) is not first
+    assert prepared() is not first
 
 
 def test_a_window_outside_the_mask_or_called_with_other_sizes_is_refused():

@@ -195,3 +195,29 @@ def test_strided_inputs_give_the_same_result_as_contiguous_ones():
         results.append(outs)
     for x, y in zip(*results, strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+def test_a_step_prepares_each_prefill_once_for_all_its_layers(monkeypatch):
+    """`Step.calls`: the first layer prepares each sequence's prefill, the others run it."""
+    from attnkit import dispatch
+
+    lookups = []
+    real = dispatch._lookup
+    monkeypatch.setattr(dispatch, "_lookup", lambda *a: lookups.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    layers = 3
+    pages = ak.PagedKVCache(layers, HKV, D, num_blocks=16, block_size=4, value_dim=DV)
+    a, b = pages.add(), pages.add()
+    step = pages.step([a, b], [5, 7])  # two prefills
+    inputs = [
+        [torch.randn(12, h, d, generator=g) for h, d in ((4, D), (HKV, D), (HKV, DV))]
+        for _ in range(layers)
+    ]
+    outs = [ak.paged_attention(q, k, v, pages, step, i) for i, (q, k, v) in enumerate(inputs)]
+    assert len(lookups) == 2  # one per sequence, for every layer
+    for out, (q, k, v) in zip(outs, inputs, strict=True):
+        want = [
+            ak.attention(*(t[s].transpose(0, 1)[None] for t in (q, k, v)), ak.causal())[0]
+            for s in (slice(0, 5), slice(5, 12))
+        ]
+        torch.testing.assert_close(out, torch.cat([w.transpose(0, 1) for w in want]))

@@ -1,4 +1,4 @@
-"""Caches per mask (`attnkit.permask`): by structure, by object, by the caller's tensor."""
+"""Caches per mask (`attnkit.permask`): by value, by object, by the caller's tensor."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 import attnkit as ak
 from attnkit.masks.base import as_mask
+from attnkit.masks.spec import decode, encode
+from attnkit.masks.window import window
 from attnkit.permask import STRUCTURES_KEPT, PerMask
 from helpers import count_tile_plans
 
@@ -48,6 +50,39 @@ def test_masks_holding_tensors_or_functions_are_their_own():
     assert cache.of(f) is not cache.of(g)
 
 
+def test_masks_built_anew_over_the_same_tensors_or_functions_share_a_holder():
+    """A mask built each call over the same objects (a piece's window, the compiled op's
+    decoded mask) finds the holder of an equal one, while those objects live."""
+    cache, _ = _cache()
+    lengths = torch.tensor([5, 3])
+    first = cache.of(ak.key_padding(lengths) & ak.causal())
+    assert cache.of(ak.key_padding(lengths) & ak.causal()) is first
+    assert cache.of(ak.key_padding(lengths.clone()) & ak.causal()) is not first
+
+    def fn(b, h, i, j):
+        return j <= i
+
+    assert cache.of(ak.Mask.from_mod(fn, "f")) is cache.of(ak.Mask.from_mod(fn, "f"))
+    global_mask = ak.document(torch.tensor([[0, 0, 1, 1, 1, 2]])) & ak.causal()
+    piece = dict(H=2, L=6, S=6, rows=(3, 6), cols=(0, 3))
+    assert cache.of(window(global_mask, **piece)) is cache.of(window(global_mask, **piece))
+    tensors: list[torch.Tensor] = []
+    spec = encode(global_mask, tensors)
+    assert cache.of(decode(spec, tensors)) is cache.of(decode(spec, tensors))
+    assert cache.of(decode(spec, tensors)) is cache.of(global_mask)
+
+
+def test_an_entry_by_value_goes_with_the_tensors_it_names():
+    cache, _ = _cache()
+    lengths = torch.tensor([5, 3])
+    cache.of(ak.key_padding(lengths) & ak.causal())  # the mask dies at once
+    assert len(cache._by_value) == 1
+    alive = weakref.ref(lengths)
+    del lengths
+    gc.collect()
+    assert alive() is None and len(cache._by_value) == 0  # neither held nor kept
+
+
 def test_a_tensor_and_every_mask_made_from_it_share_one_holder():
     """`as_mask` wraps a tensor anew at each call: the holder follows the caller's tensor."""
     cache, made = _cache()
@@ -73,7 +108,7 @@ def test_entries_go_with_their_object_and_structures_are_bounded():
     assert not any(i in cache._by_object for i in ids)
     for n in range(STRUCTURES_KEPT + 5):
         cache.of(ak.sliding_window(n))
-    assert len(cache._by_structure) == STRUCTURES_KEPT
+    assert len(cache._by_value) == STRUCTURES_KEPT
 
 
 def test_tiled_plans_once_for_masks_built_anew_each_call(monkeypatch):

@@ -290,17 +290,19 @@ def test_transformers_causal_function_is_causal_by_definition(monkeypatch):
     assert str(mask) == "causal(offset=11)"
 
 
-def test_a_pure_function_is_checked_once_and_one_holding_data_every_call(monkeypatch):
+def test_a_mask_function_is_checked_at_every_forward_and_its_data_read_anew(monkeypatch):
+    """transformers builds its functions anew for each forward (and one may read data
+    that changed since): each forward checks its function once, for all its layers."""
     calls = []
     real = akt.structure
     monkeypatch.setattr(akt, "structure", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
-    def window(b, h, q, kv):  # numbers only: its answer depends on its arguments alone
+    def window(b, h, q, kv):
         return (kv <= q) & (kv > q - 3)
 
     for _ in range(3):
         mask = akt.mask_function(2, 8, 8, mask_function=window, local_size=3)
-    assert len(calls) == 1 and str(mask) == "sliding_window(left=2, right=0, offset=0)"
+    assert len(calls) == 3 and str(mask) == "sliding_window(left=2, right=0, offset=0)"
     hidden = torch.zeros(8, dtype=torch.bool)
 
     def holding(b, h, q, kv):  # reads a tensor that may change between calls
@@ -309,7 +311,7 @@ def test_a_pure_function_is_checked_once_and_one_holding_data_every_call(monkeyp
     first = akt.mask_function(2, 8, 8, mask_function=holding)
     hidden[3] = True
     second = akt.mask_function(2, 8, 8, mask_function=holding)
-    assert len(calls) == 3
+    assert len(calls) == 5
     assert (
         first.materialize(2, 1, 8, 8)[0, 0, 5, 3] and not second.materialize(2, 1, 8, 8)[0, 0, 5, 3]
     )
@@ -356,3 +358,23 @@ def test_a_fullgraph_compiled_decoding_step_gives_sdpas_logits():
                 cache_position=torch.tensor([first]), use_cache=True,
             ).logits  # fmt: skip
     torch.testing.assert_close(logits["attnkit"], logits["sdpa"], atol=2e-5, rtol=1e-4)
+
+
+def test_a_forward_prepares_its_call_once_and_every_layer_runs_it(monkeypatch):
+    """Every layer shares the forward's mask object: the first prepares the call (one
+    lookup), the others run it, plain and padded, prefill and decoding steps."""
+    from attnkit import dispatch
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 3})
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("attnkit")
+    lookups = []
+    real = dispatch._lookup
+    monkeypatch.setattr(dispatch, "_lookup", lambda *a: lookups.append(1) or real(*a))
+    batch = _batch()
+    for inputs in ({"input_ids": batch["input_ids"]}, batch):
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=3, do_sample=False)
+        assert len(lookups) == 3  # the prefill and two decoding steps: one each
+        lookups.clear()

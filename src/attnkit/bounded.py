@@ -1,10 +1,8 @@
 """The one rule by which attnkit's caches forget: at most N entries, least recently used
 first.
 
-Every cache of prepared work (tiled's and flex's plans per mask, the dispatcher's
-prepared calls, the compiled op's plans, decoded and windowed masks) is keyed by
-everything that decides its value, a mask by the identity and version of its tensors,
-and bounded by one of these.
+The one cache of prepared calls (`dispatch`) is keyed by everything that decides a
+call, a mask by the identity and version of its tensors, and bounded by these.
 """
 
 from __future__ import annotations
@@ -41,6 +39,13 @@ class Bounded(Generic[K, V]):
         if len(self._items) > self.size:
             self._items.popitem(last=False)
         return value
+
+    def peek(self, key: K) -> V | None:
+        """The value under `key`, not counted as a use."""
+        return self._items.get(key)
+
+    def pop(self, key: K) -> None:
+        self._items.pop(key, None)
 
     def __contains__(self, key: object) -> bool:
         return key in self._items

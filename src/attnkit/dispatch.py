@@ -7,9 +7,10 @@ layer of a decoding step, each step of a loop of fixed sizes -- costs that key, 
 lookup and the kernel, and a prepared call is never served stale (the key holds the
 identity and version of the mask's tensors).
 
-Prepared calls are calls per mask (`permask.PerMask`: a mask of numbers alone by its
-structure, others by their object, weakly: they go when the mask goes), at most
-`PREPARED_PER_MASK` each, and never hold the mask or q, k, v themselves.
+Prepared calls are calls per mask (`permask.PerMask`: a mask by its object or, built
+anew, by its value with its tensors' identity; held weakly: they go when the mask or
+its tensors go), at most `PREPARED_PER_MASK` each, and never hold the mask or q, k, v
+themselves.
 
 A call where every query sees every key by the mask's structure alone (a decoding step:
 bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the mask and the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from attnkit.bounded import Bounded
@@ -31,7 +33,7 @@ from attnkit.masks import Mask
 from attnkit.permask import PerMask
 from attnkit.prepared import MaskTensors, Prepared, fit, prepare_call
 
-__all__ = ["PREPARED_PER_MASK", "attention_call", "clear", "prepared_call"]
+__all__ = ["PREPARED_PER_MASK", "StepCalls", "attention_call", "clear", "prepared_call"]
 
 MaskArg = Mask | Tensor | None
 
@@ -55,6 +57,45 @@ def attention_call(
     `check_bias`: a float mask's values are checked at its first call (not by `sdpa`)."""
     options = (scale, softcap, dropout_p, backend, need_lse, check_bias)
     return _lookup(q, k, v, mask, options, None, True).run(q, k, v, mask)
+
+
+class StepCalls:
+    """The calls of one step of a model: prepared by its first layer, run by the others.
+
+    Every layer of a forward attends with the same mask and inputs of the same kind; a
+    place (a forward's mask, a sequence of a paged step) keeps the prepared call of its
+    first call and runs it for later inputs of the same sizes, strides, dtypes, devices,
+    grad mode and options -- no key, no lookup. The caller keeps the object for one step
+    and names places whose mask is the same for the step (the first call's is run)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[object, tuple[tuple[object, ...], Prepared, MaskArg]] = {}
+
+    def run(
+        self,
+        place: object,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: MaskArg,
+        *,
+        scale: float | None,
+        softcap: float | None,
+        dropout_p: float,
+        backend: str = "auto",
+    ) -> Tensor:
+        """`attention(q, k, v, mask, ...)` through the place's prepared call."""
+        options = (scale, softcap, dropout_p, backend, False, True)
+        kind = (
+            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+            v.dtype, q.device, k.device, v.device, torch.is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad), options,
+        )  # fmt: skip
+        held = self._calls.get(place)
+        if held is None or held[0] != kind or type(q) is not Tensor:
+            held = (kind, _lookup(q, k, v, mask, options, None, True), mask)
+            self._calls[place] = held
+        return held[1].run(q, k, v, held[2])[0]
 
 
 def prepared_call(

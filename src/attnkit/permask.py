@@ -1,13 +1,15 @@
-"""Caches per mask: where the dispatcher and the backends keep what they prepared for a
-mask (prepared calls, tile plans, block masks), so that a mask is a value and holds none.
+"""Caches per mask: where the dispatcher keeps the prepared calls of a mask, so that a
+mask is a value and holds none.
 
-A mask of numbers alone (`causal()`, `sliding_window(128)`, their `&`) is found by its
-structure (`masks.structure.value_key`): a mask built anew each step finds what an equal
-one left. Any other mask (one holding tensors or a function) is found by its object,
-held weakly; a tensor given as the mask by that tensor object (`as_mask` wraps it anew at
-every call, so the wrapper would be new each time). An entry goes with its object. What
-a holder keeps inside is keyed by the caller with the mask's state (the identity and
-version of its tensors), and bounded (`Bounded`); masks kept by structure are bounded too.
+A mask is found by its object, held weakly (the entry goes with it), and else by its
+value (`masks.structure.value_key`), so a mask built anew each call finds what an equal
+one left: `causal()` built each step, the window of a context-parallel piece, a mask
+the compiled op decoded. A value holding tensors or functions holds their identity:
+its entry is trusted only while those objects live and are the same (held weakly, it
+goes when one of them goes). A tensor given as the mask, or wrapped by `as_mask` (anew
+at every call), is found by that tensor object. What a holder keeps inside is keyed by
+the caller with the mask's state (the identity and version of its tensors), and bounded
+(`Bounded`); masks found by value are bounded too.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from attnkit.masks.tensor import given_tensor
 
 __all__ = ["STRUCTURES_KEPT", "PerMask"]
 
-STRUCTURES_KEPT = 64  # masks of numbers alone remembered by structure, per cache
+STRUCTURES_KEPT = 64  # masks remembered by value, per cache
 
 H = TypeVar("H")  # what a cache holds for one mask
+Refs = tuple[weakref.ref[object], ...]
 
 
 class PerMask(Generic[H]):
@@ -38,10 +41,11 @@ class PerMask(Generic[H]):
         self._unmasked: H | None = None
         # id(object) -> (a weak reference to it, its holder); the entry goes when it dies
         self._by_object: dict[int, tuple[weakref.ref[object], H]] = {}
-        self._by_structure: Bounded[tuple[object, ...], H] = Bounded(STRUCTURES_KEPT)
+        # value key -> (weak references to the objects it names, the holder)
+        self._by_value: Bounded[tuple[object, ...], tuple[Refs, H]] = Bounded(STRUCTURES_KEPT)
 
     def of(self, mask: Mask | Tensor | None) -> H:
-        """The holder of `mask`: the one of its structure, its tensor or itself."""
+        """The holder of `mask`: the one of its object, its tensor or its value."""
         if mask is None:
             if self._unmasked is None:
                 self._unmasked = self._make(None)
@@ -52,15 +56,25 @@ class PerMask(Generic[H]):
         given = given_tensor(mask) if isinstance(mask, Mask) else None
         if given is not None:  # the caller's tensor outlives its wrapper
             return self.of(given)
-        structure = value_key(mask) if isinstance(mask, Mask) else None
-        if structure is None:
-            held = self._make(mask)
-        else:
-            found = self._by_structure.get(structure)
-            if found is None:
-                found = self._by_structure.put(structure, self._make(mask))
-            held = found
+        held = self._by_value_of(mask) if isinstance(mask, Mask) else self._make(mask)
         self._by_object[id(mask)] = (weakref.ref(mask, self._forget(id(mask))), held)
+        return held
+
+    def _by_value_of(self, mask: Mask) -> H:
+        """The holder of an equal mask, or a new one kept under `mask`'s value."""
+        objects: list[object] = []
+        key = value_key(mask, objects)
+        if key is None:
+            return self._make(mask)
+        entry = self._by_value.get(key)
+        if entry is not None and all(r() is x for r, x in zip(entry[0], objects, strict=True)):
+            return entry[1]
+        try:
+            refs = tuple(weakref.ref(x, self._drop(key)) for x in objects)
+        except TypeError:  # an object without weak references (a builtin): itself only
+            return self._make(mask)
+        held = self._make(mask)
+        self._by_value.put(key, (refs, held))
         return held
 
     def __contains__(self, mask: object) -> bool:
@@ -70,7 +84,7 @@ class PerMask(Generic[H]):
     def clear(self) -> None:
         self._unmasked = None
         self._by_object.clear()
-        self._by_structure.clear()
+        self._by_value.clear()
 
     def _forget(self, ident: int) -> Callable[[weakref.ref[object]], None]:
         """The callback that drops a dead object's entry (unless a new one took its id)."""
@@ -82,3 +96,15 @@ class PerMask(Generic[H]):
                 del by_object[ident]
 
         return forget
+
+    def _drop(self, key: tuple[object, ...]) -> Callable[[weakref.ref[object]], None]:
+        """The callback that drops a value entry when an object it names dies (unless
+        the entry under the key is another's by then)."""
+        by_value = self._by_value
+
+        def drop(ref: weakref.ref[object]) -> None:
+            entry = by_value.peek(key)
+            if entry is not None and any(r is ref for r in entry[0]):
+                by_value.pop(key)
+
+        return drop

@@ -91,27 +91,40 @@ def fit(
 
 class MaskTensors:
     """The tensors a mask's state is made of, found once: the caller's tensor given as
-    the mask (or wrapped by `as_mask`), else every tensor the mask holds. `weak`: the
-    given tensor is held weakly (a cache keyed by it must not keep it alive)."""
+    the mask (or wrapped by `as_mask`), else every tensor the mask holds. `weak`: they
+    are held weakly (a cache keyed by them must not keep them alive; it is asked while
+    the mask lives)."""
 
     def __init__(self, mask: MaskArg, *, weak: bool = False) -> None:
         given = mask if isinstance(mask, Tensor) else None
         if isinstance(mask, Mask):
             given = given_tensor(mask)
-        self._given: Callable[[], Tensor | None] | None = None
-        if given is not None:
-            self._given = weakref.ref(given) if weak else (lambda: given)
-        self.tensors = mask.tensors() if given is None and isinstance(mask, Mask) else ()
+        self._given = given is not None
+        held = (given,) if given is not None else mask.tensors() if isinstance(mask, Mask) else ()
+        self._tensors = tuple(weakref.ref(t) for t in held) if weak else tuple(map(_Kept, held))
 
     def state(self) -> tuple[object, ...]:
         """The identity, version and size of each: a tensor changed in place has a new
         version, so a key that holds it finds nothing."""
-        if self._given is not None:
-            given = self._given()
+        tensors = [ref() for ref in self._tensors]
+        if self._given:
+            given = tensors[0]
             assert given is not None  # found by it: alive
             return (given.data_ptr(), given._version, given.shape, given.stride(),
                     given.dtype, given.device)  # fmt: skip
-        return tuple((t.data_ptr(), t._version, t.shape) for t in self.tensors)
+        return tuple((t.data_ptr(), t._version, t.shape) for t in tensors if t is not None)
+
+
+class _Kept:
+    """A tensor held strongly, read as a weak reference is (`kept()`)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def __call__(self) -> Tensor:
+        return self.tensor
 
 
 def mask_state(mask: MaskArg) -> tuple[object, ...]:

@@ -14,7 +14,9 @@ sliding-window, chunked, packed-document and padding structure it recognises, ch
 against `mask_function` on every pair (so it is exact, whatever transformers composed),
 or `Mask.from_mod(mask_function)` where no structure fits. The *attention function*
 (`AttentionInterface`) runs `attnkit.attention` on that mask, with the module's scale,
-dropout, `softcap` (Gemma 2) and `s_aux` sinks (GPT-OSS).
+dropout, `softcap` (Gemma 2) and `s_aux` sinks (GPT-OSS). Every layer of a forward
+shares the mask object: its first layer prepares the call, the others run it
+(`dispatch.StepCalls`).
 
 One documented difference from `eager`: a query that may see no key (a padding row)
 gets 0, where eager's finite "minus infinity" averages all values (DESIGN.md §2).
@@ -23,13 +25,13 @@ gets 0, where eager's finite "minus infinity" averages all values (DESIGN.md §2
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnkit.bounded import Bounded
+from attnkit.dispatch import StepCalls
+from attnkit.documents import documents
 from attnkit.errors import MaskError
 from attnkit.functional import attention, attention_probs
 from attnkit.masks import (
@@ -171,52 +173,21 @@ def _visible(
 
     transformers' own `causal_mask_function` is `causal` with the offset by its
     definition (`kv_idx <= q_idx`: what a decoding step passes); any other function is
-    checked on every pair (`structure`); the answer is kept for a forward that repeats
-    (function, sizes, offsets) where the function holds no data that could change (a
-    closure over numbers and such functions only: `_pure`).
+    checked on every pair (`structure`), once per forward: every layer shares the mask
+    (transformers builds its functions anew for each forward, and one may read data
+    that changed since the last).
     """
     shift = q_offset - kv_offset
     if fn is None or fn is _causal_mask_function():
         return causal(offset=shift) if shape[0] * shape[1] * shape[2] else None
-    key = (fn, shape, q_offset, kv_offset, local_size) if _pure(fn) else None
-    if key is not None and key in _STRUCTURES:
-        return _STRUCTURES.get(key)
 
     def local(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         return fn(b, h, i + q_offset, j + kv_offset)
 
-    found, visible = structure(local, *shape, shift=shift, local_size=local_size)
-    if not found:  # exact all the same: the function itself, evaluated by the backends
+    recognised, visible = structure(local, *shape, shift=shift, local_size=local_size)
+    if not recognised:  # exact all the same: the function itself, evaluated by the backends
         visible = Mask.from_mod(local, name="transformers mask_function")
-    if key is not None:
-        _STRUCTURES.put(key, visible)
     return visible
-
-
-def _pure(fn: object, depth: int = 0) -> bool:
-    """True if `fn`'s answers depend on its arguments alone: a function whose closure
-    holds only numbers, strings and such functions (transformers' `and_masks`,
-    `sliding_window_overlay(n)`), never a tensor (padding, token types) or an object."""
-    code = getattr(fn, "__code__", None)
-    if depth > 8 or code is None:
-        return False
-    held = [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
-    held += list(getattr(fn, "__defaults__", None) or ())
-    found = getattr(fn, "__globals__", {})
-    held += [found[name] for name in code.co_names if name in found]  # the globals it reads
-    return all(_pure_value(x, depth) for x in held)
-
-
-def _pure_value(value: object, depth: int) -> bool:
-    if value is None or isinstance(value, (bool, int, float, str, ModuleType)):
-        return True
-    if isinstance(value, (tuple, list)):
-        return all(_pure_value(x, depth) for x in value)
-    return _pure(value, depth + 1)
-
-
-STRUCTURES_KEPT = 64  # (function, sizes, offsets) whose structure is remembered
-_STRUCTURES: Bounded[tuple[object, ...], Mask | None] = Bounded(STRUCTURES_KEPT)
 
 
 def _causal_mask_function() -> ModFn | None:
@@ -236,6 +207,9 @@ class PreparedMask(_Combine):
         B, L, S = shape
         self.shape = (B, 1, L, S)
         self.ndim = 4
+        # the forward's prepared calls, made by its first layer (not the mask's value)
+        self._calls = StepCalls()
+        self._packed: bool | None = None  # packed documents: each layer runs a call each
 
     def describe(self) -> str:
         return " & ".join(part.describe() for part in self.parts)
@@ -375,14 +349,36 @@ def attention_forward(
     packed = _from_cu_seq_lens(kwargs, query.shape[2], key.shape[2])
     if packed is not None:  # flash-style packing: documents, never a cross-document leak
         mask = packed if mask is None else as_mask(mask) & packed
-    out = attention(
-        query, key, value, mask, scale=scaling, softcap=softcap, sinks=s_aux,
-        dropout_p=dropout if module.training else 0.0,
-    )  # fmt: skip
+    dropout_p = dropout if module.training else 0.0
+    calls = _step_calls(mask, query, key, s_aux)
+    if calls is not None:  # the forward's mask: its first layer prepared the call
+        out = calls.run(
+            None, query, key, value, mask, scale=scaling, softcap=softcap, dropout_p=dropout_p
+        )
+    else:
+        out = attention(
+            query, key, value, mask, scale=scaling, softcap=softcap, sinks=s_aux,
+            dropout_p=dropout_p,
+        )  # fmt: skip
     weights = None
     if kwargs.get("output_attentions", False):  # exact weights, (B, H, L, S): asked for
         weights = attention_probs(query, key, mask, scale=scaling, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _step_calls(
+    mask: Mask | Tensor | None, query: Tensor, key: Tensor, s_aux: Tensor | None
+) -> StepCalls | None:
+    """The prepared calls of the forward `mask` was built for (`PreparedMask`: every
+    layer shares it), or None where a layer takes `attention`'s own path: under
+    `torch.compile`, with sinks (each layer has its own), packed documents (a call each)."""
+    if not isinstance(mask, PreparedMask) or s_aux is not None:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    if mask._packed is None:  # asked once per forward
+        mask._packed = documents(mask, query, key) is not None
+    return None if mask._packed else mask._calls
 
 
 def _from_cu_seq_lens(kwargs: dict[str, Any], L: int, S: int) -> Mask | None:

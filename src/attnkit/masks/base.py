@@ -41,6 +41,12 @@ class Mask:
     # the operators; "mod": a mask_mod function, for `from_mod`): `tensor.py` fills it
     # when the package loads, so this module imports no kind
     _wrappers: ClassVar[dict[str, Callable[..., Mask]]] = {}
+    # every kind by its class name, as it is defined (how `masks.spec` decodes a kind)
+    _kinds: ClassVar[dict[str, type[Mask]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Mask._kinds[cls.__name__] = cls
 
     # ------------------------------------------------------------ what a kind writes
 
@@ -110,17 +116,23 @@ class Mask:
 
     # ------------------------------------------------------------ what every mask has
 
+    def _fields(self) -> dict[str, object]:
+        """The fields that make this mask's value: its public attributes (a name that
+        starts with `_` is what a kind remembers about itself, never part of the value:
+        the caller's tensor a tensor mask was made from, a probe's answer)."""
+        return {name: value for name, value in vars(self).items() if name[0] != "_"}
+
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor this mask holds, its parts' included (a mask is a value: the
         same tensors for its whole life; caches key on their identity and version)."""
-        found: list[Tensor] = []
-        for value in vars(self).values():
+        held: list[Tensor] = []
+        for value in self._fields().values():
             for item in value if isinstance(value, tuple) else (value,):
                 if isinstance(item, Tensor):
-                    found.append(item)
+                    held.append(item)
                 elif isinstance(item, Mask):
-                    found.extend(item.tensors())
-        return tuple(found)
+                    held.extend(item.tensors())
+        return tuple(held)
 
     def dense(
         self,

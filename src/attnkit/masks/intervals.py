@@ -15,22 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.masks.pertensor import PerTensor
-
-__all__ = ["row_intervals", "row_intervals_of"]
-
-Found = tuple[Tensor, Tensor] | None
-_FOUND: PerTensor[tuple[Found]] = PerTensor()  # per tensor object, by its version and S
-
-
-def row_intervals_of(tensor: Tensor, S: int) -> Found:
-    """`row_intervals`, found once per tensor object and version (a mask tensor changed
-    in place is read again)."""
-    key = (tensor._version, S)
-    held = _FOUND.get(tensor, key)  # (found,): None is an answer too (not one run a row)
-    if held is None:
-        held = _FOUND.put(tensor, key, (row_intervals(tensor, S),))
-    return held[0]
+__all__ = ["row_intervals"]
 
 
 def row_intervals(tensor: Tensor, S: int) -> tuple[Tensor, Tensor] | None:

@@ -1,87 +1,85 @@
 """A mask as a string and a list of tensors, and back: how masks cross `torch.compile`.
 
 `torch.library` custom ops take tensors, numbers and strings, not Python objects. A
-mask's structure (its kind and fields, nested for `&`, `|`, `~`) becomes a Python
-literal string; the tensors it holds (document ids, padding lengths, a tensor mask)
-become a list beside it, referenced as `('#', i)`. `encode` is plain attribute reading
-and string formatting, which dynamo traces into constants with `fullgraph=True`;
-`decode` runs inside the op, eagerly.
+mask's structure (its kind and fields, nested for `&`, `|`, `~`) becomes a JSON string;
+the tensors it holds (document ids, padding lengths, a tensor mask) become a list
+beside it, referenced as `{"#": i}`. `encode` is plain attribute reading and string
+formatting, which dynamo traces into constants with `fullgraph=True`; `decode` runs
+inside the op, eagerly, and builds a new mask each time (a few microseconds: the
+prepared call of an equal mask with the same tensors is found by its value).
 """
 
 from __future__ import annotations
 
-import ast
+import json
+import math
 from typing import Any
 
 from torch import Tensor
 
-from attnkit.bounded import Bounded
 from attnkit.masks.base import Mask
 
 __all__ = ["decode", "encodable", "encode"]
 
-# decoded masks with the tensors whose ids key them (held: an id is not reused meanwhile)
-# masks remembered (with their tensors): tile plans are kept per mask object
-_DECODED: Bounded[tuple[Any, ...], tuple[Mask | Tensor | None, list[Tensor]]] = Bounded(8)
 
-
-def encode(mask: Mask | Tensor | None, tensors: list[Tensor]) -> str:
-    """The literal of `mask`; its tensors are appended to `tensors`."""
+def encode(mask: object, tensors: list[Tensor]) -> str:
+    """The JSON of `mask`; its tensors are appended to `tensors`. A mask is `{"mask":
+    kind, "fields": {...}}`, a tuple a list, a tensor `{"#": its index}`."""
     if isinstance(mask, Tensor):
         tensors.append(mask)
-        return f"('#', {len(tensors) - 1})"
+        return f'{{"#": {len(tensors) - 1}}}'
     if isinstance(mask, Mask):
-        fields = ", ".join(
-            f"({name!r}, {encode(getattr(mask, name), tensors)})" for name in sorted(vars(mask))
-        )
-        return f"({type(mask).__name__!r}, ({fields},))"
+        fields = mask._fields()
+        body = ", ".join(f"{_string(n)}: {encode(fields[n], tensors)}" for n in sorted(fields))
+        return f'{{"mask": {_string(type(mask).__name__)}, "fields": {{{body}}}}}'
     if isinstance(mask, tuple):
-        return "(" + "".join(encode(part, tensors) + ", " for part in mask) + ")"
-    return repr(mask)
+        return "[" + ", ".join(encode(part, tensors) for part in mask) + "]"
+    return _number(mask)
+
+
+def _string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _number(value: object) -> str:
+    """A JSON scalar: null, true/false, an int, a float (Python's JSON reads Infinity
+    and NaN), a string."""
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, str):
+        return _string(value)
+    return repr(value)  # an int, a finite float (repr keeps 1.0 a float)
 
 
 def encodable(mask: object) -> bool:
     """True if `encode` can write `mask`: its fields are numbers, strings, tensors and
     masks, not functions (`Mask.from_mod` holds one: such calls run eagerly)."""
     if isinstance(mask, Mask):
-        return all(encodable(value) for value in vars(mask).values())
+        return all(encodable(value) for value in mask._fields().values())
     if isinstance(mask, tuple):
         return all(encodable(part) for part in mask)
     return mask is None or isinstance(mask, (Tensor, bool, int, float, str))
 
 
 def decode(spec: str, tensors: list[Tensor]) -> Mask | Tensor | None:
-    """The mask `encode` wrote (the same object for the same spec and tensor objects)."""
-    key = (spec, *((id(t), t._version) for t in tensors))
-    found = _DECODED.get(key)
-    if found is not None:
-        return found[0]
-    mask: Mask | Tensor | None = _build(ast.literal_eval(spec), tensors)
-    _DECODED.put(key, (mask, list(tensors)))
-    return mask
+    """The mask `encode` wrote, over these tensors (a new object each time)."""
+    built: Mask | Tensor | None = _build(json.loads(spec), tensors)
+    return built
 
 
 def _build(value: Any, tensors: list[Tensor]) -> Any:
-    if isinstance(value, tuple) and len(value) == 2 and value[0] == "#":
-        return tensors[value[1]]
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
-        cls = _kinds().get(value[0])
-        if cls is not None and isinstance(value[1], tuple):
-            mask = cls.__new__(cls)  # fields as encoded: the original was validated
-            for name, field in value[1]:
-                setattr(mask, name, _build(field, tensors))
-            return mask
-    if isinstance(value, tuple):
+    if isinstance(value, dict) and "#" in value:
+        return tensors[value["#"]]
+    if isinstance(value, dict):
+        cls = Mask._kinds[value["mask"]]
+        mask = cls.__new__(cls)  # fields as encoded: the original was validated
+        for name, field in value["fields"].items():
+            setattr(mask, name, _build(field, tensors))
+        return mask
+    if isinstance(value, list):
         return tuple(_build(part, tensors) for part in value)
     return value
-
-
-def _kinds() -> dict[str, type[Mask]]:
-    found: dict[str, type[Mask]] = {}
-    todo = [Mask]
-    while todo:
-        cls = todo.pop()
-        for sub in cls.__subclasses__():
-            found[sub.__name__] = sub
-            todo.append(sub)
-    return found

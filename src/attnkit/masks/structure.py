@@ -5,8 +5,7 @@ the pairs it lets attend (`count_allowed_pairs`), the keys a tile of
 query rows may see (`key_bounds`), the rows and keys anybody sees (`seen`), whether
 the mask is SDPA's own `is_causal` (`is_sdpa_causal`), whether some part is an L×S
 tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`), and what caches key
-on: the state of its tensors (`state`) and, for a mask of numbers alone, its value
-(`value_key`).
+on: the state of its tensors (`state`) and its value (`value_key`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from torch import Tensor
 
 from attnkit.masks.base import Mask, indices
 from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans, seen_from_spans, tile_bounds
-from attnkit.masks.tensor import _TensorMask
+from attnkit.masks.tensor import _TensorMask, given_tensor
 
 __all__ = [
     "count_allowed_pairs",
@@ -112,12 +111,12 @@ def is_sdpa_causal(mask: Mask, L: int, S: int) -> bool:
 
 def parts(mask: Mask) -> list[Mask]:
     """`mask` and every mask inside it (the parts of `&`, `|`, `~` and windows)."""
-    found = [mask]
-    for value in vars(mask).values():
+    every = [mask]
+    for value in mask._fields().values():
         for item in value if isinstance(value, tuple) else (value,):
             if isinstance(item, Mask):
-                found.extend(parts(item))
-    return found
+                every.extend(parts(item))
+    return every
 
 
 def has_dense_tensor(mask: Mask) -> bool:
@@ -152,22 +151,29 @@ def state(mask: Mask) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in mask.tensors())
 
 
-def value_key(value: object) -> tuple[object, ...] | None:
+def value_key(value: object, held: list[object] | None = None) -> tuple[object, ...] | None:
     """A hashable value equal for masks that behave alike: each mask's class and fields,
-    each number with its type (True is not 1); None where a field is not a number, a
-    string, None, a mask or a tuple of them (a tensor, a function: such a mask is
-    itself)."""
+    each number with its type (True is not 1); a tensor mask is the caller's tensor it
+    was made from. A tensor or a function field is an object, not a number: with `held`
+    its identity joins the key and the object is appended to `held` (the key is that
+    mask's while those objects live: its keeper checks they are the same), without it
+    such a mask has no value key (None), nor has one whose field is anything else."""
     if isinstance(value, Mask):
-        fields = []
-        for name, field in sorted(vars(value).items()):
-            inner = value_key(field)
+        given = given_tensor(value)
+        fields = {"tensor": given} if given is not None else value._fields()
+        keyed = []
+        for name in sorted(fields):
+            inner = value_key(fields[name], held)
             if inner is None:
                 return None
-            fields.append((name, inner))
-        return (type(value), *fields)
+            keyed.append((name, inner))
+        return (type(value), *keyed)
     if isinstance(value, tuple):
-        parts = [value_key(part) for part in value]
+        parts = [value_key(part, held) for part in value]
         return None if any(p is None for p in parts) else (tuple, *parts)
     if value is None or type(value) in (bool, int, float, str):
         return (type(value), value)
+    if held is not None and (isinstance(value, Tensor) or callable(value)):
+        held.append(value)
+        return (object, id(value))
     return None

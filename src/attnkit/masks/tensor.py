@@ -2,14 +2,12 @@
 
 A bool tensor broadcastable to (B, H, L, S) is accepted wherever a `Mask` is
 (`as_mask`); where each row's True entries form one run its spans are read from it
-once per version (`masks.intervals`), so a (B, 1, L, S) padded causal mask from a
-framework runs as fast as the structured kind it is. `Mask.from_mod(fn)` wraps any
-FlexAttention-style `fn(b, h, q_idx, kv_idx) -> bool`.
+(`masks.intervals`, once per wrapper and version of the tensor), so a (B, 1, L, S)
+padded causal mask from a framework runs as fast as the structured kind it is.
+`Mask.from_mod(fn)` wraps any FlexAttention-style `fn(b, h, q_idx, kv_idx) -> bool`.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch import Tensor
@@ -17,7 +15,7 @@ from torch import Tensor
 from attnkit.errors import MaskError
 from attnkit.masks.base import Mask, Predicate
 from attnkit.masks.checks import check_broadcastable
-from attnkit.masks.intervals import row_intervals_of
+from attnkit.masks.intervals import row_intervals
 from attnkit.masks.spans import Spans
 
 __all__ = ["given_tensor"]
@@ -25,6 +23,10 @@ __all__ = ["given_tensor"]
 
 class _TensorMask(Mask):
     def __init__(self, tensor: Tensor) -> None:
+        # the caller's tensor: `as_mask` wraps it anew at every call (and may copy it),
+        # so what lasts as long as the caller's mask (a prepared call) is found by it
+        self._given = tensor
+        self._intervals: tuple[object, tuple[Tensor, Tensor] | None] | None = None
         if tensor.dim() > 4:
             check_broadcastable("mask", tuple(tensor.shape), (0, 0, 0, 0))
         if tensor.dim() < 4:
@@ -43,10 +45,14 @@ class _TensorMask(Mask):
         the heads differ (found once per version of the tensor)."""
         if self.head_dependent:
             return None
-        found = row_intervals_of(self.tensor, S)  # (B|1, L|1) each
-        if found is None:
+        read = (self.tensor._version, S)
+        memo = getattr(self, "_intervals", None)  # absent where the compiled op decoded it
+        if memo is None or memo[0] != read:
+            memo = self._intervals = (read, row_intervals(self.tensor, S))  # (B|1, L|1) each
+        intervals = memo[1]
+        if intervals is None:
             return None
-        lo, hi = (t.to(device or "cpu") for t in found)
+        lo, hi = (t.to(device or "cpu") for t in intervals)
         return Spans(lo, hi, exact=True)
 
     @property
@@ -134,23 +140,14 @@ class _ModMask(Mask):
         return f"from_mod({self.name})"
 
 
-# the tensor each tensor mask was made from by `as_mask`, while the mask lives
-_GIVEN: weakref.WeakKeyDictionary[Mask, Tensor] = weakref.WeakKeyDictionary()
-
-
 def given_tensor(mask: Mask) -> Tensor | None:
-    """The caller's tensor a tensor mask was made from by `as_mask` (None for others).
+    """The caller's tensor a tensor mask was made from by `as_mask` (None for others and
+    for a mask decoded inside the compiled op, which holds the op's tensor itself).
 
-    `as_mask` wraps a tensor anew at every call; caches that should last as long as the
-    caller's mask (tiled's plans) key on this tensor, not on the wrapper."""
-    return _GIVEN.get(mask)
-
-
-def _wrap(tensor: Tensor) -> Mask:
-    wrapper = _TensorMask(tensor)
-    _GIVEN[wrapper] = tensor
-    return wrapper
+    `as_mask` wraps a tensor anew at every call; the prepared calls that should last as
+    long as the caller's mask are found by this tensor, not by the wrapper."""
+    return getattr(mask, "_given", None) if type(mask) is _TensorMask else None
 
 
 # what `as_mask` (and so `&`, `|` with a tensor) and `Mask.from_mod` make
-Mask._wrappers.update(tensor=_wrap, mod=_ModMask)
+Mask._wrappers.update(tensor=_TensorMask, mod=_ModMask)

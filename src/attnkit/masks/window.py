@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.bounded import Bounded
 from attnkit.errors import ShapeContractError
 from attnkit.masks.base import BiasFn, Mask, Predicate
 from attnkit.masks.spans import Spans
-from attnkit.masks.structure import state
 
 __all__ = ["window"]
-
-_CACHE: Bounded[tuple[object, ...], _Window] = Bounded(256)
 
 
 def window(
@@ -36,15 +32,10 @@ def window(
 ) -> Mask:
     """`mask` over the global (H, L, S), restricted to `rows`, `cols` and `heads` ranges.
 
-    The same arguments give the same object while `mask`'s tensors are unchanged, so
-    backends that prepare per mask object (flex's block masks) prepare once.
+    A window is a value: the same arguments (the same `mask` object) give an equal
+    window, whose prepared call `attention()` finds again (`permask.PerMask`).
     """
-    heads = (0, H) if heads is None else heads
-    key = (id(mask), state(mask), H, L, S, rows, cols, heads)
-    found = _CACHE.get(key)
-    if found is None or found.inner is not mask:
-        found = _CACHE.put(key, _Window(mask, H, L, S, rows, cols, heads))
-    return found
+    return _Window(mask, H, L, S, rows, cols, (0, H) if heads is None else heads)
 
 
 class _Window(Mask):
@@ -106,12 +97,12 @@ class _Window(Mask):
     ) -> Spans | None:
         """The global spans of the window's rows, shifted to its keys and clipped to them
         (an interval ∩ the keys is one interval: exact stays exact)."""
-        found = self.inner.key_spans(B, self.L, self.S, device)
-        if found is None:
+        spans = self.inner.key_spans(B, self.L, self.S, device)
+        if spans is None:
             return None
         (r0, r1), c0 = self.rows, self.cols[0]
-        lo, hi = (t if t.shape[1] == 1 else t[:, r0:r1] for t in (found.lo, found.hi))
-        return Spans((lo - c0).clamp(0, S), (hi - c0).clamp(0, S), found.exact)
+        lo, hi = (t if t.shape[1] == 1 else t[:, r0:r1] for t in (spans.lo, spans.hi))
+        return Spans((lo - c0).clamp(0, S), (hi - c0).clamp(0, S), spans.exact)
 
     def describe(self) -> str:
         (r0, r1), (c0, c1), (h0, h1) = self.rows, self.cols, self.heads

@@ -2,7 +2,8 @@
 
 `paged_attention` writes a layer's new keys and values into the step's slots and
 attends each sequence's new tokens to its history (causal, bottom-right; or a sliding
-window): one unmasked fused call for a decoding token, `attention` for a prefill.
+window): one unmasked fused call for a decoding token, `attention` for a prefill
+(prepared by the step's first layer, run by the others: `Step.calls`).
 `PagedLayer` is one layer's view of a step, what a module's `cache=` takes.
 """
 
@@ -16,8 +17,8 @@ from torch import Tensor
 
 from attnkit._compat import TORCH_SDPA
 from attnkit.attender import Attender
+from attnkit.dispatch import StepCalls
 from attnkit.errors import MaskError, ShapeContractError
-from attnkit.functional import attention
 from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.positions import _SlidingWindow
 from attnkit.precision import kernel_dtype
@@ -117,7 +118,8 @@ def paged_attention(
         if decode:
             outs.append(_decode(grouped[t : t + 1], keys, values, scale))
         else:
-            outs.append(_prefill(q[t : t + n], keys, values, start - lo, left, scale, softcap))
+            prefill = (q[t : t + n], keys, values, start - lo, left, scale, softcap)
+            outs.append(_prefill(step.calls, i, *prefill))
     if not outs:
         return q.new_zeros(0, q.shape[1], pages.value_dim)
     return torch.cat(outs).to(q.dtype)  # (T, H, Dv)
@@ -132,6 +134,8 @@ def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Ten
 
 
 def _prefill(
+    calls: StepCalls,
+    place: int,
     q: Tensor,
     keys: Tensor,
     values: Tensor,
@@ -141,9 +145,13 @@ def _prefill(
     softcap: float | None,
 ) -> Tensor:
     """n new queries (n, H, D) of one sequence, query j at key position j + offset of
-    keys (1, Hkv, S, D): `attention` (its planner and fused paths), (n, H, Dv)."""
+    keys (1, Hkv, S, D): `attention` (its planner and fused paths), prepared by the
+    step's first layer for the sequence at `place` and run by the others, (n, H, Dv)."""
     mask = causal(offset=offset) if left is None else sliding_window(left, offset=offset)
-    out = attention(q.transpose(0, 1)[None], keys, values, mask, scale=scale, softcap=softcap)
+    out = calls.run(
+        place, q.transpose(0, 1)[None], keys, values, mask, scale=scale, softcap=softcap,
+        dropout_p=0.0,
+    )  # fmt: skip
     return out[0].transpose(0, 1)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnkit.dispatch import StepCalls
 from attnkit.errors import OutOfBlocksError
 from attnkit.paged.attention import PagedLayer
 
@@ -38,6 +39,8 @@ class Step:
     # and where the last one ends
     slots: Tensor = field(compare=False, repr=False)  # (T,): where each new token is written
     token_positions: Tensor = field(compare=False, repr=False)  # (T,) on the CPU
+    # each sequence's prefill call, prepared by the first layer and run by the others
+    calls: StepCalls = field(default_factory=StepCalls, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
