@@ -188,6 +188,20 @@ def test_a_growing_cache_is_served_by_one_call_for_any_length_and_stays_exact(pl
     assert plans[0] == 1
 
 
+def test_a_decoding_step_prepared_by_hand_first_still_serves_any_length(plans):
+    """`attnkit.prepare` of a step, then `attention` of the same: the call found by its
+    full key joins the any-length calls, so the next, longer step is not prepared."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, n, 8, generator=g) for n in (1, 30, 30))
+    mask = ak.causal(align="bottom_right")
+    with torch.no_grad():
+        ak.prepare(q, k[:, :, :20], v[:, :, :20], mask)
+        ak.attention(q, k[:, :, :20], v[:, :, :20], mask)
+        got = ak.attention(q, k[:, :, :21], v[:, :, :21], mask)
+    torch.testing.assert_close(got, _reference(q, k[:, :, :21], v[:, :, :21], mask))
+    assert plans[0] == 1
+
+
 def test_one_call_for_any_length_serves_only_calls_that_see_every_key():
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 4, 1, 8, generator=g)

@@ -148,8 +148,8 @@ def _lookup(
         found = _prepared(q, k, v, mask, options, key, grad)
         if key is not None:
             calls.plans.put(key, found)  # type: ignore[union-attr]
-        if any_length is not None and found.kernel is not None and found.kernel.serves_any_length:
-            _CALLS.of(None).plans.put(any_length, found)  # any mask that sees every key
+    if any_length is not None and found.kernel is not None and found.kernel.serves_any_length:
+        _CALLS.of(None).plans.put(any_length, found)  # any mask that sees every key
     return found
 
 

@@ -102,6 +102,7 @@ class MaskTensors:
         self._given = given is not None
         held = (given,) if given is not None else mask.tensors() if isinstance(mask, Mask) else ()
         self._tensors = tuple(weakref.ref(t) for t in held) if weak else tuple(map(_Kept, held))
+        self.held = bool(held)  # a mask of numbers alone holds none: its state is ()
 
     def state(self) -> tuple[object, ...]:
         """The identity, version and size of each: a tensor changed in place has a new
@@ -165,6 +166,7 @@ class Prepared:
         self._sinks: Tensor | None = None
         self._route: Route | None = None
         self._routed = False
+        self._direct: Kernel | None = None  # the kernel `__call__` runs where inputs fit
         self._notes: list[str] = []
 
     # ------------------------------------------------------------- the cache's runs
@@ -208,11 +210,17 @@ class Prepared:
         found.fit, found._mask, found._sinks = fit, (mask,), sinks
         found._tensors = MaskTensors(mask)
         found._route, found._routed = route, routed
+        found._direct = None if routed or sinks is not None else found.kernel
         found._notes = notes
         return found
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The output (B, H, L, Dv) for new q, k, v of the prepared kind."""
+        kernel = self._direct
+        if kernel is not None and not torch.compiler.is_compiling() and self._fits(q, k, v):
+            out = kernel(q, k, v)  # the prepared kernel itself: nothing else to do
+            if out is not None:
+                return out
         return self._checked(q, k, v)[0]
 
     def with_lse(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -275,20 +283,18 @@ class Prepared:
         return self._with_sinks(out, lse)  # other strides: the kernel takes none as given
 
     def _fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """The fit of plain tensors, field by field (what `fit` would build, but the
-        options, the prepared call's own, and the backends' state, which changes no
-        result)."""
+        """The fit of plain tensors (what `fit` would build, but the options, the prepared
+        call's own, and the backends' state, which changes no result): the first twelve
+        fields compared at once, then grad mode and the mask's tensors (if it holds any)."""
         f = self.fit
         assert f is not None
         return (
             type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-            and q.shape == f[0] and k.shape == f[1] and v.shape == f[2]
-            and q.stride() == f[3] and k.stride() == f[4] and v.stride() == f[5]
-            and q.dtype is f[6] and k.dtype is f[7] and v.dtype is f[8]
-            and q.device == f[9] and k.device == f[10] and v.device == f[11]
+            and (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
+                 k.dtype, v.dtype, q.device, k.device, v.device) == f[:12]
             and f[13] == (torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad))
-            and self._tensors.state() == f[20]
+            and (not self._tensors.held or self._tensors.state() == f[20])
         )  # fmt: skip
 
     def _with_sinks(self, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
