@@ -8,6 +8,8 @@ checker only and never run, so they do not count.
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import attnkit as ak
@@ -211,3 +213,23 @@ def test_process_wide_caches_are_the_known_few():
     assert found <= CACHES, f"new module-level caches: {sorted(found - CACHES)}"
     sample = ast.parse("_X: Bounded[int, int] = Bounded(4)\n_Y = weakref.WeakKeyDictionary()\n")
     assert _module_caches("m", sample) == {"m._X", "m._Y"}  # the check can fail
+
+
+VAGUE_NAMES = {"found", "held", "lane", "who"}  # names that say nothing of the value
+
+
+def _vague_names(source: str) -> set[str]:
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return {t.string for t in tokens if t.type == tokenize.NAME and t.string in VAGUE_NAMES}
+
+
+def test_names_say_what_they_hold():
+    """A variable is named after what it is (`plan`, `spans`, `entry`), never `found` or
+    `held`; the words stay free in comments and docstrings."""
+    vague = {
+        name: sorted(used)
+        for name, path in _modules().items()
+        if (used := _vague_names(path.read_text(encoding="utf-8")))
+    }
+    assert not vague, f"vague names: {vague}"
+    assert _vague_names("found = 1  # found\n'''held'''\n") == {"found"}  # the check can fail

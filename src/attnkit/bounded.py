@@ -27,10 +27,10 @@ class Bounded(Generic[K, V]):
         self._items: OrderedDict[K, V] = OrderedDict()
 
     def get(self, key: K) -> V | None:
-        found = self._items.get(key)
-        if found is not None:
+        value = self._items.get(key)
+        if value is not None:
             self._items.move_to_end(key)
-        return found
+        return value
 
     def put(self, key: K, value: V) -> V:
         """Keep `value` under `key` (the least recently used entry goes past `size`)."""

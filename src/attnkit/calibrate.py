@@ -74,9 +74,9 @@ def active_table() -> CostTable:
     if word == MEASURE:
         return _measure_and_keep(cache_path())
     path = Path(setting).expanduser() if setting else cache_path()
-    found = _read(path)
-    if found is not None:
-        return found
+    kept = _read(path)
+    if kept is not None:
+        return kept
     if not setting:
         return cost.built_in()
     _log.warning(
@@ -89,8 +89,8 @@ def active_table() -> CostTable:
 
 def _built_in_because(why: str) -> CostTable:
     """This CPU's built-in table, its source saying why no measured one prices."""
-    found = cost.built_in()
-    return dataclasses.replace(found, source=f"{found.source}; {why}")
+    table = cost.built_in()
+    return dataclasses.replace(table, source=f"{table.source}; {why}")
 
 
 def _measure_and_keep(path: Path) -> CostTable:
@@ -156,16 +156,16 @@ def _read(path: Path) -> CostTable | None:
     return CostTable(**factors, source=f"measured on this CPU, kept in {path}{date}{busy}")
 
 
-def _write(path: Path, found: CostTable) -> CostTable:
-    """Keep `found` at `path` (OSError where it cannot), and the table as read back."""
+def _write(path: Path, table: CostTable) -> CostTable:
+    """Keep `table` at `path` (OSError where it cannot), and the table as read back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
-        "machine": machine_key(), "factors": found.factors(), "when": time.time(),
-        "busy": BUSY in found.source,
+        "machine": machine_key(), "factors": table.factors(), "when": time.time(),
+        "busy": BUSY in table.source,
     }  # fmt: skip
     path.write_text(json.dumps(data, indent=1))
     kept = _read(path)
-    return kept if kept is not None else found
+    return kept if kept is not None else table
 
 
 # ------------------------------------------------------------------ the measurements
@@ -228,14 +228,14 @@ def _measured() -> tuple[dict[str, float], float]:
     masked = _best(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=band)) / pairs
     causal_pairs = 2 * L * (L + 1) / 2
     is_causal = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    found = BUILT_IN.factors()
-    found["sdpa_masked"] = masked / unit
-    found["sdpa_causal"] = is_causal / causal_pairs / unit
+    factors = BUILT_IN.factors()
+    factors["sdpa_masked"] = masked / unit
+    factors["sdpa_causal"] = is_causal / causal_pairs / unit
     # tiled's causal runs are SDPA's causal kernel: their factor moves with SDPA's (timed
     # apart, the two would rank one kernel against itself by timing noise)
-    found["tiled_causal"] = BUILT_IN.tiled_causal * found["sdpa_causal"] / BUILT_IN.sdpa_causal
-    found["tiled_call"] = _seconds(qkv(64), causal(), "tiled", runs=20) / unit  # short: more runs
-    found["tiled_short"] = _short_blocks(qkv(2048))
+    factors["tiled_causal"] = BUILT_IN.tiled_causal * factors["sdpa_causal"] / BUILT_IN.sdpa_causal
+    factors["tiled_call"] = _seconds(qkv(64), causal(), "tiled", runs=20) / unit  # short: more runs
+    factors["tiled_short"] = _short_blocks(qkv(2048))
     scaled: dict[str, tuple[Inputs, Mask, str]] = {
         "tiled_pair": (qkv(4096), sliding_window(255) & causal(), "tiled"),
         "blockwise": (qkv(512), causal(), "blockwise"),
@@ -246,12 +246,12 @@ def _measured() -> tuple[dict[str, float], float]:
         spent = _seconds(inputs, mask, backend) / unit
         if backend == "tiled":  # the pairs' share: the calls' cost as just measured
             predicted -= BUILT_IN.tiled_call * calls
-            spent -= found["tiled_call"] * calls
+            spent -= factors["tiled_call"] * calls
             # ... on blocks of `tile` rows: priced with the short-block exponent just found
-            predicted *= (256 / tile) ** (found["tiled_short"] - BUILT_IN.tiled_short)
-        found[name] = BUILT_IN.factors()[name] * max(spent, 0.05 * predicted) / predicted
+            predicted *= (256 / tile) ** (factors["tiled_short"] - BUILT_IN.tiled_short)
+        factors[name] = BUILT_IN.factors()[name] * max(spent, 0.05 * predicted) / predicted
     share = (time.process_time() - cpu) / (time.perf_counter() - wall) / torch.get_num_threads()
-    return found, share
+    return factors, share
 
 
 def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int, int]:
@@ -320,16 +320,16 @@ def main() -> int:
     threads = torch.get_num_threads()
     print(f"measuring the cost model on this CPU ({_cpu_model()}, {threads} threads) ...",
           file=sys.stderr, flush=True)  # fmt: skip
-    found = measure()
+    table = measure()
     try:
-        kept = _write(path, found)
+        kept = _write(path, table)
     except OSError as err:
         print(f"attnkit calibrate: cannot keep the table at {path} ({err})", file=sys.stderr)
         return 1
     cost.use(kept)
-    print(json.dumps({"machine": machine_key(), "factors": found.factors()}, indent=1))
-    print(f"{found.source}; kept in {path}")
-    if BUSY in found.source:
+    print(json.dumps({"machine": machine_key(), "factors": table.factors()}, indent=1))
+    print(f"{table.source}; kept in {path}")
+    if BUSY in table.source:
         warning = "another program shared its cores, which slows small calls more than large ones"
         print(f"attnkit calibrate: warning: {BUSY}: {warning}; {AGAIN}", file=sys.stderr)
     if keyword and setting.lower() != MEASURE:  # off or a kind: kept, but not read

@@ -256,9 +256,10 @@ def attention_backward_op(
                     grads.append(dlse)
                 return torch.autograd.grad(outputs, leaves, grads, allow_unused=True)
 
-        found = in_fresh_thread(recompute)  # it enables autograd there
+        recomputed = in_fresh_thread(recompute)  # it enables autograd there
         dq, dk, dv = (
-            torch.zeros_like(x) if g is None else g for g, x in zip(found, (q, k, v), strict=True)
+            torch.zeros_like(x) if g is None else g
+            for g, x in zip(recomputed, (q, k, v), strict=True)
         )
         grads = dq, dk, dv
     return _fresh(grads[0], (q, k, v)), _fresh(grads[1], (q, k, v)), _fresh(grads[2], (q, k, v))

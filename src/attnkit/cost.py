@@ -116,10 +116,10 @@ _ACTIVE: CostTable | None = None
 
 def built_in(kind: str | None = None) -> CostTable:
     """The table built in for a kind of CPU (`_compat.CPU_KINDS`; None: this CPU's)."""
-    found = kind or cpu_kind()
-    if found not in TABLES:
-        raise ValueError(f"unknown CPU kind {found!r}: expected one of {', '.join(TABLES)}")
-    return TABLES[found]
+    chosen = kind or cpu_kind()
+    if chosen not in TABLES:
+        raise ValueError(f"unknown CPU kind {chosen!r}: expected one of {', '.join(TABLES)}")
+    return TABLES[chosen]
 
 
 # where the table comes from at its first use: `attnkit.calibrate.active_table` (a kept
@@ -145,13 +145,13 @@ def table() -> CostTable:
     return _ACTIVE
 
 
-def use(found: CostTable | None) -> None:
-    """Price with `found` from now on (None: decide again at the next call of `table`)."""
+def use(chosen: CostTable | None) -> None:
+    """Price with `chosen` from now on (None: decide again at the next call of `table`)."""
     global _ACTIVE
-    _ACTIVE = found
+    _ACTIVE = chosen
 
 
 def tiled_pair(rows: int) -> float:
     """Tiled's per-pair cost on blocks of `rows` query rows: short blocks use the op less well."""
-    found = table()
-    return float(found.tiled_pair * (256 / min(max(rows, 1), 256)) ** found.tiled_short)
+    active = table()
+    return float(active.tiled_pair * (256 / min(max(rows, 1), 256)) ** active.tiled_short)

@@ -28,5 +28,5 @@ class Derived:
         """The value called `name`, made by `make()` the first time it is asked for."""
         if name not in self._values:
             self._values[name] = make()
-        found: T = self._values[name]
-        return found
+        value: T = self._values[name]
+        return value

@@ -91,11 +91,11 @@ class StepCalls:
             v.dtype, q.device, k.device, v.device, torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad), options,
         )  # fmt: skip
-        held = self._calls.get(place)
-        if held is None or held[0] != kind or type(q) is not Tensor:
-            held = (kind, _lookup(q, k, v, mask, options, None, True), mask)
-            self._calls[place] = held
-        return held[1].run(q, k, v, held[2])[0]
+        entry = self._calls.get(place)
+        if entry is None or entry[0] != kind or type(q) is not Tensor:
+            entry = (kind, _lookup(q, k, v, mask, options, None, True), mask)
+            self._calls[place] = entry
+        return entry[1].run(q, k, v, entry[2])[0]
 
 
 def prepared_call(
@@ -134,23 +134,23 @@ def _lookup(
     any_length = None
     if any_length_ok and plain and grad is None and (mask is None or isinstance(mask, Mask)):
         any_length = _any_length_key(q, k, v, mask, options)
-        found = None if any_length is None else _CALLS.of(None).plans.get(any_length)
-        if found is not None:
-            return found
+        prepared = None if any_length is None else _CALLS.of(None).plans.get(any_length)
+        if prepared is not None:
+            return prepared
     calls = _calls_of(mask)
     plain = plain and calls is not None
     key = None
     if plain:
         state = calls.state()  # type: ignore[union-attr]
         key = fit(q, k, v, q.shape, k.shape, v.shape, state, options, grad)
-    found = None if key is None else calls.plans.get(key)  # type: ignore[union-attr]
-    if found is None:
-        found = _prepared(q, k, v, mask, options, key, grad)
+    prepared = None if key is None else calls.plans.get(key)  # type: ignore[union-attr]
+    if prepared is None:
+        prepared = _prepared(q, k, v, mask, options, key, grad)
         if key is not None:
-            calls.plans.put(key, found)  # type: ignore[union-attr]
-    if any_length is not None and found.kernel is not None and found.kernel.serves_any_length:
-        _CALLS.of(None).plans.put(any_length, found)  # any mask that sees every key
-    return found
+            calls.plans.put(key, prepared)  # type: ignore[union-attr]
+    if any_length is not None and prepared.kernel is not None and prepared.kernel.serves_any_length:
+        _CALLS.of(None).plans.put(any_length, prepared)  # any mask that sees every key
+    return prepared
 
 
 def _prepared(

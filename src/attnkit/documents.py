@@ -51,11 +51,11 @@ def documents(mask: object, q: Tensor, k: Tensor) -> Documents | None:
     if not isinstance(mask, (_Combine, _Document)) or q.dim() != 4 or k.dim() != 4:
         return None  # (a document mask is one, or one part of an `&`)
     parts = _conjuncts(mask)
-    found = [p for p in parts if isinstance(p, _Document)]
+    docs = [p for p in parts if isinstance(p, _Document)]
     inner = [p for p in parts if not isinstance(p, _Document)]
-    if len(found) != 1 or not all(isinstance(p, (_Causal, _SlidingWindow)) for p in inner):
+    if len(docs) != 1 or not all(isinstance(p, (_Causal, _SlidingWindow)) for p in inner):
         return None
-    doc, (B, L), S = found[0], (q.shape[0], q.shape[2]), k.shape[2]
+    doc, (B, L), S = docs[0], (q.shape[0], q.shape[2]), k.shape[2]
     ids = doc.q_ids  # (B|1, L)
     if doc.kv_ids is not None or L != S or ids.shape[1] != L or ids.shape[0] not in (1, B):
         return None
@@ -75,7 +75,7 @@ def _conjuncts(mask: Mask) -> list[Mask]:
 
 
 def attend_documents(
-    q: Tensor, k: Tensor, v: Tensor, found: Documents, attend_one: AttendOne
+    q: Tensor, k: Tensor, v: Tensor, packed: Documents, attend_one: AttendOne
 ) -> tuple[Tensor, Tensor | None]:
     """Each document of each batch row as its own call.
 
@@ -85,10 +85,10 @@ def attend_documents(
         out (B, H, L, Dv) and lse (B, H, L), or None where `attend_one` gives none.
     """
     rows_out, rows_lse = [], []
-    for b, lengths in enumerate(found.lengths):
+    for b, lengths in enumerate(packed.lengths):
         pieces = [torch.split(t[b : b + 1], lengths, dim=2) for t in (q, k, v)]  # (1, ., n, .)
         qs, ks, vs = ([placed_alike(p) for p in part] for part in pieces)
-        results = [attend_one(*qkv, found.inner) for qkv in zip(qs, ks, vs, strict=True)]
+        results = [attend_one(*qkv, packed.inner) for qkv in zip(qs, ks, vs, strict=True)]
         rows_out.append(torch.cat([out for out, _ in results], dim=2))  # (1, H, L, Dv)
         lses = [lse for _, lse in results]
         rows_lse.append(_joined(lses, dim=2))  # (1, H, L)

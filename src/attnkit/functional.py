@@ -90,8 +90,8 @@ def attend(
     (`masks.check_additive`; `sdpa` adds them as torch does)."""
     if not (mask is None or type(mask) is Tensor or isinstance(mask, Mask)):
         mask = from_torch_mask(mask, _length(q), _length(k))  # a CausalBias, or refused later
-    found = None if torch.compiler.is_compiling() else documents(mask, q, k)
-    if found is not None and isinstance(mask, Mask):  # packed documents: a call each
+    packed = None if torch.compiler.is_compiling() else documents(mask, q, k)
+    if packed is not None and isinstance(mask, Mask):  # packed documents: a call each
         normalize_call(q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p)
 
         def one(
@@ -102,7 +102,7 @@ def attend(
                 backend=backend, need_lse=need_lse,
             )  # fmt: skip
 
-        return attend_documents(q, k, v, found, one)
+        return attend_documents(q, k, v, packed, one)
     if torch.compiler.is_compiling():  # one custom op in the graph (attnkit.compiled)
         from attnkit.compiled import traced_attention  # loaded under torch.compile only
 
@@ -310,8 +310,8 @@ def _given(
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in shape):
         raise ShapeContractError(f"a shape holds sizes (ints >= 0), got {shape}.")
     dev = torch.device("cpu" if device is None else device)
-    found = torch.empty(shape, dtype=dtype or torch.float32, device=dev)
-    return found.requires_grad_() if requires_grad else found
+    tensor = torch.empty(shape, dtype=dtype or torch.float32, device=dev)
+    return tensor.requires_grad_() if requires_grad else tensor
 
 
 def _prepare(
@@ -331,7 +331,7 @@ def _prepare(
     lse = need_lse or sinks is not None  # sinks merge in through the log-sum-exp
     mask = from_torch_mask(mask, _length(q), _length(k))  # type: ignore[assignment]
     options = dict(scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend)
-    found = prepared_call(q, k, v, mask, **options, need_lse=lse)  # type: ignore[arg-type]
+    prepared = prepared_call(q, k, v, mask, **options, need_lse=lse)  # type: ignore[arg-type]
     packed = documents(mask, q, k)
     notes = [] if packed is None else [_documents_note(packed)]
     route = partial(attend, mask=mask, **options, need_lse=lse)  # type: ignore[arg-type]
@@ -339,7 +339,7 @@ def _prepare(
                float(softcap), float(dropout_p), backend, lse, True)  # fmt: skip
     key = fit(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), numbers)
     assert key is not None  # validated: plain numbers
-    return found.bound(
+    return prepared.bound(
         mask, fit=key, sinks=sinks, route=route, routed=packed is not None, notes=notes
     )
 

@@ -69,8 +69,8 @@ def points_habits(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        if kwargs and (found := known & kwargs.keys()):
-            raise habit_error(name, found)
+        if kwargs and (used := known & kwargs.keys()):
+            raise habit_error(name, used)
         return fn(*args, **kwargs)
 
     return wrapper

@@ -56,9 +56,9 @@ class PerMask(Generic[H]):
         given = given_tensor(mask) if isinstance(mask, Mask) else None
         if given is not None:  # the caller's tensor outlives its wrapper
             return self.of(given)
-        held = self._by_value_of(mask) if isinstance(mask, Mask) else self._make(mask)
-        self._by_object[id(mask)] = (weakref.ref(mask, self._forget(id(mask))), held)
-        return held
+        holder = self._by_value_of(mask) if isinstance(mask, Mask) else self._make(mask)
+        self._by_object[id(mask)] = (weakref.ref(mask, self._forget(id(mask))), holder)
+        return holder
 
     def _by_value_of(self, mask: Mask) -> H:
         """The holder of an equal mask, or a new one kept under `mask`'s value."""
@@ -73,9 +73,9 @@ class PerMask(Generic[H]):
             refs = tuple(weakref.ref(x, self._drop(key)) for x in objects)
         except TypeError:  # an object without weak references (a builtin): itself only
             return self._make(mask)
-        held = self._make(mask)
-        self._by_value.put(key, (refs, held))
-        return held
+        holder = self._make(mask)
+        self._by_value.put(key, (refs, holder))
+        return holder
 
     def __contains__(self, mask: object) -> bool:
         entry = self._by_object.get(id(mask))

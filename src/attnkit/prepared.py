@@ -100,9 +100,11 @@ class MaskTensors:
         if isinstance(mask, Mask):
             given = given_tensor(mask)
         self._given = given is not None
-        held = (given,) if given is not None else mask.tensors() if isinstance(mask, Mask) else ()
-        self._tensors = tuple(weakref.ref(t) for t in held) if weak else tuple(map(_Kept, held))
-        self.held = bool(held)  # a mask of numbers alone holds none: its state is ()
+        tensors: tuple[Tensor, ...] = (given,) if given is not None else ()
+        if given is None and isinstance(mask, Mask):
+            tensors = mask.tensors()
+        self._tensors = tuple(map(weakref.ref, tensors)) if weak else tuple(map(_Kept, tensors))
+        self.has_tensors = bool(tensors)  # a mask of numbers alone: its state is ()
 
     def state(self) -> tuple[object, ...]:
         """The identity, version and size of each: a tensor changed in place has a new
@@ -205,14 +207,14 @@ class Prepared:
         """This call for a user to hold: its mask (and sinks) kept, `fit` checked at
         every call. `route` runs the call as `attention` would (under `torch.compile`,
         and always where `routed`: packed documents run a call each)."""
-        found = Prepared.__new__(Prepared)
-        found.__dict__.update(self.__dict__)
-        found.fit, found._mask, found._sinks = fit, (mask,), sinks
-        found._tensors = MaskTensors(mask)
-        found._route, found._routed = route, routed
-        found._direct = None if routed or sinks is not None else found.kernel
-        found._notes = notes
-        return found
+        bound_call = Prepared.__new__(Prepared)
+        bound_call.__dict__.update(self.__dict__)
+        bound_call.fit, bound_call._mask, bound_call._sinks = fit, (mask,), sinks
+        bound_call._tensors = MaskTensors(mask)
+        bound_call._route, bound_call._routed = route, routed
+        bound_call._direct = None if routed or sinks is not None else bound_call.kernel
+        bound_call._notes = notes
+        return bound_call
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """The output (B, H, L, Dv) for new q, k, v of the prepared kind."""
@@ -294,7 +296,7 @@ class Prepared:
                  k.dtype, v.dtype, q.device, k.device, v.device) == f[:12]
             and f[13] == (torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad))
-            and (not self._tensors.held or self._tensors.state() == f[20])
+            and (not self._tensors.has_tensors or self._tensors.state() == f[20])
         )  # fmt: skip
 
     def _with_sinks(self, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -72,15 +72,15 @@ def weights_and_lse(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention weights (B, H, L, S) and log-sum-exp (B, H, L), in the compute dtype."""
-    work = compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     G = q.shape[1] // k.shape[1]
     # cast before repeating: the G heads' key gradients then sum in the compute dtype
-    k = repeat_kv(k.to(work), G)  # (B, H, S, D)
-    scores = (q.to(work) @ k.transpose(-2, -1)) * scale  # (B, H, L, S)
+    k = repeat_kv(k.to(compute), G)  # (B, H, S, D)
+    scores = (q.to(compute) @ k.transpose(-2, -1)) * scale  # (B, H, L, S)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)  # Gemma 2's logit softcapping
     if bias is not None:
-        scores = scores + bias.to(work)
+        scores = scores + bias.to(compute)
     if visible is not None:
         scores = scores.masked_fill(~visible, -torch.inf)
     return softmax_with_lse(scores)

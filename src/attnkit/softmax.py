@@ -63,7 +63,7 @@ def masked_softmax(scores: Tensor, mask: Tensor | None = None, dim: int = -1) ->
         Weights of the shape and dtype of `scores`; hidden entries exactly 0, a row with
         nothing visible all 0 (never NaN). Half precision is computed in float32.
     """
-    work = scores.to(compute_dtype(scores.dtype))
+    logits = scores.to(compute_dtype(scores.dtype))
     if mask is not None:
         try:
             fits = torch.broadcast_shapes(mask.shape, scores.shape) == scores.shape  # type: ignore[no-untyped-call]
@@ -76,12 +76,12 @@ def masked_softmax(scores: Tensor, mask: Tensor | None = None, dim: int = -1) ->
                 "where it is shared (e.g. (L, S) for every batch and head)."
             )
         if mask.dtype == torch.bool:
-            work = work.masked_fill(~mask, -torch.inf)
+            logits = logits.masked_fill(~mask, -torch.inf)
         elif mask.is_floating_point():
-            work = work + mask
+            logits = logits + mask
         else:
             raise integer_mask_error("mask", mask.dtype)
-    weights, _ = softmax_with_lse(work, dim)
+    weights, _ = softmax_with_lse(logits, dim)
     return weights.to(scores.dtype)
 
 

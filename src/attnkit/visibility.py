@@ -39,12 +39,12 @@ def seen(call: AttentionCall, find: Callable[[], Seen] | None = None) -> Seen | 
     if mask is None:
         return None
 
-    def found() -> Seen:
+    def computed() -> Seen:
         if find is not None:
             return find()
         return structure.seen(mask, d.B, d.H, d.L, d.S, call.q.device)
 
-    return call.derived.get("seen", found)
+    return call.derived.get("seen", computed)
 
 
 def zero_unseen(
@@ -108,7 +108,7 @@ def cleaned(
         visible = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) > -torch.inf
         if call.mask is not None:
             visible = visible & call.mask.dense(d.B, d.H, d.L, d.S, q.device)
-        found: Seen | None = (visible.any(-1), visible.any(-2))  # (B|1, H|1, L|1), (.., S|1)
+        rows_keys: Seen | None = (visible.any(-1), visible.any(-2))  # (B|1, H|1, L|1), (.., S|1)
     else:
-        found = seen(call)
-    return (q, k, v) if found is None else zero_unseen(q, k, v, *found)
+        rows_keys = seen(call)
+    return (q, k, v) if rows_keys is None else zero_unseen(q, k, v, *rows_keys)

@@ -155,7 +155,7 @@ class FlexBackend(Backend):
 
         def kernel() -> Tensor:
             with dynamo_recompile_limit(RECOMPILE_LIMIT):
-                found: Tensor = self._compiled(
+                out: Tensor = self._compiled(
                     q,
                     k,
                     v,
@@ -164,7 +164,7 @@ class FlexBackend(Backend):
                     scale=call.scale,
                     enable_gqa=call.dims.groups > 1,
                 )
-            return found
+            return out
 
         try:
             out = in_fresh_thread(kernel)  # it may run inside a compiled graph's op

@@ -76,11 +76,11 @@ def _masked_inputs(
             lo, hi = spans  # (B, L)
             if bool((lo <= 0).all()) and bool((hi >= d.S).all()):
                 return q, k, v, None, None  # every pair visible
-            found = seen(call)  # (B, 1, L), (B, 1, S)
-            assert found is not None
-            q, k, v = zero_unseen(q, k, v, *found)
+            rows_keys = seen(call)  # (B, 1, L), (B, 1, S)
+            assert rows_keys is not None
+            q, k, v = zero_unseen(q, k, v, *rows_keys)
             dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
-            rows = None if bool(found[0].all()) else found[0]
+            rows = None if bool(rows_keys[0].all()) else rows_keys[0]
             return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), rows
     visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
     effective = effective_visibility(visible, call.bias)  # (B|1, H|1, L, S)

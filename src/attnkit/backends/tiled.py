@@ -158,14 +158,14 @@ class _TiledAttention(torch.autograd.Function):
         vis: Visibility,
         plan: TilePlan,
         scale: float,
-        found: Seen | None,
+        rows_keys: Seen | None,
     ) -> tuple[Tensor, Tensor]:
         B, H, L, D = q.shape
         Hkv = k.shape[1]
         flash = cpu_flash_attention()
         assert flash is not None
-        if found is not None:  # (B, 1, L) rows and (B, 1, S) keys anybody sees
-            q, k, v = zero_unseen(q, k, v, *found)
+        if rows_keys is not None:  # (B, 1, L) rows and (B, 1, S) keys anybody sees
+            q, k, v = zero_unseen(q, k, v, *rows_keys)
         # results merge and land in float32 (compute_dtype) whatever the kernel's dtype
         acc = q.new_empty(0, dtype=compute_dtype(q.dtype))
         if plan.covered == B * L:  # every row is written by some block
@@ -191,8 +191,8 @@ class _TiledAttention(torch.autograd.Function):
                 _write_rows(heads(out[b]), ob, g, Hkv)
                 _write_rows(heads(lse[b]), lb, g, Hkv)
                 del ob, lb  # freed before the next call allocates its output
-        if found is not None:  # the op gives 0 on empty rows
-            lse.masked_fill_(~found[0], -torch.inf)
+        if rows_keys is not None:  # the op gives 0 on empty rows
+            lse.masked_fill_(~rows_keys[0], -torch.inf)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.vis, ctx.plan, ctx.scale = vis, plan, scale
         ctx.set_materialize_grads(False)
@@ -339,8 +339,8 @@ class TiledBackend(Backend):
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
-        vis, plan, found = self._visibility(call)
-        out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale, found)  # type: ignore[no-untyped-call]
+        vis, plan, rows_keys = self._visibility(call)
+        out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale, rows_keys)  # type: ignore[no-untyped-call]
         return out.to(call.q.dtype), lse if need_lse else None
 
     def serves_backward(self, call: AttentionCall) -> bool:
@@ -354,9 +354,9 @@ class TiledBackend(Backend):
         compiled backward op, which then needs no second forward pass."""
         kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
-        vis, plan, found = self._visibility(call)
-        if found is not None:
-            q, k, v = zero_unseen(q, k, v, *found)
+        vis, plan, rows_keys = self._visibility(call)
+        if rows_keys is not None:
+            q, k, v = zero_unseen(q, k, v, *rows_keys)
         grads = _blocks_backward(q, k, v, out, lse, dout, dlse, vis, plan, call.scale)
         dq, dk, dv = grads
         return dq.to(call.q.dtype), dk.to(call.k.dtype), dv.to(call.v.dtype)

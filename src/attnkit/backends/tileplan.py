@@ -246,8 +246,8 @@ class Segments:
             offset = hi[b, starts] - lo[b, starts] - 1
             ok = (length >= SEGMENT_MIN) & (offset >= 0)
             first, key, count, offset = starts[ok], lo[b, starts[ok]], length[ok], offset[ok]
-            found = zip(first.tolist(), key.tolist(), count.tolist(), offset.tolist(), strict=True)
-            runs.append(list(found))
+            row = zip(first.tolist(), key.tolist(), count.tolist(), offset.tolist(), strict=True)
+            runs.append(list(row))
         return Segments(lo, hi, runs) if any(runs) else None
 
 

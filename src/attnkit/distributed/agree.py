@@ -109,8 +109,8 @@ def describe(value: object, *, contents: bool = False) -> str:
     if isinstance(value, Mask):
         tensors: list[Tensor] = []
         structure = encode(value, tensors) if encodable(value) else repr(value)
-        held = ", ".join(f"{tuple(t.shape)} #{_content(t):x}" for t in tensors)
-        return f"{value} [{_digest(structure):x}]" + (f" with tensors {held}" if held else "")
+        shapes = ", ".join(f"{tuple(t.shape)} #{_content(t):x}" for t in tensors)
+        return f"{value} [{_digest(structure):x}]" + (f" with tensors {shapes}" if shapes else "")
     return repr(value)
 
 

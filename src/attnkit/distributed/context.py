@@ -36,8 +36,8 @@ class ContextParallel(Attender):
     def positions(self, rows: int, device: torch.device | None = None) -> Tensor:
         """Global positions of this rank's `rows` local rows: (rows,)."""
         g = group_of(self.group)
-        found = Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
-        return found if device is None else found.to(device)
+        global_rows = Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
+        return global_rows if device is None else global_rows.to(device)
 
     # a module's attender (`attnkit.attender`): this rank's rows of one sequence
     def check(

@@ -54,13 +54,13 @@ class Problem:
     def rectangles(self, r: int, s: int) -> list[tuple[Span, Span, Mask | None]]:
         """(local rows of r, local keys of s, mask) of each rectangle where some query of
         rank r may see some key of rank s."""
-        found = []
+        rects = []
         for lq, gq in self.layout.local_chunks(r):
             for lk, gk in self.layout.local_chunks(s):
                 part = self._window(gq, gk)
                 if part is None or _sees_some(part, self.B, gq[1] - gq[0], gk[1] - gk[0]):
-                    found.append((lq, lk, part))
-        return found
+                    rects.append((lq, lk, part))
+        return rects
 
     def _window(self, rows: Span, cols: Span) -> Mask | None:
         if self.mask is None:
@@ -118,8 +118,8 @@ class Problem:
         rows' global `out`, `lse` and their gradients: one fused backward per rectangle
         (dS = P ⊙ (dP − rowsum(dO ⊙ O)), P from the global lse); None where a rectangle
         cannot take it."""
-        work = compute_dtype(q.dtype)  # piece gradients sum across pieces in float32
-        q, k, v = q.to(work), k.to(work), v.to(work)
+        compute = compute_dtype(q.dtype)  # piece gradients sum across pieces in float32
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (q0, q1), (k0, k1), part in self.rectangles(r, s):
             qp, kp, vp = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]

@@ -101,19 +101,19 @@ class _KeysToQueries(torch.autograd.Function):
         transport: Transport = ctx.transport
         returns = transport.returns(group, needs, k, v, out.dtype)
 
-        def take(s: int, held: _Piece | tuple[Tensor, Tensor]) -> None:
+        def take(s: int, shard: _Piece | tuple[Tensor, Tensor]) -> None:
             """Add the gradients of rank s's piece: fused from the global out and lse
             where it can, else by autograd through the piece (kept or recomputed)."""
             nonlocal dq
-            found = None
-            if ctx.fused and not isinstance(held, _Piece):
-                found = problem.piece_grads(r, s, q, *held, out, lse, dout, lse_grad)
-            if found is None:
-                piece = held if isinstance(held, _Piece) else _Piece(problem, r, s, q, *held)
+            grads = None
+            if ctx.fused and not isinstance(shard, _Piece):
+                grads = problem.piece_grads(r, s, q, *shard, out, lse, dout, lse_grad)
+            if grads is None:
+                piece = shard if isinstance(shard, _Piece) else _Piece(problem, r, s, q, *shard)
                 zeros = torch.zeros_like(lse) if lse_grad is None else lse_grad
-                found = piece.grads(out, lse, dout, zeros)
-            dq = dq + found[0]
-            returns.add(s, found[1], found[2])
+                grads = piece.grads(out, lse, dout, zeros)
+            dq = dq + grads[0]
+            returns.add(s, grads[1], grads[2])
 
         for s, piece in kept.items():
             take(s, piece)
@@ -138,14 +138,14 @@ class _Piece:
         """dq, dk, dv of this piece in the whole result (`softmax.part_gradients`)."""
         g_out, g_lse = part_gradients(self.out.detach(), self.lse.detach(), out, lse, dout, dlse)
         outputs = [(t, g) for t, g in ((self.out, g_out), (self.lse, g_lse)) if t.requires_grad]
-        found: tuple[Tensor | None, ...] = (None, None, None)  # a piece that sees nothing
+        piece_grads: tuple[Tensor | None, ...] = (None, None, None)  # a piece that sees nothing
         if outputs:
-            found = torch.autograd.grad(
+            piece_grads = torch.autograd.grad(
                 [t for t, _ in outputs], self.leaves, [g for _, g in outputs], allow_unused=True
             )
         dq, dk, dv = (
             (torch.zeros_like(x) if g is None else g).to(out.dtype)
-            for g, x in zip(found, self.leaves, strict=True)
+            for g, x in zip(piece_grads, self.leaves, strict=True)
         )
         return dq, dk, dv
 

@@ -81,10 +81,10 @@ def register(name: str = "attnkit") -> str:
         (AttentionInterface, attention_forward),
         (AttentionMaskInterface, mask_function),
     ):
-        held = interface._global_mapping.get(name)
-        if held is not None and held is not fn:
+        taken = interface._global_mapping.get(name)
+        if taken is not None and taken is not fn:
             raise ValueError(
-                f"{name!r} is already registered with transformers by {held!r}; pass another "
+                f"{name!r} is already registered with transformers by {taken!r}; pass another "
                 "name to register()."
             )
         interface.register(name, fn)
@@ -318,9 +318,9 @@ def _agrees(mask: Mask | None, want: Tensor, rows: Tensor, L: int) -> bool:
     if mask is None:
         return bool(want.all())
     B, _, _, S = want.shape
-    found = exact_spans(mask, B, L, S)
-    if found is not None:
-        lo, hi = found[0][:, rows], found[1][:, rows]  # (B|1, R)
+    spans = exact_spans(mask, B, L, S)
+    if spans is not None:
+        lo, hi = spans[0][:, rows], spans[1][:, rows]  # (B|1, R)
         j = torch.arange(S)
         inside = (j >= lo[..., None]) & (j < hi[..., None])  # (B|1, R, S)
         return torch.equal(inside[:, None].expand_as(want), want)

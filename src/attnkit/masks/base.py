@@ -125,14 +125,14 @@ class Mask:
     def tensors(self) -> tuple[Tensor, ...]:
         """Every tensor this mask holds, its parts' included (a mask is a value: the
         same tensors for its whole life; caches key on their identity and version)."""
-        held: list[Tensor] = []
+        every: list[Tensor] = []
         for value in self._fields().values():
             for item in value if isinstance(value, tuple) else (value,):
                 if isinstance(item, Tensor):
-                    held.append(item)
+                    every.append(item)
                 elif isinstance(item, Mask):
-                    held.extend(item.tensors())
-        return tuple(held)
+                    every.extend(item.tensors())
+        return tuple(every)
 
     def dense(
         self,
@@ -323,9 +323,9 @@ class _Combine(Mask):
     ) -> Spans | None:
         """`&` intersects the parts' intervals row by row (exact if every part is; a part
         without spans leaves a superset), `|` takes their hull (a superset)."""
-        found = [p.key_spans(B, L, S, device) for p in self.parts]
-        known = [s for s in found if s is not None]
-        if not known or (self.op == "|" and len(known) < len(found)):
+        spans = [p.key_spans(B, L, S, device) for p in self.parts]
+        known = [s for s in spans if s is not None]
+        if not known or (self.op == "|" and len(known) < len(spans)):
             return None
         lo, hi = known[0].lo, known[0].hi
         pick_lo, pick_hi = (
@@ -333,12 +333,12 @@ class _Combine(Mask):
         )
         for part in known[1:]:
             lo, hi = pick_lo(lo, part.lo), pick_hi(hi, part.hi)
-        exact = self.op == "&" and len(known) == len(found) and all(s.exact for s in known)
+        exact = self.op == "&" and len(known) == len(spans) and all(s.exact for s in known)
         return Spans(lo, hi.clamp(min=lo) if self.op == "&" else hi, exact)
 
     def sees_all(self, L: int, S: int) -> bool:
-        found = (p.sees_all(L, S) for p in self.parts)
-        return all(found) if self.op == "&" else any(found)
+        answers = (p.sees_all(L, S) for p in self.parts)
+        return all(answers) if self.op == "&" else any(answers)
 
     def _sdpa_causal(self, L: int, S: int) -> bool | None:
         """`&` of SDPA's causal mask with masks that hide nothing is that mask."""

@@ -95,8 +95,8 @@ def from_torch_mask(mask: object, L: int | None = None, S: int | None = None) ->
     A `CausalBias` holds no values (it is a tensor only by type): read as a tensor it
     would be uninitialised memory. Its sizes must be the call's L and S (when known).
     """
-    found = torch_causal_bias()
-    if found is None or not isinstance(mask, found[0]):
+    bias_types = torch_causal_bias()
+    if bias_types is None or not isinstance(mask, bias_types[0]):
         return mask
     sizes = (mask.seq_len_q, mask.seq_len_kv)  # type: ignore[attr-defined]
     if L is not None and S is not None and sizes != (L, S):

@@ -97,9 +97,9 @@ def is_sdpa_causal(mask: Mask, L: int, S: int) -> bool:
 
     The kinds that know answer in O(1); a mask holding no tensors (a window of one)
     is compared row by row through its spans; one holding tensors is not."""
-    found = mask._sdpa_causal(L, S)
-    if found is not None:
-        return found
+    answer = mask._sdpa_causal(L, S)
+    if answer is not None:
+        return answer
     if L < S or mask.has_bias or mask.tensors():
         return False
     spans = exact_spans(mask, 1, L, S)
@@ -151,7 +151,7 @@ def state(mask: Mask) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in mask.tensors())
 
 
-def value_key(value: object, held: list[object] | None = None) -> tuple[object, ...] | None:
+def value_key(value: object, objects: list[object] | None = None) -> tuple[object, ...] | None:
     """A hashable value equal for masks that behave alike: each mask's class and fields,
     each number with its type (True is not 1); a tensor mask is the caller's tensor it
     was made from. A tensor or a function field is an object, not a number: with `held`
@@ -163,17 +163,17 @@ def value_key(value: object, held: list[object] | None = None) -> tuple[object, 
         fields = {"tensor": given} if given is not None else value._fields()
         keyed = []
         for name in sorted(fields):
-            inner = value_key(fields[name], held)
+            inner = value_key(fields[name], objects)
             if inner is None:
                 return None
             keyed.append((name, inner))
         return (type(value), *keyed)
     if isinstance(value, tuple):
-        parts = [value_key(part, held) for part in value]
+        parts = [value_key(part, objects) for part in value]
         return None if any(p is None for p in parts) else (tuple, *parts)
     if value is None or type(value) in (bool, int, float, str):
         return (type(value), value)
-    if held is not None and (isinstance(value, Tensor) or callable(value)):
-        held.append(value)
+    if objects is not None and (isinstance(value, Tensor) or callable(value)):
+        objects.append(value)
         return (object, id(value))
     return None

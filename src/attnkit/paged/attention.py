@@ -104,16 +104,17 @@ def paged_attention(
     recorded = torch.is_grad_enabled() and (
         q.requires_grad or pages.pool.requires_grad
     )  # autograd keeps what attention read: no buffer may be reused then
-    work = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
+    gather_dtype = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
     Hkv = pages.num_kv_heads
-    grouped = q.to(work).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])  # (T, Hkv, G, D)
+    grouped = q.to(gather_dtype).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])
+    # (T, Hkv, G, D)
     outs = []
     for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
         if n == 0:
             continue
         lo = 0 if left is None else max(0, start - left)  # keys no new query's window reaches
         decode = n == 1 and softcap is None  # sees every key gathered: no mask to plan
-        dtype = work if decode else pages.dtype
+        dtype = gather_dtype if decode else pages.dtype
         keys, values = pages.history(step, i, layer, lo, start + n, dtype, scratch=not recorded)
         if decode:
             outs.append(_decode(grouped[t : t + 1], keys, values, scale))

@@ -229,12 +229,12 @@ class PagedKVCache:
 
     def _buffer(self, dtype: torch.dtype, n: int, width: int) -> Tensor:
         """n rows of `width` in `dtype`, from a buffer kept and grown (doubling) as needed."""
-        found = self._scratch.get(dtype)
-        if found is None or found.shape[0] < n:
-            rows = max(n, 0 if found is None else 2 * found.shape[0])
-            found = torch.empty(rows, width, dtype=dtype, device=self.device)
-            self._scratch[dtype] = found
-        return found[:n]
+        buffer = self._scratch.get(dtype)
+        if buffer is None or buffer.shape[0] < n:
+            rows = max(n, 0 if buffer is None else 2 * buffer.shape[0])
+            buffer = torch.empty(rows, width, dtype=dtype, device=self.device)
+            self._scratch[dtype] = buffer
+        return buffer[:n]
 
     def history(
         self, step: Step, i: int, layer: int, lo: int, hi: int, dtype: torch.dtype, scratch: bool
