@@ -7,6 +7,11 @@ given), a `KVCache` (append, then attend over the cache), a paged cache's layer
 (`PagedLayer`: each packed token against its own sequence) or a `ContextParallel`
 (rows of a sequence sharded across processes). Each checks first what it cannot
 serve (`check`), naming the fix.
+
+The protocol: `check(query, key, value, dropout_p)` (what it cannot serve, with the
+fix), `positions(rows, device)` (an offset, or the (L,) positions RoPE rotates by) and
+`attend_heads(q, k, v, mask, *, dropout_p, backend)` on (B, H, L, hd) heads. The module
+branches only on whether it was parallelized (a context takes no cache).
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ keep the table; a file path, the table kept in that file (else the built-in one)
 
     attnkit calibrate                  # measure now, keep the table, print it
     python -m attnkit.calibrate        # the same
+
+Calls are timed at L = 4096, where large calls are decided (SDPA's per-pair efficiency
+varies with L). A calibration that fails logs a warning and prices with the built-in
+table, never failing the call. A table measured while the process got less than 0.8 of a
+CPU per thread is measured once more after a pause and, still busy, kept with a warning.
 """
 
 from __future__ import annotations

@@ -18,6 +18,22 @@ forward with autograd (one more forward pass). Calls the op cannot express run e
 compiled code (a graph break): dropout (a recomputed forward would draw another mask),
 float masks that require grad (the op gives mask tensors no gradient) and masks built by
 `Mask.from_mod` (a Python function cannot cross as a string).
+
+The forward op is `attention_forward(q, k, v, mask_tensors, mask_spec, backend, scale,
+softcap, need_lse, requires_grad) -> (out, lse, lse_kept)`; its fake implementation
+checks static shapes as the eager call does and gives (B, H, L, Dv), (B, H, L) (lse in
+the compute dtype; `(0,)` when neither `need_lse` nor `requires_grad` asks for one) and
+a bool scalar. The backward op, `attention_gradients(dout, dlse, out, lse, lse_kept, q,
+k, v, ...)`, takes one CPU flash backward over the whole batch for calls whose kernel
+needs no mask (dense, top-left causal: `SdpaBackend.backward`) or tiled's blockwise
+backward from out and lse (`TiledBackend.backward`), both exact for any backend's
+forward; without a kept lse, on GPU, with D != Dv, softcap or a scale <= 0 it reruns the
+eager call with autograd in a worker thread (an op's implementation runs with autograd's
+dispatch keys excluded). Both ops pass `torch.library.opcheck`.
+
+Maintainers: PyTorch's AOT cache keys a compiled graph by the forward, not by the
+structure our Python autograd formula traces to; a change of the backward op's arguments
+or of its outputs' layout needs a new op name (or users' caches serve the old call).
 """
 
 from __future__ import annotations

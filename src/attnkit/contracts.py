@@ -3,6 +3,14 @@
 Everything a user passes is checked here, once, at the public boundary; backends never
 re-validate. Letters follow DESIGN.md §1: q is (B, H, L, D), k is (B, Hkv, S, D),
 v is (B, Hkv, S, Dv), and H % Hkv == 0 (GQA: query head h reads K/V head h // (H/Hkv)).
+
+`normalize_call` makes layouts, scale and empty sizes safe for every kernel: an input
+whose last dim has a stride other than 1 is copied once (PyTorch's CPU flash kernels
+misread it; other strides pass as views); a scale <= 0 is folded into q exactly (`scale
+< 0`: `-q` with `-scale`; `scale = 0`: every score 0), since fused kernels mask with
+`-inf` before they scale and would turn hidden scores into NaN; D = 0 gives the kernels
+one zero feature joined to q and k (`normalize_inputs`), so q and k get gradients of
+their own (..., 0) shape.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ measured yet, the nearest measured kind's. No call measures unless asked
 process, however loaded the machine; `explain` names the table. `attnkit.calibrate`
 reads `ATTNKIT_CALIBRATION` (`off`: the built-in table; a kind: that kind's; a path: the
 table kept there).
+
+Kinds (`_compat.cpu_kind`): `amx`, `avx512_bf16`, `avx512`, `avx2`, `other`; measured so
+far: `avx2` and `amx`. The AVX512 kinds take `amx`'s table (their float32 kernels are
+the same AVX512 code), `other` takes `avx2`'s, and the table's source says so. A
+backend's `cost_floor` lets the planner skip pricing it (tiled plans no tiles for a
+decoding step).
 """
 
 from __future__ import annotations

@@ -18,6 +18,17 @@ number of keys S: kept under a key without either (`_any_length_key`, beside the
 mask), it serves the next step of a growing cache (one more key, a new mask
 object each step: transformers builds one per forward) with no validation or planning
 but its own checks.
+
+Bounds: `PREPARED_PER_MASK` fits per mask, four times that for calls without a mask, and
+`permask.STRUCTURES_KEPT` masks found by value. The any-length key checks only what it
+leaves out: S >= 1, the same S in k and v, and the mask's own check. The compiled op and
+the context-parallel pieces' backward take their calls from this cache too (the op's
+implementation plans as if autograd recorded: `grad=`). The planner computes only the
+reasons a call needs; `explain` asks for all of them.
+
+`StepCalls` prepares a step once: the first layer's prepared call is run by every later
+layer whose inputs are of the same kind, with no key (the transformers bridge keeps one
+on the mask object a forward shares, a paged `Step` one per prefilling sequence).
 """
 
 from __future__ import annotations

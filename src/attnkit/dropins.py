@@ -4,6 +4,18 @@
 `torch.nn.attention.varlen.varlen_attn`: swap the import and the call runs on attnkit's
 planner (a bool mask with structure, packed sequences, may run block-sparse), exact,
 with backward, on CPU too. What differs is written in each docstring.
+
+`sdpa` flattens leading dims to B and reads `is_causal` as `causal(align="top_left")`;
+the call is then `attention`'s (planner, fused and block-sparse paths,
+`torch.compile(fullgraph=True)`). `varlen_attn` runs each sequence on its own
+(`packed.attend_packed`); `max_q`, `max_k` and `num_splits` are accepted and not needed.
+Under `torch.compile` its paged keys are gathered once by the table (each sequence's
+used pages in order, one index) into the packed form. `window_spans` turns
+flash-attention's window into `row_spans`. Every `block_table` is checked first in eager
+calls (`check_block_table`: lengths against max_pages · page_size, the used entries, the
+first ceil(length / page_size) of a row, against the pool; entries past them are never
+read), and `flash_attn_with_kvcache` without one by `check_cache_room`, both before any
+write.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ the packed tensor: layout (B, L, H, D) (packed (T, H, D) for varlen),
 `causal` aligned bottom-right (query i sees keys j <= i + S - L), `window_size=(left,
 right)` around that aligned position (-1: unlimited), `softcap` (0: none) on the scaled
 scores, `alibi_slopes` (H,) or (B, H) adding `-slope · |i + S - L - j|`, GQA/MQA by head
-count. Code written for them runs unchanged:
-
-    from attnkit.flash_attn import flash_attn_func   # instead of: from flash_attn import ...
+count. Code written for them runs unchanged, imported from `attnkit.flash_attn`. The packed
+forms call the others on views of the packed dim; `flash_attn_varlen_func` runs each sequence
+on its own (`packed.attend_packed`); `flash_attn_func` (and a varlen pack under `torch.compile`)
+is one `attention_with_lse` over each query's window as `row_spans` (`dropins.window_spans`).
 
 What differs (each docstring says it again): any dtype and device attnkit serves, not
 only half on CUDA; a query that sees no key gives 0 and log-sum-exp -inf;

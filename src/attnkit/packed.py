@@ -15,6 +15,12 @@ sum across sequences.
 
 While `torch.compile` traces, the lengths are not known: the pack then runs as one call
 over each query's key interval (`row_spans`), exact but not order-invariant.
+
+`window_mask` writes the window as `causal(offset=S - L + right)` or
+`sliding_window(left, right, offset=S - L)`: values, so the prepared calls of one
+sequence serve the next of the same sizes. The cu offsets and `seqused_k` are checked
+first (a `ValueError` naming them). Under `torch.compile` the spans are `row_spans(lo,
+hi)` (`masks.tokens`: query row i sees keys `lo[i] <= j < hi[i]`).
 """
 
 from __future__ import annotations

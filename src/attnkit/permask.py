@@ -10,6 +10,11 @@ goes when one of them goes). A tensor given as the mask, or wrapped by `as_mask`
 at every call), is found by that tensor object. What a holder keeps inside is keyed by
 the caller with the mask's state (the identity and version of its tensors), and bounded
 (`Bounded`); masks found by value are bounded too.
+
+A mask's value is its public attributes (`Mask._fields`); what a kind remembers about
+itself (the caller's tensor, a tensor mask's row intervals per version) is private and
+no part of it. The caller's tensor is kept by every wrapper `as_mask` makes of it
+(`masks.tensor.given_tensor`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,21 @@ attnkit sums what their inputs fan out to (the key/value gradients of the G quer
 of a GQA group) in float32 itself. Elsewhere (a CPU with AVX2 only, where a bfloat16
 matrix product is many times slower than a float32 one) they run in float32, which is
 then faster and also more precise.
+
+`kernel_dtype` decides: half runs natively on GPUs and on CPUs with AVX512-BF16 or AMX
+(bfloat16) or AMX-FP16 (float16), probed once (`_compat.half_matmul_is_fast`);
+`ATTNKIT_HALF_KERNELS=native|float32` overrides the probe, and the test matrix runs both
+paths on every machine. On the native half path GQA K/V are repeated by
+`heads.repeat_kv_exact_grad` (its backward sums the G heads in float32; float32 calls
+use the kernels' own GQA, the CPU flash op's too where `_compat.cpu_flash_gqa` finds
+it), `tiled` merges block results and sums block gradients in float32 buffers, and a
+call with a score bias (alibi, a float mask) runs in float32. Flex on CPU computes half
+in float32.
+
+The error bound of DESIGN.md §2 compares against the naive same-dtype computation,
+`tests/helpers.naive_same_dtype` (every op rounded to the dtype, products accumulated in
+float32, as a half PyTorch program computes); gradient bounds add flash-attention's
+`dq_atol` (twice the rounding of the true value in the dtype).
 """
 
 from __future__ import annotations

@@ -12,6 +12,13 @@ inputs of that key needs no step again.
 `attnkit.prepare(...)` hands one out, bound to its mask (`bound`): calling it checks
 that the inputs fit (a `PreparedMismatchError` names what changed, an in-place change of
 the mask's tensors included) and runs it; `explain()` gives its `Plan`.
+
+The fit holds, besides sizes, strides, dtypes, devices and grad mode: scale, softcap,
+dropout, the backend asked, `need_lse`, the identity, version and size of each tensor of
+the mask (a tensor changed in place is a new key; a tensor given as the mask: its own),
+the kernel dtype of half inputs, and the registry's state (the backends registered and
+their `version`: flex's kernels turning warm). The `derived.Derived` of a prepared call
+is shared by every `AttentionCall` it builds.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ The log-sum-exp lets results over disjoint key sets merge exactly (`merge_partia
 `merge_in_place` for tiled's blocks), adds attention sinks (`add_sinks`), and carries a
 gradient into a fused backward kernel (`with_lse_gradient`): tiled, sdpa, blockwise,
 the distributed pieces and the paged calls all take it from here.
+
+Sinks: `add_sinks` merges a backend's result with a part of no value whose log-sum-exp
+is the sink, `out·exp(lse − lse')` with `lse' = logaddexp(lse, sink)`, so every backend
+whose lse has a gradient serves sinks, with no L×S tensor.
 """
 
 from __future__ import annotations

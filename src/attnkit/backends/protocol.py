@@ -9,6 +9,16 @@ prepared for repeated calls (`prepare`), gradients from a call's output and lse
 (`backward`), lines for `explain` (`notes`), the blocks of L×S it computes (`work`),
 and a number that changes when its own state changes what it costs (`version`: flex's
 kernels turning warm), which cached plans carry.
+
+`serves_backward` says whether `backward` takes a call (`sdpa`: one fused call for dense
+and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
+in the registry that serves); `dense_fastest` marks the backend cheapest per pair on a
+dense call, which `auto` takes for such a call without pricing (`sdpa`); `work` is read
+by `plot.computed_regions` and the calibration. A backend keeps no cache of its own:
+what it derives lives in the call's `derived`. Nothing outside `backends/` names a
+concrete backend class or looks one up by a literal name; `backends.register(backend)`
+adds one, and `auto`, `explain`, the gradients, the compiled op and the fuzz harness
+take it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,18 @@ SDPA alone gets three things wrong for us, which this file fixes around it: mask
 holding NaN leak through `0 * NaN`, it returns no log-sum-exp, and a row that sees
 nothing has no defined output. Top-left causal masks run as `is_causal=True`, with no
 mask tensor at all.
+
+Cleaning the unseen rows and keys (`attnkit.visibility`) is skipped where it is provably
+unneeded. On a kernel that zeroes empty rows itself (PyTorch's CPU kernel) it is skipped
+when one min/max pass shows no score can overflow. A call that needs no gradient and no
+lse runs the kernel on the inputs as given and cleans only when the output is not
+finite: a key no query sees has score `-inf` and weight exactly 0, so a finite key there
+changes nothing and NaN or Inf there shows in the output (gradients would read it
+through `dq = dS·K`, so calls with autograd clean first). The check is one pass over the
+output (its sum is finite only if every entry is; a sum that overflows sends a finite
+output to the cleaning path, which gives the same result), so a decoding step against a
+padded cache reads the cache once, as plain SDPA does. A prepared kernel keeps its mask
+tensor up to `KEPT_MASK_ELEMENTS` (2²⁰) elements; larger ones are rebuilt per call.
 """
 
 from __future__ import annotations

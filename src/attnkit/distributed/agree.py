@@ -10,6 +10,12 @@ wanted), and one `all_gather` of those few integers tells every rank whether all
 If not, a second exchange (on that path alone) carries each rank's error and
 descriptions, and every rank raises the same typed error naming the ranks that differ
 and what differs.
+
+The vector each rank gathers is int64: a failure flag and a 56-bit blake2b digest of
+each field's description (q, k, v by shape, dtype, device and grad; the mask by its
+`masks.spec` encoding plus a content fingerprint of each tensor it holds, two weighted
+sums of its bytes; layout, strategy, scale and softcap by value). The second exchange is
+an `all_gather_object`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 into 2P equal chunks and rank r holds chunks r and 2P-1-r, so under a causal mask every
 rank has one early and one late chunk and the same work. A rank's local rows are its
 chunks in this order, concatenated.
+
+A length that does not split raises `ShapeContractError` naming the padding.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ most four rectangles of the global problem, each an ordinary `attnkit` call with
 global mask seen through a `window`. A rectangle no query of which sees a key (from the
 mask's key spans) is skipped, and a pair of ranks with no such rectangle exchanges
 nothing. Partial results merge exactly through their log-sum-exp (`Accumulator`).
+
+A window keeps the global (H, L, S) with shifted indices and shifted, clipped spans, so
+`tiled` still skips, a rectangle that sees every key runs unmasked and one on a causal
+diagonal runs SDPA's causal kernel. `needs[r][s]` (some query of r sees some key of s)
+is computed alike on every rank from the mask's structure. The merge is in the compute
+dtype and NaN-safe where both parts are empty.
 """
 
 from __future__ import annotations

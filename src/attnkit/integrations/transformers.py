@@ -20,6 +20,22 @@ shares the mask object: its first layer prepares the call, the others run it
 
 One documented difference from `eager`: a query that may see no key (a padding row)
 gets 0, where eager's finite "minus infinity" averages all values (DESIGN.md §2).
+
+Tested with transformers 5.24. `register` is idempotent and refuses names transformers
+treats specially and names another function holds. `structure()` builds candidates
+(causal with offset `q_offset - kv_offset`; with `local_size`: a causal sliding window
+`left = local_size - 1`, chunked & causal, a bidirectional window; no mask; each `&`
+packed documents, found by probing which rows cannot see the key before their own) and
+keeps the first that equals `mask_function` on all B·L·S pairs (row chunks of 4M
+entries). transformers' own `causal_mask_function` (`kv_idx <= q_idx`, what every
+decoding step of a causal model passes) is `causal(offset=q_offset - kv_offset)` by its
+definition, with no check (a test holds the installed version to it pair by pair); any
+other function is checked once per forward (transformers builds its functions anew each
+forward; at S = L = 4096 the check takes about 0.1 s on 2 cores, once for all layers).
+Padding is `key_padding` of the 2-D mask's slice for the keys (positions past its end
+are padding). The result is a `PreparedMask` (an `&` with the `.ndim`/`.shape` of a (B,
+1, L, S) mask): `generate` with a static cache builds masks ahead and passes them back
+through the model's mask creation, and the mask function returns it as is.
 """
 
 from __future__ import annotations

@@ -9,6 +9,13 @@ derives from those in `structure.py`. A `Mask` is evaluated by broadcasting `ara
 so nothing builds the full (B, H, L, S) tensor unless asked to (`materialize`).
 The kinds live in `positions.py` and `tokens.py`, tensor and `from_mod` masks in
 `tensor.py`, ALiBi in `biases.py`, the converters in `convert.py`.
+
+A kind that holds data also writes `check`, `batch_size`, `num_heads` and
+`head_dependent`. `Mask` has 16 public names: those, `has_bias`, `sees_all` (derived
+from the spans of a mask holding no tensors; the kinds over positions answer in O(1),
+since a decoding step asks it every call), `tensors`, `dense`, `materialize`, `draw`,
+`to_block_mask` and `from_mod`. `&` intersects the parts' spans row by row (exact if
+every part is); `|` takes their hull (a superset).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 
 `alibi(num_heads)` combines with visibility masks by `&` (`causal() & alibi(8)`);
 `alibi_bias` gives the same values as a dense (1, H, L, S) float tensor.
+
+`_ALiBi` takes slopes per head, per batch row or per query row, and per-row positions:
+`flash_attn_func`'s `alibi_slopes` (H,) or (B, H) around each row's aligned position.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ does, without holding the (B, H, L, S) tensor.
 
 The result equals `create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size)`:
 blocks past L or S hold padding, never visible, so an edge block is never full.
+
+From spans: the key blocks each row's `[lo, hi)` touches are counted per row block by a
+difference array; a block is full where it lies inside L × S and its rows' largest `lo`
+and smallest `hi` enclose it.
 """
 
 from __future__ import annotations

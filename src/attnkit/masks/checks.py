@@ -3,6 +3,10 @@
 Each raises the error the conventions name (DESIGN.md §2): `ShapeContractError` for a
 size that does not fit the call, `MaskError` for a mask argument that has no meaning,
 `TypeError` for a wrong type; each message says what was given and the fix.
+
+`check_additive` reads a float mask as an additive bias: one min/max pass, a second only
+for a 0..1 range, at the first call of a mask tensor (the prepared call is kept per
+tensor and version); a call traced by `torch.compile` does not read the mask's values.
 """
 
 from __future__ import annotations

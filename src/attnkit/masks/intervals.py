@@ -8,6 +8,10 @@ count, the rows and keys anybody sees, `to_block_mask`) take their fast path ins
 evaluating the tensor block by block. Finding them is a pass over the tensor, cheaper
 than the attention over it; a row of two or more runs (a random mask) leaves it a plain
 tensor mask.
+
+Runs are counted per row in one pass (`lo` = the first True, `hi = lo + count`), found
+once per tensor object and version and weakly held; the hull over a tile's rows comes
+from a sparse table of minima. A tensor whose heads differ stays a plain tensor mask.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ query rows may see (`key_bounds`), the rows and keys anybody sees (`seen`), whet
 the mask is SDPA's own `is_causal` (`is_sdpa_causal`), whether some part is an L×S
 tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`), and what caches key
 on: the state of its tensors (`state`) and its value (`value_key`).
+
+Costs: `key_bounds` is a sparse table of minima over the rows' spans; `seen` is O(B·(L +
+S)) from exact spans, else row chunks; `is_sdpa_causal` is O(1) where a kind knows, else
+compared row by row through the spans of a mask holding no tensors.
 """
 
 from __future__ import annotations

@@ -5,6 +5,12 @@ A bool tensor broadcastable to (B, H, L, S) is accepted wherever a `Mask` is
 (`masks.intervals`, once per wrapper and version of the tensor), so a (B, 1, L, S)
 padded causal mask from a framework runs as fast as the structured kind it is.
 `Mask.from_mod(fn)` wraps any FlexAttention-style `fn(b, h, q_idx, kv_idx) -> bool`.
+
+A `from_mod` function has no structure: flex runs it natively, `sdpa` and `reference`
+evaluate it densely, `tiled` block by block unless it differs between heads (probed
+once, by calling it on two heads); inside `torch.compile` such a call runs eagerly (a
+graph break). A bool tensor given as the mask is found again by the caller's tensor
+object (`given_tensor`), so a mask tensor passed again is planned once.
 """
 
 from __future__ import annotations

@@ -4,6 +4,24 @@
 error that changes nothing when they run out); a `Step` is the room made for one
 forward pass's new tokens; `history` gathers one sequence's keys and values for
 attention (`paged.attention`).
+
+The pool is one tensor (layers, num_blocks·block_size, Hkv, D + Dv), a slot's key and
+value side by side (`keys` and `values` are views of it), slot = block·block_size +
+offset. Block tables are `array('q')` (a step's flat block list is one copy per table);
+each block has a reference count, and free blocks a stack (block 0 first).
+
+`step` computes every sequence's need first (growth, plus one block for a shared, partly
+filled last block it will write: copy on write, counted as the copies happen, so
+siblings writing in the same step need one copy fewer), raises `OutOfBlocksError` before
+any change, then copies and grows. It computes once, for every layer, the flat block
+list of its tables, where each table begins, and each new token's write slot and
+position. A `Step` holds the ids, counts, starts, tables and the cache's version: a step
+made stale by a later add, fork, remove or step is refused.
+
+`release` frees a sequence's leading full blocks: their table entries become -1 and a
+count of released blocks is kept per sequence; `fork` shares only the kept blocks,
+`remove` frees only those, and each step carries the first kept position of its
+sequences.
 """
 
 from __future__ import annotations
