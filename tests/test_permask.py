@@ -50,9 +50,9 @@ def test_masks_holding_tensors_or_functions_are_their_own():
     assert cache.of(f) is not cache.of(g)
 
 
-def test_masks_built_anew_over_the_same_tensors_or_functions_share_a_holder():
-    """A mask built each call over the same objects (a piece's window, the compiled op's
-    decoded mask) finds the holder of an equal one, while those objects live."""
+def test_masks_built_anew_over_the_same_tensors_share_a_holder():
+    """A mask built each call over the same tensors (a piece's window, the compiled op's
+    decoded mask) finds the holder of an equal one, while those tensors live."""
     cache, _ = _cache()
     lengths = torch.tensor([5, 3])
     first = cache.of(ak.key_padding(lengths) & ak.causal())
@@ -62,7 +62,12 @@ def test_masks_built_anew_over_the_same_tensors_or_functions_share_a_holder():
     def fn(b, h, i, j):
         return j <= i
 
-    assert cache.of(ak.Mask.from_mod(fn, "f")) is cache.of(ak.Mask.from_mod(fn, "f"))
+    # a function is no value (it may read data changed in place): each mask its own,
+    # but a window of one mask object shares the holder of an equal window
+    assert cache.of(ak.Mask.from_mod(fn, "f")) is not cache.of(ak.Mask.from_mod(fn, "f"))
+    by_fn = ak.Mask.from_mod(fn, "f")
+    part = dict(H=2, L=6, S=6, rows=(0, 3), cols=(0, 3))
+    assert cache.of(window(by_fn, **part)) is cache.of(window(by_fn, **part))
     global_mask = ak.document(torch.tensor([[0, 0, 1, 1, 1, 2]])) & ak.causal()
     piece = dict(H=2, L=6, S=6, rows=(3, 6), cols=(0, 3))
     assert cache.of(window(global_mask, **piece)) is cache.of(window(global_mask, **piece))
@@ -121,3 +126,22 @@ def test_tiled_plans_once_for_masks_built_anew_each_call(monkeypatch):
         got = ak.attention(q, k, v, ak.causal() & ak.sliding_window(40), backend="tiled")
         torch.testing.assert_close(got, want)
     assert len(planned) == 1
+
+
+def test_a_function_mask_built_anew_follows_the_data_its_function_reads():
+    """A function may read data that changes in place (FlexAttention's document masks
+    read a global ids tensor refilled each batch): a `from_mod` mask built anew is never
+    served the call prepared for an earlier one, though it holds the same function."""
+    ids = torch.tensor([0, 0, 0, 1, 1, 1])
+
+    def same_document(b, h, i, j):
+        return ids[i] == ids[j]
+
+    q, k, v = (
+        torch.randn(1, 2, 6, 8, generator=torch.Generator().manual_seed(n)) for n in range(3)
+    )
+    for refill in ([0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]):
+        ids.copy_(torch.tensor(refill))
+        got = ak.attention(q, k, v, ak.Mask.from_mod(same_document))
+        want = ak.attention(q, k, v, ak.document(ids.clone()), backend="reference")
+        torch.testing.assert_close(got, want)

@@ -4,9 +4,11 @@ mask is a value and holds none.
 A mask is found by its object, held weakly (the entry goes with it), and else by its
 value (`masks.structure.value_key`), so a mask built anew each call finds what an equal
 one left: `causal()` built each step, the window of a context-parallel piece, a mask
-the compiled op decoded. A value holding tensors or functions holds their identity:
-its entry is trusted only while those objects live and are the same (held weakly, it
-goes when one of them goes). A tensor given as the mask, or wrapped by `as_mask` (anew
+the compiled op decoded. A value holding tensors holds their identity (their contents
+are the fit's), and a part without a value of its own (a `from_mod` mask inside a
+window) its own identity: the entry is trusted only while those objects live and are
+the same (held weakly, it goes when one of them goes). A function is never a value: it
+may read data changed in place, so a `from_mod` mask built anew is planned anew. A tensor given as the mask, or wrapped by `as_mask` (anew
 at every call), is found by that tensor object. What a holder keeps inside is keyed by
 the caller with the mask's state (the identity and version of its tensors), and bounded
 (`Bounded`); masks found by value are bounded too.

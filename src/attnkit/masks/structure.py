@@ -155,29 +155,37 @@ def state(mask: Mask) -> tuple[tuple[int, int], ...]:
     return tuple((t.data_ptr(), t._version) for t in mask.tensors())
 
 
-def value_key(value: object, objects: list[object] | None = None) -> tuple[object, ...] | None:
+def value_key(
+    value: object, objects: list[object] | None = None, *, part: bool = False
+) -> tuple[object, ...] | None:
     """A hashable value equal for masks that behave alike: each mask's class and fields,
     each number with its type (True is not 1); a tensor mask is the caller's tensor it
-    was made from. A tensor or a function field is an object, not a number: with `held`
-    its identity joins the key and the object is appended to `held` (the key is that
-    mask's while those objects live: its keeper checks they are the same), without it
-    such a mask has no value key (None), nor has one whose field is anything else."""
+    was made from. With `objects`, a tensor joins the key by its identity (its contents
+    are the fit's: identity and version) and is appended to `objects`, and so does a
+    `part` (a mask inside a window, `&`, `|`, `~`) that has no value of its own, itself:
+    the key is that mask's while those objects live (its keeper checks they are the
+    same). A function is never a value (it may read data that changes in place), so a
+    mask holding one at its top has no value key (None), nor one holding anything else.
+    """
     if isinstance(value, Mask):
         given = given_tensor(value)
         fields = {"tensor": given} if given is not None else value._fields()
         keyed = []
         for name in sorted(fields):
-            inner = value_key(fields[name], objects)
+            inner = value_key(fields[name], objects, part=True)
             if inner is None:
+                if part and objects is not None:  # this part, by its identity
+                    objects.append(value)
+                    return (object, id(value))
                 return None
             keyed.append((name, inner))
         return (type(value), *keyed)
     if isinstance(value, tuple):
-        parts = [value_key(part, objects) for part in value]
+        parts = [value_key(p, objects, part=part) for p in value]
         return None if any(p is None for p in parts) else (tuple, *parts)
     if value is None or type(value) in (bool, int, float, str):
         return (type(value), value)
-    if objects is not None and (isinstance(value, Tensor) or callable(value)):
+    if objects is not None and isinstance(value, Tensor):
         objects.append(value)
         return (object, id(value))
     return None
