@@ -145,3 +145,24 @@ def test_a_function_mask_built_anew_follows_the_data_its_function_reads():
         got = ak.attention(q, k, v, ak.Mask.from_mod(same_document))
         want = ak.attention(q, k, v, ak.document(ids.clone()), backend="reference")
         torch.testing.assert_close(got, want)
+
+
+def test_a_tensor_part_refilled_in_place_is_read_again_whatever_its_layout():
+    """`causal() & t` built each call over a buffer refilled in place: the contiguous
+    buffer itself, an expanded one (the wrapper keeps a compact copy) and a 2-D one."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    for layout in ("4d", "expanded", "2d"):
+        buffer = torch.ones(6, dtype=torch.bool)
+        t = {
+            "4d": buffer.view(1, 1, 1, 6),
+            "expanded": buffer.expand(2, 1, 6, 6),
+            "2d": buffer.view(1, 6).expand(6, 6),
+        }[layout]
+        for hidden in (None, 2, 4, 1):
+            buffer.fill_(True)
+            if hidden is not None:
+                buffer[hidden] = False
+            got = ak.attention(q, k, v, ak.causal() & t)
+            want = ak.attention(q, k, v, ak.causal() & t.clone(), backend="reference")
+            torch.testing.assert_close(got, want, msg=f"{layout} hidden {hidden}")

@@ -8,8 +8,9 @@ the compiled op decoded. A value holding tensors holds their identity (their con
 are the fit's), and a part without a value of its own (a `from_mod` mask inside a
 window) its own identity: the entry is trusted only while those objects live and are
 the same (held weakly, it goes when one of them goes). A function is never a value: it
-may read data changed in place, so a `from_mod` mask built anew is planned anew. A tensor given as the mask, or wrapped by `as_mask` (anew
-at every call), is found by that tensor object. What a holder keeps inside is keyed by
+may read data changed in place, so a `from_mod` mask built anew is planned anew. A
+tensor given as the mask, or wrapped by `as_mask` (anew at every call), is found by
+that tensor object. What a holder keeps inside is keyed by
 the caller with the mask's state (the identity and version of its tensors), and bounded
 (`Bounded`); masks found by value are bounded too.
 

@@ -117,6 +117,8 @@ class MaskTensors:
         """The identity, version and size of each: a tensor changed in place has a new
         version, so a key that holds it finds nothing."""
         tensors = [ref() for ref in self._tensors]
+        if any(t is None for t in tensors):  # gone: a state no key holds
+            return (object(),)
         if self._given:
             given = tensors[0]
             assert given is not None  # found by it: alive

@@ -159,17 +159,19 @@ def value_key(
     value: object, objects: list[object] | None = None, *, part: bool = False
 ) -> tuple[object, ...] | None:
     """A hashable value equal for masks that behave alike: each mask's class and fields,
-    each number with its type (True is not 1); a tensor mask is the caller's tensor it
-    was made from. With `objects`, a tensor joins the key by its identity (its contents
-    are the fit's: identity and version) and is appended to `objects`, and so does a
-    `part` (a mask inside a window, `&`, `|`, `~`) that has no value of its own, itself:
-    the key is that mask's while those objects live (its keeper checks they are the
-    same). A function is never a value (it may read data that changes in place), so a
+    each number with its type (True is not 1). With `objects`, a tensor joins the key by
+    its identity (its contents are the fit's: identity and version; a tensor mask's only
+    where it holds the caller's tensor itself, not a copy) and is appended to `objects`,
+    and so does a `part` (a mask inside a window, `&`, `|`, `~`) that has no value of its
+    own, itself: the key is that mask's while those objects live (its keeper checks they
+    are the same). A function is never a value (it may read data that changes in place), so a
     mask holding one at its top has no value key (None), nor one holding anything else.
     """
     if isinstance(value, Mask):
         given = given_tensor(value)
-        fields = {"tensor": given} if given is not None else value._fields()
+        fields = value._fields()
+        if given is not None and given is getattr(value, "tensor", None):
+            fields = {"tensor": given}  # the caller's own: found again by it
         keyed = []
         for name in sorted(fields):
             inner = value_key(fields[name], objects, part=True)
