@@ -265,3 +265,18 @@ def test_every_backend_joins_a_result_that_sees_nothing_to_its_inputs(backend):
     out = ak.attention(q, k, v, ak.key_padding(torch.tensor([0, 0])), backend=backend)
     out.sum().backward()
     assert all(t.grad is not None and (t.grad == 0).all() for t in (q, k, v))
+
+
+def test_step_calls_run_the_first_call_for_later_layers_and_see_a_mask_change():
+    g = torch.Generator().manual_seed(6)
+    lengths = torch.tensor([9, 5])
+    mask = ak.causal(align="bottom_right") & ak.key_padding(lengths)
+    calls = dispatch.StepCalls()
+    for length in (5, 5, 3):  # two layers, then the padding refilled in place
+        lengths[1] = length
+        q, k, v = _qkv(L=2, S=9, seed=int(torch.randint(0, 99, (1,), generator=g)))
+        got = calls.run("place", q, k, v, mask, scale=None, softcap=None, dropout_p=0.0)
+        torch.testing.assert_close(
+            got,
+            _reference(q, k, v, ak.causal(align="bottom_right") & ak.key_padding(lengths.clone())),
+        )

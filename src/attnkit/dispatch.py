@@ -76,11 +76,14 @@ class StepCalls:
     Every layer of a forward attends with the same mask and inputs of the same kind; a
     place (a forward's mask, a sequence of a paged step) keeps the prepared call of its
     first call and runs it for later inputs of the same sizes, strides, dtypes, devices,
-    grad mode and options -- no key, no lookup. The caller keeps the object for one step
-    and names places whose mask is the same for the step (the first call's is run)."""
+    grad mode and options -- no key, no lookup (a tensor of the mask changed in place is
+    prepared again). The caller keeps the object for one step and names places whose
+    mask is the same for the step (the first call's is run)."""
 
     def __init__(self) -> None:
-        self._calls: dict[object, tuple[tuple[object, ...], Prepared, MaskArg]] = {}
+        # place -> (inputs' kind, the prepared call, its mask, the mask's tensors, their state)
+        self._calls: dict[object, tuple[tuple[object, ...], Prepared, MaskArg, MaskTensors,
+                                        tuple[object, ...]]] = {}  # fmt: skip
 
     def run(
         self,
@@ -103,8 +106,13 @@ class StepCalls:
                 q.requires_grad or k.requires_grad or v.requires_grad), options,
         )  # fmt: skip
         entry = self._calls.get(place)
-        if entry is None or entry[0] != kind or type(q) is not Tensor:
-            entry = (kind, _lookup(q, k, v, mask, options, None, True), mask)
+        if (
+            entry is None or entry[0] != kind or type(q) is not Tensor
+            or (entry[3].has_tensors and entry[3].state() != entry[4])  # changed in place
+        ):  # fmt: skip
+            tensors = MaskTensors(mask)
+            entry = (kind, _lookup(q, k, v, mask, options, None, True), mask, tensors,
+                     tensors.state())  # fmt: skip
             self._calls[place] = entry
         return entry[1].run(q, k, v, entry[2])[0]
 
