@@ -6,6 +6,8 @@ import gc
 import weakref
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnkit as ak
 from attnkit.masks.base import as_mask
@@ -166,3 +168,48 @@ def test_a_tensor_part_refilled_in_place_is_read_again_whatever_its_layout():
             got = ak.attention(q, k, v, ak.causal() & t)
             want = ak.attention(q, k, v, ak.causal() & t.clone(), backend="reference")
             torch.testing.assert_close(got, want, msg=f"{layout} hidden {hidden}")
+
+
+def _masks_over(buffers: dict[str, object], kind: str) -> ak.Mask:
+    """A mask built anew over the same buffers, as a loop builds one each call: ids
+    (1, S) long, valid (1, S) bool, dense an expanded view of it, a function reading it."""
+    if kind == "padding":
+        return ak.causal(align="bottom_right") & ak.key_padding(buffers["valid"])
+    if kind == "documents":
+        return ak.document(buffers["ids"]) & ak.causal()
+    if kind == "tensor":
+        return ak.causal() & buffers["dense"]
+    return ak.Mask.from_mod(buffers["fn"], "reads a buffer")
+
+
+def _buffers(ids: torch.Tensor) -> dict[str, object]:
+    valid = ids > 0
+    return {
+        "ids": ids, "valid": valid, "dense": valid.expand(4, 4),
+        "fn": lambda b, h, i, j: valid[0, j] & (j <= i),
+    }  # fmt: skip
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(["padding", "documents", "tensor", "function"]),
+    fills=st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=4), min_size=2, max_size=4),
+    backend=st.sampled_from(["auto", "sdpa", "tiled", "blockwise"]),
+)
+def test_masks_built_anew_over_a_buffer_refilled_in_place_follow_it(kind, fills, backend):
+    """Every call sees the buffers' contents now: a prepared call found by value, by
+    object or by the caller's tensor is never one of earlier contents."""
+    g = torch.Generator().manual_seed(len(fills))
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    buffers = _buffers(ids)
+    for fill in fills:
+        ids.copy_(torch.tensor([fill]))
+        buffers["valid"].copy_(ids > 0)  # type: ignore[attr-defined]
+        try:
+            got = ak.attention(q, k, v, _masks_over(buffers, kind), backend=backend)
+        except ValueError as refused:  # a backend that cannot serve the kind says so
+            assert "cannot serve this call" in str(refused)
+            continue
+        want = _masks_over(_buffers(ids.clone()), kind)
+        torch.testing.assert_close(got, ak.attention(q, k, v, want, backend="reference"))
