@@ -7,7 +7,7 @@ import torch
 
 import attnkit as ak
 from attnkit.backends.tileplan import plan_tiles
-from attnkit.masks.structure import state
+from attnkit.prepared import mask_state as state
 from helpers import count_tile_plans, out_and_grads, small_qkv
 
 

@@ -42,7 +42,7 @@ from attnkit.bounded import Bounded
 from attnkit.contracts import normalize_call
 from attnkit.masks import Mask
 from attnkit.permask import PerMask
-from attnkit.prepared import MaskTensors, Prepared, fit, prepare_call
+from attnkit.prepared import MaskTensors, Prepared, fit, inputs_kind, prepare_call
 
 __all__ = ["PREPARED_PER_MASK", "StepCalls", "attention_call", "clear", "prepared_call"]
 
@@ -100,11 +100,8 @@ class StepCalls:
     ) -> Tensor:
         """`attention(q, k, v, mask, ...)` through the place's prepared call."""
         options = (scale, softcap, dropout_p, backend, False, True)
-        kind = (
-            q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-            v.dtype, q.device, k.device, v.device, torch.is_grad_enabled() and (
-                q.requires_grad or k.requires_grad or v.requires_grad), options,
-        )  # fmt: skip
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        kind = (inputs_kind(q, k, v), grad, options)
         entry = self._calls.get(place)
         if (
             entry is None or entry[0] != kind or type(q) is not Tensor

@@ -43,7 +43,9 @@ from attnkit.planner import Plan, backend_for_run, plan_call
 from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from attnkit.softmax import add_sinks
 
-__all__ = ["FIT_FIELDS", "Prepared", "execute", "fit", "mask_state", "prepare_call"]
+__all__ = [
+    "FIT_FIELDS", "Prepared", "execute", "fit", "inputs_kind", "mask_state", "prepare_call",
+]  # fmt: skip
 
 MaskArg = Mask | Tensor | None
 Route = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
@@ -93,6 +95,15 @@ def fit(
         kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
         grad, *options, state,
         backend_state(),
+    )  # fmt: skip
+
+
+def inputs_kind(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
+    """What a fit holds of plain q, k, v themselves (its first twelve fields): shapes,
+    strides, dtypes, devices."""
+    return (
+        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
+        v.dtype, q.device, k.device, v.device,
     )  # fmt: skip
 
 
@@ -301,8 +312,7 @@ class Prepared:
         assert f is not None
         return (
             type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-            and (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-                 k.dtype, v.dtype, q.device, k.device, v.device) == f[:12]
+            and inputs_kind(q, k, v) == f[:12]
             and f[13] == (torch.is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad))
             and (not self._tensors.has_tensors or self._tensors.state() == f[20])

@@ -5,7 +5,7 @@ the pairs it lets attend (`count_allowed_pairs`), the keys a tile of
 query rows may see (`key_bounds`), the rows and keys anybody sees (`seen`), whether
 the mask is SDPA's own `is_causal` (`is_sdpa_causal`), whether some part is an L×S
 tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`), and what caches key
-on: the state of its tensors (`state`) and its value (`value_key`).
+on: its value (`value_key`).
 
 Costs: `key_bounds` is a sparse table of minima over the rows' spans; `seen` is O(B·(L +
 S)) from exact spans, else row chunks; `is_sdpa_causal` is O(1) where a kind knows, else
@@ -31,7 +31,6 @@ __all__ = [
     "key_bounds",
     "parts",
     "seen",
-    "state",
     "value_key",
 ]
 
@@ -145,14 +144,6 @@ def dense_bias(
     b, h, i, j = indices(B, H, L, S, dev, rows, None)
     value = fn(b, h, i, j)
     return value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
-
-
-def state(mask: Mask) -> tuple[tuple[int, int], ...]:
-    """The identity and version of every tensor `mask` holds (its parts' included).
-
-    Caches keyed by a mask compare it: an in-place change to a mask's tensor changes
-    its state."""
-    return tuple((t.data_ptr(), t._version) for t in mask.tensors())
 
 
 def value_key(
