@@ -18,6 +18,7 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import backend_names
+from attnkit.documents import documents
 from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from fuzz_cases import Built, Case, build
 
@@ -30,13 +31,20 @@ def backends() -> tuple[str, ...]:
     return tuple(name for name in backend_names() if name != "flex")
 
 
-def reordered(backend: str) -> bool:
+def reordered(backend: str, mask: object = None, q: torch.Tensor | None = None,
+              k: torch.Tensor | None = None) -> bool:  # fmt: skip
     """Backends whose scores round differently from the reference's: the fused kernels,
     blockwise (matmuls over key ranges sum in another order) and any other. Each may
     miss the strict rule by the rounding of the scores, eps·max|s| (found: blockwise at
     |logit| ~ 1000, seed 16 case 2467, 1.3x the strict bound in float32), and gets that
-    slack."""
-    return backend != "reference"
+    slack. The reference too where the call is cut into packed documents (`q`, `k` and
+    the mask given): each document's product is of another size, and the matrix library
+    picks another kernel for it, summing over D in another order (an 8-token document at
+    |logit| ~ 1000 scored 0.004 off the whole row's product: seed 0 case 775, dq 1.2x
+    the strict bound)."""
+    if backend != "reference":
+        return True
+    return q is not None and k is not None and documents(mask, q, k) is not None
 
 
 # Floors relative to each tensor's magnitude: about 100 ulps for float32 and float64, and
@@ -255,9 +263,8 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
                 what = "forward+lse"
             except ValueError:  # this backend has no lse here: the output alone
                 out, lse = ak.attention(b.q, b.k, b.v, b.mask, backend=backend, **kwargs), None
-        slack = (
-            _rounding(case, truth, backend) * truth.sensitivity_out if reordered(backend) else 0.0
-        )
+        moved = reordered(backend, b.mask, b.q, b.k)
+        slack = _rounding(case, truth, backend) * truth.sensitivity_out if moved else 0.0
         problems = [compare("out", out, truth.out, ref.out, dtype, slack, truth.max_logit)]
         with torch.no_grad():  # the output alone, until served prepared (a repeated call)
             for _ in range(2 if lse is not None else 1):
@@ -290,7 +297,8 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
     if not loss.requires_grad:  # a user's .backward() would raise
         return _outcome(what, ["the result is not joined to q, k, v: backward() raises"])
     got = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
-    slack = [_rounding(case, truth, backend) * t if reordered(backend) else 0.0 for t in sens]
+    moved = reordered(backend, b.mask, b.q, b.k)
+    slack = [_rounding(case, truth, backend) * t if moved else 0.0 for t in sens]
     names = ("dq", "dk", "dv")
     problems = [
         compare(n, g, t, r, dtype, x, truth.max_logit)
