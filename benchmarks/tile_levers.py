@@ -16,7 +16,7 @@ B=1, H=8, D=64, S=4096), each way to run it:
 Per pair: useful pairs per second over dense SDPA's pairs per second in the same run
 (1.0: a visible pair costs what a dense one does). The tile height is the third lever:
 the rows of the table, weighed per CPU by the cost table's short-block factor
-(`tiled_short`: built in per kind of CPU, or measured by `attnkit calibrate`).
+(tiled's `short`: built in per kind of CPU, or measured by `attnkit calibrate`).
 
     python benchmarks/tile_levers.py
     python benchmarks/tile_levers.py --dtypes float32 --runs 5

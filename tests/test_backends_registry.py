@@ -1,6 +1,6 @@
 """The backend interface is closed: a backend registered from outside (one class, one
-`register` line) is found by `auto`, `explain`, the gradients, the compiled op and the
-fuzz harness, with nothing else touched."""
+`register` line) is found by `auto`, `explain`, the gradients, the compiled op, the
+calibration and the fuzz harness, with nothing else touched."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import torch
 from torch import Tensor
 
 import attnkit as ak
-from attnkit import dispatch
-from attnkit.backends import BACKENDS, Backend, backend_names, get_backend, register, unregister
+from attnkit import calibrate, cost, dispatch
+from attnkit.backends import (
+    BACKENDS,
+    Backend,
+    Probe,
+    backend_names,
+    get_backend,
+    register,
+    unregister,
+)
 from attnkit.contracts import AttentionCall
 from fuzz import RandomDraw
 from fuzz_cases import draw_case
@@ -21,15 +29,21 @@ class Toy(Backend):
     """The reference's math, priced as free: auto takes it wherever it is asked."""
 
     name = "toy"
+    cost_factors = cost.Factors({"pair": 1e-9}, {"amx": {"pair": 2e-9}})
 
     def __init__(self) -> None:
         self.runs = 0
+        self.probed: list[float] = []
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         return "toy serves no dropout" if call.dropout_p > 0 else None
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
-        return 0.0
+        return self.factors()["pair"] * call.dims.B * call.dims.H * call.dims.L * call.dims.S
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        self.probed.append(probe.time(lambda: None))
+        return {"pair": 3e-9}
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         return 0
@@ -89,6 +103,25 @@ def test_the_fuzz_harness_runs_a_registered_backend(toy):
     outcomes = [o for i in range(4) for o in run_case(draw_case(RandomDraw(11, i)))]
     ran = [o for o in outcomes if o.backend == "toy"]
     assert ran and all(not o.failed for o in ran)
+
+
+def test_the_calibration_times_a_registered_backends_own_factors(toy, monkeypatch, tmp_path):
+    """Its factors are built in per kind, timed by its own probe, kept, read back and
+    named by `explain`, with nothing in cost.py or calibrate.py naming it."""
+    assert toy.factors() == {"pair": 1e-9}  # the tests price with avx2's table
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cost.json"))
+    before = cost.table()
+    try:
+        measured = calibrate.measure()
+        assert toy.probed and measured.measured["toy"] == {"pair": 3e-9}
+        kept = calibrate._write(tmp_path / "cost.json", measured)
+        assert kept.of("toy", Toy.cost_factors) == {"pair": 3e-9}
+        cost.use(kept)
+        q, k, v = _qkv()
+        assert "toy pair 3e-09" in str(ak.explain(q, k, v, ak.causal()))
+    finally:
+        cost.use(before)
+    assert cost.built_in("avx512").of("toy", Toy.cost_factors) == {"pair": 2e-9}  # amx's
 
 
 def test_register_refuses_a_taken_name_and_other_objects():

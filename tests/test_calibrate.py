@@ -17,6 +17,7 @@ import torch
 import attnkit as ak
 from attnkit import calibrate, cost
 from attnkit._compat import CPU_KINDS, cpu_kind
+from attnkit.backends import BACKENDS, get_backend
 
 
 @pytest.fixture
@@ -34,14 +35,19 @@ def _never_measure():
     raise AssertionError("measured, but nobody asked")
 
 
-def _fake_measurement(share: float = 0.97, **factors: float):
+def _fake_measurement(share: float = 0.97, **factors: dict[str, float]):
+    """`calibrate._measured` that times nothing: `factors` by backend name."""
     calls = []
 
     def measured():
         calls.append(share)
-        return {**cost.BUILT_IN.factors(), **factors}, share
+        return factors, share
 
     return measured, calls
+
+
+def _tiled_call(table: cost.CostTable) -> float:
+    return table.of("tiled", get_backend("tiled").cost_factors)["call"]
 
 
 def test_with_no_setting_nothing_is_measured_and_the_built_in_table_prices(fresh_table, tmp_path):
@@ -55,11 +61,12 @@ def test_with_no_setting_nothing_is_measured_and_the_built_in_table_prices(fresh
 
 def test_a_kept_table_is_read_and_off_ignores_it(fresh_table):
     fresh_table.setattr(calibrate, "measure", _never_measure)
-    fake = cost.CostTable(tiled_pair=9.0, source="measured here (a test)")
+    fake = cost.CostTable(cpu_kind(), "measured here (a test)", measured={"tiled": {"pair": 9.0}})
     kept = calibrate._write(calibrate.cache_path(), fake)
-    assert kept.factors() == fake.factors()
+    assert calibrate.factors(kept) == calibrate.factors(fake)
     found = cost.table()
-    assert found.factors() == fake.factors()
+    assert calibrate.factors(found) == calibrate.factors(fake)
+    assert found.of("tiled", get_backend("tiled").cost_factors)["pair"] == 9.0
     assert found.source.startswith(f"measured on this CPU, kept in {calibrate.cache_path()}")
     fresh_table.setenv("ATTNKIT_CALIBRATION", "off")
     cost.use(None)
@@ -76,7 +83,7 @@ def test_a_named_file_that_holds_no_table_for_this_machine_gives_the_built_in_on
         path.write_text(content)
         cost.use(None)
         found = cost.table()
-        assert found.factors() == cost.built_in().factors()
+        assert calibrate.factors(found) == calibrate.factors(cost.built_in())
         assert found.source.startswith(cost.built_in().source)
         assert f"no table for this machine in {path}" in found.source
         assert path.read_text() == content  # read, never written
@@ -91,10 +98,12 @@ def test_every_kind_has_a_built_in_table_that_names_it():
         near = cost.NEAREST.get(kind)
         assert (f"nearest measured: {near};" in source) == (near is not None)
         if near is not None:
-            assert cost.built_in(kind).factors() == cost.built_in(near).factors()
+            assert calibrate.factors(cost.built_in(kind)) == calibrate.factors(cost.built_in(near))
     assert "2026-12-02" in cost.built_in("amx").source
-    assert cost.built_in("amx").factors() != cost.built_in("avx2").factors()
-    assert cost.built_in("avx2") is cost.BUILT_IN and cost.BUILT_IN == cost.CostTable()
+    assert calibrate.factors(cost.built_in("amx")) != calibrate.factors(cost.built_in("avx2"))
+    defaults = {b.name: dict(b.cost_factors.default) for b in BACKENDS.values()}
+    assert cost.built_in("avx2") is cost.BUILT_IN
+    assert calibrate.factors(cost.BUILT_IN) == {n: f for n, f in defaults.items() if f}
     with pytest.raises(ValueError, match="avx2"):
         cost.built_in("sse4")
 
@@ -110,7 +119,7 @@ def test_a_table_decides_auto(fresh_table):
     q = torch.randn(1, 2, 512, 16)
     mask = ak.sliding_window(16) & ak.causal()
     assert ak.explain(q, q, q, mask).backend == "tiled"
-    cost.use(cost.CostTable(tiled_pair=50.0, tiled_causal=50.0, source="a test"))
+    cost.use(cost.CostTable("avx2", "a test", measured={"tiled": {"pair": 50.0, "causal": 50.0}}))
     plan = ak.explain(q, q, q, mask)
     assert plan.backend == "sdpa" and "a test" in str(plan)
 
@@ -123,29 +132,31 @@ def test_a_measured_table_is_kept_and_read_back(fresh_table, tmp_path, capsys):
     kept = json.loads(path.read_text())
     factors = kept["factors"]
     assert kept["machine"] == calibrate.machine_key()
-    assert factors.keys() == cost.BUILT_IN.factors().keys()
-    assert all(math.isfinite(x) and x > 0 for x in factors.values())
-    assert factors["sdpa_dense"] == 1.0  # the unit
+    built_in = calibrate.factors(cost.built_in())
+    assert {n: f.keys() for n, f in factors.items()} == {n: f.keys() for n, f in built_in.items()}
+    assert all(math.isfinite(x) and x > 0 for f in factors.values() for x in f.values())
+    assert factors["flex"] == built_in["flex"]  # not timed (it compiles): built in
+    assert factors["sdpa"] != built_in["sdpa"]  # timed
     assert f"kept in {path}" in capsys.readouterr().out
     fresh_table.setattr(calibrate, "measure", _never_measure)
     cost.use(None)
     again = cost.table()
-    assert again.factors() == factors and str(path) in again.source
+    assert calibrate.factors(again) == factors and str(path) in again.source
     q = torch.randn(1, 2, 64, 16)
     assert str(path) in str(ak.explain(q, q, q, ak.causal()))  # explain says where from
 
 
 def test_measure_measures_at_first_use_and_keeps_the_table(fresh_table):
     fresh_table.setenv("ATTNKIT_CALIBRATION", "measure")
-    measured, calls = _fake_measurement(tiled_call=2e6)
+    measured, calls = _fake_measurement(tiled={"call": 2e6})
     fresh_table.setattr(calibrate, "_measured", measured)
     found = cost.table()
-    assert calls and found.tiled_call == 2e6
+    assert calls and _tiled_call(found) == 2e6
     assert found.source.startswith(f"measured on this CPU, kept in {calibrate.cache_path()}")
     fresh_table.delenv("ATTNKIT_CALIBRATION")  # a later process, asking for nothing
     fresh_table.setattr(calibrate, "measure", _never_measure)
     cost.use(None)
-    assert cost.table().tiled_call == 2e6
+    assert _tiled_call(cost.table()) == 2e6
 
 
 def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_path):
@@ -156,7 +167,8 @@ def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_pa
 
     fresh_table.setattr(calibrate, "measure", failing)
     found = cost.table()
-    assert found.factors() == cost.built_in().factors() and "no timer here" in found.source
+    assert calibrate.factors(found) == calibrate.factors(cost.built_in())
+    assert "no timer here" in found.source
     q = torch.randn(1, 2, 64, 16)
     torch.testing.assert_close(
         ak.attention(q, q, q, ak.causal()), ak.attention(q, q, q, ak.causal(), backend="reference")
@@ -166,13 +178,13 @@ def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_pa
 
 def test_a_table_measured_on_a_busy_cpu_is_kept_with_a_warning(fresh_table, caplog, capsys):
     fresh_table.setenv("ATTNKIT_CALIBRATION", "measure")
-    measured, calls = _fake_measurement(share=0.55, tiled_call=2e6)  # another program ran
+    measured, calls = _fake_measurement(share=0.55, tiled={"call": 2e6})  # another program ran
     fresh_table.setattr(calibrate, "_measured", measured)
     fresh_table.setattr(calibrate.time, "sleep", lambda s: None)
     with caplog.at_level(logging.WARNING, logger="attnkit"):
         found = cost.table()
     assert len(calls) == calibrate.ATTEMPTS  # measured again after a pause
-    assert found.tiled_call == 2e6 and calibrate.BUSY in found.source
+    assert _tiled_call(found) == 2e6 and calibrate.BUSY in found.source
     assert calibrate.cache_path().exists()  # asked for: kept all the same
     assert calibrate.BUSY in caplog.text and "attnkit calibrate" in caplog.text
     assert calibrate.main() == 0
@@ -183,7 +195,7 @@ def test_a_table_measured_on_a_busy_cpu_is_kept_with_a_warning(fresh_table, capl
 def test_a_quiet_retry_leaves_no_warning(fresh_table, caplog):
     fresh_table.setenv("ATTNKIT_CALIBRATION", "measure")
     shares = iter([0.4, 0.97])
-    fresh_table.setattr(calibrate, "_measured", lambda: (cost.BUILT_IN.factors(), next(shares)))
+    fresh_table.setattr(calibrate, "_measured", lambda: ({}, next(shares)))
     fresh_table.setattr(calibrate.time, "sleep", lambda s: None)
     found = cost.table()
     assert calibrate.BUSY not in found.source and calibrate.cache_path().exists()
@@ -197,15 +209,34 @@ def test_the_measured_cost_of_short_blocks_picks_the_tile_height(fresh_table):
     mask = ak.sliding_window(255) & ak.causal()
     heights = {}
     for short in (0.01, 0.5):
-        cost.use(cost.CostTable(tiled_short=short, source="a test"))
+        cost.use(cost.CostTable("avx2", "a test", measured={"tiled": {"short": short}}))
         heights[short] = best_plan(mask, 1, 8, 8, 4096, 4096).tile
     assert heights[0.01] < heights[0.5]
 
 
 def test_the_short_block_exponent_is_measured_in_bounds():
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 512, 64, generator=g) for _ in range(3))
-    assert 0.01 <= calibrate._short_blocks((q, k, v)) <= 0.5
+    from attnkit.backends.tilecost import _short_blocks
+
+    assert 0.01 <= _short_blocks(calibrate._Probe()) <= 0.5
+
+
+def test_a_kept_table_naming_other_factors_than_a_backend_has_is_not_read(fresh_table):
+    """A table kept by another version (a factor renamed, added or gone) prices nothing."""
+    fresh_table.setattr(calibrate, "measure", _never_measure)
+    fake = cost.CostTable(cpu_kind(), "a test", measured={"tiled": {"pair": 9.0}})
+    path = calibrate.cache_path()
+    calibrate._write(path, fake)
+    data = json.loads(path.read_text())
+    data["factors"]["tiled"]["old_name"] = 1.0
+    path.write_text(json.dumps(data))
+    assert calibrate._read(path) is None
+    assert cost.table() is cost.built_in()
+    del data["factors"]["tiled"]["old_name"], data["factors"]["sdpa"]  # one backend absent
+    path.write_text(json.dumps(data))
+    kept = calibrate._read(path)
+    assert kept is not None and kept.of("tiled", get_backend("tiled").cost_factors)["pair"] == 9.0
+    sdpa = get_backend("sdpa").cost_factors
+    assert kept.of("sdpa", sdpa) == sdpa.built_in(cpu_kind())  # built in for the kind
 
 
 # ------------------------------------------------------------ processes side by side

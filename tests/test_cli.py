@@ -133,20 +133,21 @@ def test_bench_prints_a_row_per_pattern_and_pass(capsys):
 
 def test_calibrate_command_keeps_the_table_and_prints_it(monkeypatch, tmp_path, capsys):
     from attnkit import calibrate, cost
+    from attnkit.backends import get_backend
 
     path = tmp_path / "cost.json"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))  # a file named: kept there
-    measured = {**cost.BUILT_IN.factors(), "tiled_call": 3e5}
+    measured = {"tiled": {"call": 3e5}}
     monkeypatch.setattr(calibrate, "_measured", lambda: (measured, 0.97))  # a quiet CPU
     try:
         assert main(["calibrate"]) == 0
-        assert cost.table().tiled_call == 3e5  # this process prices with it too
+        assert get_backend("tiled").factors()["call"] == 3e5  # this process prices with it too
     finally:
         cost.use(None)
     captured = capsys.readouterr()
-    assert f"kept in {path}" in captured.out and '"tiled_call": 300000.0' in captured.out
+    assert f"kept in {path}" in captured.out and '"call": 300000.0' in captured.out
     assert "measuring the cost model" in captured.err and "warning" not in captured.err
-    assert json.loads(path.read_text())["factors"] == measured
+    assert json.loads(path.read_text())["factors"]["tiled"]["call"] == 3e5  # every factor kept
 
 
 def test_bench_refuses_an_unknown_pattern():

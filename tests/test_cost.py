@@ -1,5 +1,6 @@
-"""attnkit.cost: one table of factors per kind of CPU, chosen once and never measured by
-a call; tiled's short blocks cost more per pair."""
+"""attnkit.cost: one table per kind of CPU, chosen once and never measured by a call;
+each backend owns its factors (built in per kind) and the table only says which kind's
+and what was measured here; tiled's short blocks cost more per pair."""
 
 from __future__ import annotations
 
@@ -7,36 +8,68 @@ import pytest
 
 from attnkit import cost
 from attnkit._compat import CPU_KINDS
+from attnkit.backends import BACKENDS, get_backend
+from attnkit.backends.tilecost import pair_cost
 
 
 def test_every_cpu_kind_has_a_table_that_names_its_source():
     for kind in CPU_KINDS:
         table = cost.built_in(kind)
-        assert kind in table.source
+        assert kind in table.source and table.kind == kind and not table.measured
         near = cost.NEAREST.get(kind, kind)
-        assert table.factors() == cost.TABLES[near].factors()
-        assert all(value > 0 for value in table.factors().values())
+        for backend in BACKENDS.values():
+            mine = table.of(backend.name, backend.cost_factors)
+            assert mine == cost.TABLES[near].of(backend.name, backend.cost_factors)
+            assert mine.keys() == backend.cost_factors.default.keys()
+            assert all(value > 0 for value in mine.values())
     assert cost.built_in("avx2") is cost.BUILT_IN
     with pytest.raises(ValueError, match="unknown CPU kind"):
         cost.built_in("pentium")
 
 
+def test_a_kinds_factors_are_its_own_over_the_defaults():
+    factors = cost.Factors({"pair": 1.0, "call": 10.0}, {"amx": {"pair": 2.0}})
+    assert factors.built_in("avx2") == {"pair": 1.0, "call": 10.0}
+    assert factors.built_in("amx") == {"pair": 2.0, "call": 10.0}
+    assert factors.built_in("avx512") == factors.built_in("amx")  # the nearest measured
+    assert factors.built_in("other") == factors.built_in("avx2")
+
+
+def test_measured_factors_override_the_built_in_ones_by_backend_name():
+    sdpa = get_backend("sdpa")
+    table = cost.CostTable("amx", "a test", measured={"sdpa": {"masked": 9.0}})
+    assert table.of("sdpa", sdpa.cost_factors) == {
+        **sdpa.cost_factors.built_in("amx"),
+        "masked": 9.0,
+    }
+    tiled = get_backend("tiled")  # not measured: built in for the table's kind
+    assert table.of("tiled", tiled.cost_factors) == tiled.cost_factors.built_in("amx")
+
+
 def test_use_sets_the_table_and_none_decides_again():
-    mine = cost.CostTable(sdpa_masked=9.0, source="mine")
+    from attnkit.planner import cost_summary
+
+    mine = cost.CostTable("avx2", "mine", measured={"sdpa": {"masked": 9.0}})
     before = cost.table()
     try:
         cost.use(mine)
-        assert cost.table() is mine and "mine" in cost.table().summary()
+        assert cost.table() is mine and get_backend("sdpa").factors()["masked"] == 9.0
+        assert "mine" in cost_summary() and "masked 9" in cost_summary()
         cost.use(None)
         assert cost.table() == before  # chosen again the same way (the tests pin avx2)
     finally:
         cost.use(before)
 
 
+def test_a_timed_factor_scales_its_default_and_is_never_free():
+    assert cost.rescaled(2.0, predicted=100.0, spent=150.0) == 3.0
+    assert cost.rescaled(2.0, predicted=100.0, spent=-5.0) == pytest.approx(0.1)
+
+
 def test_short_blocks_cost_more_per_pair_and_256_rows_cost_the_base():
-    table = cost.table()
-    assert cost.tiled_pair(256) == pytest.approx(table.tiled_pair)
-    assert cost.tiled_pair(1024) == pytest.approx(table.tiled_pair)  # capped at 256 rows
-    costs = [cost.tiled_pair(rows) for rows in (1, 16, 64, 128, 256)]
+    priced = get_backend("tiled").factors()
+    assert pair_cost(256, priced) == pytest.approx(priced["pair"])
+    assert pair_cost(1024, priced) == pytest.approx(priced["pair"])  # capped at 256 rows
+    costs = [pair_cost(rows, priced) for rows in (1, 16, 64, 128, 256)]
     assert costs == sorted(costs, reverse=True)
-    assert cost.tiled_pair(0) == cost.tiled_pair(1)  # no block has fewer than a row
+    assert pair_cost(0, priced) == pair_cost(1, priced)  # no block has fewer than a row

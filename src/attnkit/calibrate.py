@@ -5,18 +5,19 @@ this machine and kept, if there is one, else with the table built in for the CPU
 (`cost.built_in`), so the same call picks the same backend in every process, however
 loaded the machine, and a first call costs what a second does.
 
-Each factor of the table is measured by timing one representative call against dense
-SDPA on the same machine: SDPA with a mask tensor and with `is_causal` (tiled's causal
-runs are that kernel: their factor moves with it), the tiled backend on a tiny call (its
-per-call cost) and a sliding window (per pair in blocks), the flash op on blocks of 64
-and 256 rows (how much more short blocks cost: the tile heights' ranking), blockwise and
-the reference on a small causal call. A tiled or blockwise factor is the built-in one
-scaled by measured time over the time the built-in table predicts for that call. One to
-two seconds on a quiet CPU; the table is kept as JSON in `$XDG_CACHE_HOME/attnkit` (else
-`~/.cache/attnkit`) under the machine's key (CPU model and units, threads, torch and
-attnkit versions). FlexAttention's factor stays built in (measuring it compiles). Measure
-on a quiet machine: another program on the same cores slows short calls many times more
-than long ones, so a busy measurement is kept but warned about.
+The unit, dense SDPA per pair, is timed first; then each registered backend times its
+own factors (`Backend.calibrate`, through a `Probe` that times in that unit), in the
+registry's order, while the planner prices with the built-in defaults: SDPA with a mask
+tensor and with `is_causal`; tiled per group on a tiny call, per pair on a sliding
+window, its short blocks from the flash op on blocks of 64 and 256 rows, its causal runs
+moved with SDPA's; blockwise and the reference on a small causal call. A factor timed on
+one call is the built-in default scaled by measured time over the time the defaults
+predict (`cost.rescaled`). What a backend does not time stays built in for the CPU's kind
+(FlexAttention's: measuring it compiles). One to two seconds on a quiet CPU; the table is
+kept as JSON in `$XDG_CACHE_HOME/attnkit` (else `~/.cache/attnkit`) under the machine's
+key (CPU model and units, threads, torch and attnkit versions), every backend's factors
+by name. Measure on a quiet machine: another program on the same cores slows short calls
+many times more than long ones, so a busy measurement is kept but warned about.
 
 `ATTNKIT_CALIBRATION`: unset, the table kept for this machine, else the built-in one for
 its kind; `off` (or `builtin`), the built-in table for this CPU's kind, kept tables
@@ -40,7 +41,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import sys
@@ -52,15 +52,14 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import cost
-from attnkit._compat import CPU_KINDS, cpu_features
+from attnkit._compat import CPU_KINDS, cpu_features, cpu_kind
 from attnkit._version import __version__
-from attnkit.backends import get_backend
-from attnkit.contracts import normalize_call
+from attnkit.backends import BACKENDS, Inputs
 from attnkit.cost import BUILT_IN, CostTable
 from attnkit.functional import attention
-from attnkit.masks import Mask, causal, sliding_window
+from attnkit.masks import Mask
 
-__all__ = ["active_table", "cache_path", "main", "measure"]
+__all__ = ["active_table", "cache_path", "factors", "main", "measure"]
 
 OFF = ("off", "0", "false", "builtin", "built-in")
 MEASURE = "measure"
@@ -140,32 +139,50 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def factors(table: CostTable) -> dict[str, dict[str, float]]:
+    """Every registered backend's factors in `table`, by backend name (those with any)."""
+    return {
+        b.name: table.of(b.name, b.cost_factors)
+        for b in BACKENDS.values()
+        if b.cost_factors.default
+    }
+
+
 def _read(path: Path) -> CostTable | None:
-    """The table kept at `path` for this machine, or None (absent, unreadable, or
-    measured on another machine, thread count or version)."""
+    """The table kept at `path` for this machine, or None (absent, unreadable, measured on
+    another machine, thread count or version, or naming other factors than a registered
+    backend has)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("machine") != machine_key():
         return None
-    factors = data.get("factors")
-    names = set(BUILT_IN.factors())
-    if not isinstance(factors, dict) or set(factors) != names:
+    kept = data.get("factors")
+    if not isinstance(kept, dict) or not all(_numbers(f) for f in kept.values()):
         return None
-    if not all(isinstance(x, (int, float)) and 0 < x < 1e12 for x in factors.values()):
+    names = {b.name: set(b.cost_factors.default) for b in BACKENDS.values()}
+    if any(name in names and set(f) != names[name] for name, f in kept.items()):
         return None
     when = data.get("when")
     date = time.strftime(" (%Y-%m-%d)", time.localtime(when)) if isinstance(when, float) else ""
     busy = f"; {BUSY}" if data.get("busy") else ""
-    return CostTable(**factors, source=f"measured on this CPU, kept in {path}{date}{busy}")
+    source = f"measured on this CPU, kept in {path}{date}{busy}"
+    return CostTable(cpu_kind(), source, measured=kept)
+
+
+def _numbers(backend_factors: object) -> bool:
+    """A backend's kept factors: names to positive finite numbers."""
+    if not isinstance(backend_factors, dict):
+        return False
+    return all(isinstance(x, (int, float)) and 0 < x < 1e12 for x in backend_factors.values())
 
 
 def _write(path: Path, table: CostTable) -> CostTable:
     """Keep `table` at `path` (OSError where it cannot), and the table as read back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
-        "machine": machine_key(), "factors": table.factors(), "when": time.time(),
+        "machine": machine_key(), "factors": factors(table), "when": time.time(),
         "busy": BUSY in table.source,
     }  # fmt: skip
     path.write_text(json.dumps(data, indent=1))
@@ -183,7 +200,7 @@ ATTEMPTS = 2
 
 
 def measure() -> CostTable:
-    """The cost table of this CPU, timed now (the built-in table prices meanwhile).
+    """The cost table of this CPU, timed now (the built-in defaults price meanwhile).
 
     A measurement is only as good as the machine is quiet: another program on the same
     cores slows short calls many times more than long ones (a tiny call waits for its
@@ -193,11 +210,11 @@ def measure() -> CostTable:
     `ATTNKIT_CALIBRATION=measure` keep it all the same, with a warning).
     """
     previous = cost._ACTIVE
-    cost.use(BUILT_IN)  # the backends plan with it while they are timed
+    cost.use(BUILT_IN)  # the backends plan with the defaults while they are timed
     try:
         with torch.no_grad():
             for _ in range(ATTEMPTS):
-                factors, share = _measured()
+                measured, share = _measured()
                 if share >= QUIET_SHARE:
                     break
                 time.sleep(1.0)  # a compile's workers, another program: often short
@@ -207,90 +224,47 @@ def measure() -> CostTable:
     source = f"measured on this CPU ({_cpu_model()}, {when})"
     if share < QUIET_SHARE:
         source += f"; {BUSY} (CPU share {share:.2f} per thread)"
-    return CostTable(**factors, source=source)
+    return CostTable(cpu_kind(), source, measured=measured)
 
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def _measured() -> tuple[dict[str, dict[str, float]], float]:
+    """Each backend's timed factors, and the process's CPU share per thread while they
+    were timed (about 1 on a quiet CPU: the kernels' threads run, or spin, all along)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    probe = _Probe()
+    for backend in BACKENDS.values():  # in order: a factor may move with an earlier one's
+        timed = backend.calibrate(probe)
+        if timed:
+            probe.measured[backend.name] = timed
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall) / torch.get_num_threads()
+    return probe.measured, share
 
 
-def _measured() -> tuple[dict[str, float], float]:
-    """The factors, and the process's CPU share per thread while they were timed (about 1
-    on a quiet CPU: the kernels' threads run, or spin, all along)."""
-    g = torch.Generator().manual_seed(0)
+class _Probe:
+    """`backends.Probe` on this CPU: times in units of dense SDPA's time per pair, timed
+    at L = 4096 when made (SDPA's efficiency per pair depends on L: timed where large
+    calls are decided)."""
 
-    def qkv(L: int, H: int = 8) -> Inputs:
-        q, k, v = (torch.randn(1, H, L, 64, generator=g) for _ in range(3))
+    def __init__(self) -> None:
+        self._generator = torch.Generator().manual_seed(0)
+        self.measured: dict[str, dict[str, float]] = {}
+        L = 4096
+        q, k, v = self.inputs(L, H=2)
+        self._unit = 1.0
+        self._unit = self.time(lambda: F.scaled_dot_product_attention(q, k, v)) / (2 * L * L)
+
+    def inputs(self, L: int, H: int = 8) -> Inputs:
+        q, k, v = (torch.randn(1, H, L, 64, generator=self._generator) for _ in range(3))
         return q, k, v
 
-    # SDPA's efficiency per pair depends on L (its causal kernel: 1.5× dense per pair at
-    # L=1024, 0.94× at 4096 on a 2-core AVX2 CPU): timed where large calls are decided
-    L = 4096
-    q, k, v = qkv(L, H=2)
-    pairs = 2 * L * L
-    cpu, wall = time.process_time(), time.perf_counter()
-    unit = _best(lambda: F.scaled_dot_product_attention(q, k, v)) / pairs  # s per pair
-    band = (causal() & sliding_window(L // 8)).dense(1, 1, L, L)  # (1, 1, L, S)
-    masked = _best(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=band)) / pairs
-    causal_pairs = 2 * L * (L + 1) / 2
-    is_causal = _best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    factors = BUILT_IN.factors()
-    factors["sdpa_masked"] = masked / unit
-    factors["sdpa_causal"] = is_causal / causal_pairs / unit
-    # tiled's causal runs are SDPA's causal kernel: their factor moves with SDPA's (timed
-    # apart, the two would rank one kernel against itself by timing noise)
-    factors["tiled_causal"] = BUILT_IN.tiled_causal * factors["sdpa_causal"] / BUILT_IN.sdpa_causal
-    factors["tiled_call"] = _seconds(qkv(64), causal(), "tiled", runs=20) / unit  # short: more runs
-    factors["tiled_short"] = _short_blocks(qkv(2048))
-    scaled: dict[str, tuple[Inputs, Mask, str]] = {
-        "tiled_pair": (qkv(4096), sliding_window(255) & causal(), "tiled"),
-        "blockwise": (qkv(512), causal(), "blockwise"),
-        "reference": (qkv(512), causal(), "reference"),
-    }
-    for name, (inputs, mask, backend) in scaled.items():
-        predicted, calls, tile = _predicted(inputs, mask, backend)
-        spent = _seconds(inputs, mask, backend) / unit
-        if backend == "tiled":  # the pairs' share: the calls' cost as just measured
-            predicted -= BUILT_IN.tiled_call * calls
-            spent -= factors["tiled_call"] * calls
-            # ... on blocks of `tile` rows: priced with the short-block exponent just found
-            predicted *= (256 / tile) ** (factors["tiled_short"] - BUILT_IN.tiled_short)
-        factors[name] = BUILT_IN.factors()[name] * max(spent, 0.05 * predicted) / predicted
-    share = (time.process_time() - cpu) / (time.perf_counter() - wall) / torch.get_num_threads()
-    return factors, share
+    def interleaved(self, fns: Sequence[Callable[[], object]], runs: int = 7) -> list[float]:
+        return [seconds / self._unit for seconds in _interleaved(fns, runs)]
 
+    def time(self, fn: Callable[[], object], runs: int = 3) -> float:
+        return self.interleaved([fn], runs)[0]
 
-def _predicted(inputs: Inputs, mask: Mask, backend: str) -> tuple[float, int, int]:
-    """The built-in table's cost of a call, and its tiled groups and tile height (0 and
-    256 for other backends)."""
-    call = normalize_call(*inputs, mask, scale=None, softcap=None, dropout_p=0.0)
-    chosen = get_backend(backend)
-    work = chosen.work(call)
-    if work is None:
-        return chosen.cost(call, need_lse=False), 0, 256
-    return chosen.cost(call, need_lse=False), work.calls, min(work.tile, 256)
-
-
-def _short_blocks(inputs: Inputs, window: int = 256) -> float:
-    """The exponent e of short blocks' per-pair cost, (256 / R) ** e: the flash op timed on
-    one sliding band in blocks of R = 64 and of R = 256 rows (window + R keys each, one
-    call, no mask: the mask's cost is in `tiled_pair`)."""
-    from attnkit._compat import cpu_flash_attention
-
-    flash = cpu_flash_attention()
-    if flash is None:
-        return BUILT_IN.tiled_short
-    q, k, v = (t[0] for t in inputs)  # (H, L, D)
-    calls, pairs = [], []
-    for R in (64, 256):
-        W = window + R
-        qb = q[:, window:].unfold(1, R, R).permute(1, 0, 3, 2)  # (n, H, R, D), a view
-        kb, vb = (t[:, window - W + R :].unfold(1, W, R).permute(1, 0, 3, 2) for t in (k, v))
-        n = min(qb.shape[0], kb.shape[0])
-        calls.append(lambda a=qb[:n], b=kb[:n], c=vb[:n]: flash(a, b, c, 0.0, False, scale=0.125))
-        pairs.append(n * R * W)
-    short, tall = _interleaved(calls)  # the two alike disturbed: their ratio is steadier
-    ratio = (short / pairs[0]) / (tall / pairs[1])
-    return min(max(math.log(ratio) / math.log(4), 0.01), 0.5)
+    def attention(self, inputs: Inputs, mask: Mask | None, backend: str, runs: int = 3) -> float:
+        return self.time(lambda: attention(*inputs, mask, backend=backend), runs)
 
 
 def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[float]:
@@ -304,15 +278,6 @@ def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[flo
             fn()
             spent.append(time.perf_counter() - start)
     return [min(t) for t in times]
-
-
-def _seconds(inputs: Inputs, mask: Mask, backend: str, runs: int = 3) -> float:
-    return _best(lambda: attention(*inputs, mask, backend=backend), runs)
-
-
-def _best(fn: Callable[[], object], runs: int = 3) -> float:
-    """The shortest of `runs` timed calls after one untimed (the least disturbed)."""
-    return _interleaved([fn], runs)[0]
 
 
 def main() -> int:
@@ -332,7 +297,7 @@ def main() -> int:
         print(f"attnkit calibrate: cannot keep the table at {path} ({err})", file=sys.stderr)
         return 1
     cost.use(kept)
-    print(json.dumps({"machine": machine_key(), "factors": table.factors()}, indent=1))
+    print(json.dumps({"machine": machine_key(), "factors": factors(table)}, indent=1))
     print(f"{table.source}; kept in {path}")
     if BUSY in table.source:
         warning = "another program shared its cores, which slows small calls more than large ones"

@@ -20,7 +20,7 @@ from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
 from attnkit.contracts import AttentionCall
 from attnkit.masks.structure import count_allowed_pairs
 
-__all__ = ["Plan", "backend_for_run", "choose_backend", "plan_call"]
+__all__ = ["Plan", "backend_for_run", "choose_backend", "cost_summary", "plan_call"]
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,21 @@ def _empty_plan(call: AttentionCall, name: str) -> Plan:
     )
 
 
+def cost_summary() -> str:
+    """One line for `explain`: each backend's factors in the table the process prices
+    with, and where they came from."""
+    parts = [
+        f"{b.name} " + ", ".join(f"{name} {_figure(x)}" for name, x in b.factors().items())
+        for b in BACKENDS.values()
+        if b.cost_factors.default
+    ]
+    return f"cost model (× dense SDPA per pair): {'; '.join(parts)}; {cost.table().source}"
+
+
+def _figure(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
 def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False) -> Plan:
     """The `Plan` for a validated call."""
     d = call.dims
@@ -192,7 +207,7 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []
     notes += backend.notes(call)
     if name == "auto":  # the figures it priced with, and where they came from
-        notes.append(cost.table().summary())
+        notes.append(cost_summary())
     return Plan(
         backend=backend.name,
         reasons=reasons,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.backends.flex import FlexBackend
-from attnkit.backends.protocol import Backend, Block, Kernel, Work
+from attnkit.backends.protocol import Backend, Block, Inputs, Kernel, Probe, Work
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.backends.tiled import TiledBackend
@@ -19,7 +19,9 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Block",
+    "Inputs",
     "Kernel",
+    "Probe",
     "Work",
     "backend_names",
     "get_backend",

@@ -20,9 +20,10 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnkit import cost
-from attnkit.backends.protocol import Backend
+from attnkit.backends.protocol import Backend, Probe
 from attnkit.contracts import AttentionCall
 from attnkit.heads import repeat_kv
+from attnkit.masks import causal
 from attnkit.masks.structure import key_bounds
 from attnkit.precision import compute_dtype
 from attnkit.reference import weights_and_lse
@@ -38,6 +39,11 @@ class BlockwiseBackend(Backend):
     """Serves every call on any device, like `reference`, without an L×S tensor."""
 
     name = "blockwise"
+    # per pair: the reference's math over key spans; per block: a call of Python and ops
+    # (what a tiled group's costs: `attnkit calibrate` takes tiled's measurement)
+    cost_factors = cost.Factors(
+        {"pair": 4.0, "call": 50_000.0}, {"amx": {"pair": 4.36, "call": 176_600.0}}
+    )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         return None
@@ -46,13 +52,19 @@ class BlockwiseBackend(Backend):
         d = call.dims
         rows = _rows(call)
         pairs = sum((hi - lo) * (r1 - r0) for r0, r1, lo, hi in _blocks(call, rows))
-        return cost.table().blockwise * d.B * d.H * pairs + cost.table().tiled_call * math.ceil(
-            d.L / rows
-        )
+        factors = self.factors()
+        return factors["pair"] * d.B * d.H * pairs + factors["call"] * math.ceil(d.L / rows)
 
     def cost_floor(self, call: AttentionCall) -> float:
         """At least one block's call: the planner prices no further below that."""
-        return cost.table().tiled_call
+        return self.factors()["call"]
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        """Per pair from a small causal call; per block, tiled's measured per-group cost."""
+        _, predicted, spent = self.timed(probe, probe.inputs(512), causal())
+        measured = {"pair": cost.rescaled(self.cost_factors.default["pair"], predicted, spent)}
+        tiled_call = probe.measured.get("tiled", {}).get("call")
+        return measured if tiled_call is None else {**measured, "call": tiled_call}
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

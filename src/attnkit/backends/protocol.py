@@ -3,7 +3,10 @@ pictures call, so none of them reaches for a backend by its class.
 
 Every backend answers `can_use` (None = can serve, else why not), `cost` (estimated
 time, in units of one query-key pair of one head in SDPA's dense kernel: see
-`attnkit.cost`), `peak_bytes` and `run`. The rest has defaults a backend overrides
+`attnkit.cost`), `peak_bytes` and `run`. It owns the factors it prices with
+(`cost_factors`, built in per kind of CPU; `factors()`, as the table of the process has
+them) and their measurement (`calibrate`, timed through a `Probe` by `attnkit
+calibrate`). The rest has defaults a backend overrides
 where it has more to say: a cheap lower bound on its cost (`cost_floor`), a kernel
 prepared for repeated calls (`prepare`), gradients from a call's output and lse
 (`backward`), lines for `explain` (`notes`), the blocks of L×S it computes (`work`),
@@ -24,14 +27,19 @@ take it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from torch import Tensor
 
-from attnkit.contracts import AttentionCall
+from attnkit import cost
+from attnkit.contracts import AttentionCall, normalize_call
+from attnkit.masks import Mask
 
-__all__ = ["Backend", "Block", "Kernel", "Work"]
+__all__ = ["Backend", "Block", "Inputs", "Kernel", "Probe", "Work"]
+
+Inputs = tuple[Tensor, Tensor, Tensor]
 
 
 class Kernel(Protocol):
@@ -45,6 +53,34 @@ class Kernel(Protocol):
         ...
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None: ...
+
+
+class Probe(Protocol):
+    """What a backend's calibration times with (`attnkit.calibrate`). Times are in the
+    cost model's unit: one query-key pair of one head in SDPA's dense kernel, timed on
+    this CPU just before."""
+
+    @property
+    def measured(self) -> Mapping[str, Mapping[str, float]]:
+        """The factors the backends before this one in the registry measured, by name."""
+        ...
+
+    def inputs(self, L: int, H: int = 8) -> Inputs:
+        """Random q, k, v of (1, H, L, 64), float32."""
+        ...
+
+    def time(self, fn: Callable[[], object], runs: int = 3) -> float:
+        """The shortest of `runs` calls of `fn` after one untimed, in units."""
+        ...
+
+    def interleaved(self, fns: Sequence[Callable[[], object]], runs: int = 7) -> list[float]:
+        """The shortest time of each call over `runs` rounds calling each once in turn
+        (two alike disturbed: their ratio is steadier), in units."""
+        ...
+
+    def attention(self, inputs: Inputs, mask: Mask | None, backend: str, runs: int = 3) -> float:
+        """`attention(*inputs, mask, backend=backend)` timed, in units."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +113,26 @@ class Backend:
     # the cheapest per pair on a dense call (no mask reaches a kernel): `auto` takes it
     # for such a call without pricing the others, where it can serve
     dense_fastest: bool = False
+    # the factors `cost` prices with, as built in per kind of CPU (none: its cost needs none)
+    cost_factors: ClassVar[cost.Factors] = cost.Factors()
+
+    def factors(self) -> dict[str, float]:
+        """Its factors in the table the process prices with (`cost.table()`): measured on
+        this machine where `attnkit calibrate` kept them, else built in for the CPU's kind."""
+        return cost.table().of(self.name, self.cost_factors)
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        """Its factors timed on this CPU (`attnkit calibrate`), while the planner prices
+        with the built-in defaults (`cost.BUILT_IN`); the ones it leaves out stay built in."""
+        return {}
+
+    def timed(
+        self, probe: Probe, inputs: Inputs, mask: Mask | None
+    ) -> tuple[AttentionCall, float, float]:
+        """One call of this backend: the call, the cost the table prices it at (during a
+        calibration: the built-in defaults'), and the time it took, in units."""
+        call = normalize_call(*inputs, mask, scale=None, softcap=None, dropout_p=0.0)
+        return call, self.cost(call, need_lse=False), probe.attention(inputs, mask, self.name)
 
     @property
     def version(self) -> int:

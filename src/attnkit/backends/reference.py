@@ -5,8 +5,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnkit import cost
-from attnkit.backends.protocol import Backend
+from attnkit.backends.protocol import Backend, Probe
 from attnkit.contracts import AttentionCall
+from attnkit.masks import causal
 from attnkit.reference import attend
 
 __all__ = ["ReferenceBackend"]
@@ -16,13 +17,20 @@ class ReferenceBackend(Backend):
     """Serves every call: any mask, bias, softcap, dropout, GQA, log-sum-exp, any device."""
 
     name = "reference"
+    # per pair: the readable loop materializes (B, H, L, S) scores
+    cost_factors = cost.Factors({"pair": 6.0}, {"amx": {"pair": 4.20}})
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         return None
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d = call.dims
-        return cost.table().reference * d.B * d.H * d.L * d.S
+        return self.factors()["pair"] * d.B * d.H * d.L * d.S
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        """Its per-pair factor from a small causal call."""
+        _, predicted, spent = self.timed(probe, probe.inputs(512), causal())
+        return {"pair": cost.rescaled(self.cost_factors.default["pair"], predicted, spent)}
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

@@ -34,10 +34,10 @@ from attnkit._compat import (
     cpu_flash_gqa,
     sdpa_zeroes_empty_rows,
 )
-from attnkit.backends.protocol import Backend
+from attnkit.backends.protocol import Backend, Probe
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
-from attnkit.masks import Mask
+from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import is_sdpa_causal
 from attnkit.precision import HALF
@@ -191,6 +191,11 @@ class SdpaBackend(Backend):
 
     name = "sdpa"
     dense_fastest = True
+    # per pair over its dense kernel's (the unit): `is_causal`, per pair it computes
+    # (about half of L×S); with a mask tensor, which it reads, skipping no block
+    cost_factors = cost.Factors(
+        {"causal": 1.0, "masked": 1.25}, {"amx": {"causal": 1.13, "masked": 1.88}}
+    )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.softcap is not None:
@@ -210,8 +215,19 @@ class SdpaBackend(Backend):
         d = call.dims
         pairs = d.B * d.H * d.L * d.S
         if self._is_causal(call):
-            return cost.table().sdpa_causal * pairs / 2
-        return (cost.table().sdpa_dense if call.is_dense else cost.table().sdpa_masked) * pairs
+            return self.factors()["causal"] * pairs / 2
+        return pairs if call.is_dense else self.factors()["masked"] * pairs
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        """Its kernel with a mask tensor and with `is_causal`, at L = 4096, where large
+        calls are decided (its per-pair speed varies with L: causal 1.5× dense at L = 1024,
+        0.94× at 4096 on a 2-core AVX2 CPU)."""
+        L = 4096
+        q, k, v = probe.inputs(L, H=2)
+        band = (causal() & sliding_window(L // 8)).dense(1, 1, L, L)  # (1, 1, L, S)
+        masked = probe.time(lambda: TORCH_SDPA(q, k, v, attn_mask=band))
+        is_causal = probe.time(lambda: TORCH_SDPA(q, k, v, is_causal=True))
+        return {"masked": masked / (2 * L * L), "causal": is_causal / (2 * L * (L + 1) / 2)}
 
     @staticmethod
     def _is_causal(call: AttentionCall) -> bool:

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import cost, precision
+from attnkit import precision
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
-from attnkit.backends.protocol import Backend, Block, Work
+from attnkit.backends import tilecost
+from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.contracts import AttentionCall, unit_last_stride
@@ -255,6 +256,7 @@ class TiledBackend(Backend):
     """Block-sparse: runs the fused kernel only on the key spans each query tile may see."""
 
     name = "tiled"
+    cost_factors = tilecost.FACTORS
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.q.device.type != "cpu" or cpu_flash_attention_backward() is None:
@@ -296,10 +298,13 @@ class TiledBackend(Backend):
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d, mask = call.dims, call.mask
-        estimate = self.plan(call).cost(d.H, d.groups)
+        estimate = self.plan(call).cost(d.H, d.groups, self.factors())
         if mask is not None and has_dense_tensor(mask) and exact_spans(mask, d.B, d.L, d.S) is None:
-            estimate *= cost.table().tiled_predicate  # block masks gathered from an L×S tensor
+            estimate *= self.factors()["predicate"]  # block masks gathered from an L×S tensor
         return estimate
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        return tilecost.calibrate(self, probe)
 
     def cost_floor(self, call: AttentionCall) -> float:
         """A lower bound on any plan's cost, in O(1): one group of blocks, plus, under
@@ -309,10 +314,8 @@ class TiledBackend(Backend):
         d, mask = call.dims, call.mask
         causal = mask is not None and not call.has_bias and is_sdpa_causal(mask, d.L, d.S)
         pairs = d.B * d.H * d.L * d.S / 2 if causal else 0.0
-        return (
-            cost.table().tiled_call
-            + min(cost.table().tiled_pair, cost.table().tiled_causal) * pairs
-        )
+        factors = self.factors()
+        return factors["call"] + min(factors["pair"], factors["causal"]) * pairs
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output and log-sum-exp, plus one chunk's temporaries (float32)."""

@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from attnkit import cost
+from attnkit.backends.tilecost import factors, pair_cost
 from attnkit.masks import Mask
 from attnkit.masks.spans import Spans, tile_bounds
 
@@ -139,18 +139,19 @@ class TilePlan:
     def calls(self) -> int:
         return len(self.groups)
 
-    def cost(self, heads: int, group_heads: int) -> float:
-        """Estimated time in the units of `cost`: pairs by kernel efficiency, plus calls."""
+    def cost(self, heads: int, group_heads: int, priced: dict[str, float]) -> float:
+        """Estimated time in the units of `cost` (with tiled's factors `priced`): pairs by
+        kernel efficiency, plus calls."""
         pairs = sum(
             g.size
             * (
-                cost.table().tiled_causal * g.rows * (g.rows + _query_split(g.rows)) / 2
+                priced["causal"] * g.rows * (g.rows + _query_split(g.rows)) / 2
                 if g.causal
-                else cost.tiled_pair(g.rows * group_heads) * g.rows * g.keys
+                else pair_cost(g.rows * group_heads, priced) * g.rows * g.keys
             )
             for g in self.groups
         )
-        return heads * pairs + cost.table().tiled_call * self.calls
+        return heads * pairs + priced["call"] * self.calls
 
 
 def _query_split(rows: int) -> int:
@@ -283,7 +284,8 @@ def best_plan(mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int) -> Ti
     segments = None if mask is None else Segments.find(mask, B, L, S, spans=spans)
     if segments is not None:
         plans += [plan_tiles(mask, B, L, S, tile, segments, spans=spans) for tile in tiles]
-    return min(plans, key=lambda p: p.cost(H, H // Hkv))
+    priced = factors()
+    return min(plans, key=lambda p: p.cost(H, H // Hkv, priced))
 
 
 def _merging_last(item: tuple[tuple[int, int, int, bool, bool], object]) -> tuple[object, ...]:
