@@ -110,10 +110,15 @@ def test_the_calibration_times_a_registered_backends_own_factors(toy, monkeypatc
     named by `explain`, with nothing in cost.py or calibrate.py naming it."""
     assert toy.factors() == {"pair": 1e-9}  # the tests price with avx2's table
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cost.json"))
+    monkeypatch.setattr(calibrate.time, "sleep", lambda s: None)  # a busy CPU: again at once
     before = cost.table()
     try:
         measured = calibrate.measure()
         assert toy.probed and measured.measured["toy"] == {"pair": 3e-9}
+        # factors that move with another backend's were timed after it, whatever the order
+        timed = measured.measured
+        assert timed["blockwise"]["call"] == timed["tiled"]["call"]
+        assert timed["tiled"]["causal"] == pytest.approx(1.15 * timed["sdpa"]["causal"])
         kept = calibrate._write(tmp_path / "cost.json", measured)
         assert kept.of("toy", Toy.cost_factors) == {"pair": 3e-9}
         cost.use(kept)
@@ -122,6 +127,49 @@ def test_the_calibration_times_a_registered_backends_own_factors(toy, monkeypatc
     finally:
         cost.use(before)
     assert cost.built_in("avx512").of("toy", Toy.cost_factors) == {"pair": 2e-9}  # amx's
+
+
+class Follower(Toy):
+    """Its factor moves with the toy's: it asks the probe, whatever the registry's order."""
+
+    name = "follower"
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        return {"pair": 2 * probe.measured("toy")["pair"]}
+
+
+def test_a_factor_that_moves_with_another_backends_is_timed_after_it(monkeypatch):
+    monkeypatch.setattr(Toy, "calibrate", lambda self, probe: {"pair": 5e-9})
+    register(Follower())  # before the toy: it asks for the toy's factor first
+    register(Toy())
+    try:
+        probe = calibrate._Probe()
+        assert probe.measured("follower") == {"pair": 1e-8}
+        assert probe.measured("toy") == {"pair": 5e-9}  # timed once, kept
+        assert probe.measured("nothing") == {}
+    finally:
+        unregister("toy")
+        unregister("follower")
+        dispatch.clear()
+
+
+def test_a_calibration_naming_factors_the_backend_has_not_fails_and_prices_built_in(
+    toy, monkeypatch, tmp_path
+):
+    """A factor a backend does not declare would make a kept table unreadable."""
+    monkeypatch.setattr(calibrate, "_measured", lambda: ({"toy": {"nope": 1.0}}, 0.97))
+    with pytest.raises(ValueError, match="'toy' timed"):
+        calibrate.measure()
+    monkeypatch.setenv("ATTNKIT_CALIBRATION", "measure")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = cost.table()
+    cost.use(None)
+    try:
+        found = cost.table()  # the calibration failed: the built-in table, saying why
+        assert found.of("toy", Toy.cost_factors) == {"pair": 1e-9}
+        assert "calibration failed" in found.source and not list(tmp_path.iterdir())
+    finally:
+        cost.use(before)
 
 
 def test_register_refuses_a_taken_name_and_other_objects():

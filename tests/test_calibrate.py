@@ -203,7 +203,7 @@ def test_a_quiet_retry_leaves_no_warning(fresh_table, caplog):
 
 
 def test_the_measured_cost_of_short_blocks_picks_the_tile_height(fresh_table):
-    """A CPU where short blocks run badly (a large `tiled_short`) gets taller tiles."""
+    """A CPU where short blocks run badly (a large tiled `short`) gets taller tiles."""
     from attnkit.backends.tileplan import best_plan
 
     mask = ak.sliding_window(255) & ak.causal()

@@ -7,8 +7,9 @@ loaded the machine, and a first call costs what a second does.
 
 The unit, dense SDPA per pair, is timed first; then each registered backend times its
 own factors (`Backend.calibrate`, through a `Probe` that times in that unit), in the
-registry's order, while the planner prices with the built-in defaults: SDPA with a mask
-tensor and with `is_causal`; tiled per group on a tiny call, per pair on a sliding
+registry's order (a factor that moves with another backend's asks the probe for it,
+which times that backend first), while the planner prices with the built-in defaults:
+SDPA with a mask tensor and with `is_causal`; tiled per group on a tiny call, per pair on a sliding
 window, its short blocks from the flash op on blocks of 64 and 256 rows, its causal runs
 moved with SDPA's; blockwise and the reference on a small causal call. A factor timed on
 one call is the built-in default scaled by measured time over the time the defaults
@@ -49,12 +50,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from attnkit import cost
-from attnkit._compat import CPU_KINDS, cpu_features, cpu_kind
+from attnkit._compat import CPU_KINDS, TORCH_SDPA, cpu_features, cpu_kind
 from attnkit._version import __version__
-from attnkit.backends import BACKENDS, Inputs
+from attnkit.backends import BACKENDS, Backend, Inputs
 from attnkit.cost import BUILT_IN, CostTable
 from attnkit.functional import attention
 from attnkit.masks import Mask
@@ -159,7 +159,7 @@ def _read(path: Path) -> CostTable | None:
     if not isinstance(data, dict) or data.get("machine") != machine_key():
         return None
     kept = data.get("factors")
-    if not isinstance(kept, dict) or not all(_numbers(f) for f in kept.values()):
+    if not isinstance(kept, dict) or not kept or not all(_numbers(f) for f in kept.values()):
         return None
     names = {b.name: set(b.cost_factors.default) for b in BACKENDS.values()}
     if any(name in names and set(f) != names[name] for name, f in kept.items()):
@@ -214,7 +214,8 @@ def measure() -> CostTable:
     try:
         with torch.no_grad():
             for _ in range(ATTEMPTS):
-                measured, share = _measured()
+                timed, share = _measured()
+                measured = {n: _checked(BACKENDS[n], f) for n, f in timed.items() if n in BACKENDS}
                 if share >= QUIET_SHARE:
                     break
                 time.sleep(1.0)  # a compile's workers, another program: often short
@@ -232,12 +233,9 @@ def _measured() -> tuple[dict[str, dict[str, float]], float]:
     were timed (about 1 on a quiet CPU: the kernels' threads run, or spin, all along)."""
     cpu, wall = time.process_time(), time.perf_counter()
     probe = _Probe()
-    for backend in BACKENDS.values():  # in order: a factor may move with an earlier one's
-        timed = backend.calibrate(probe)
-        if timed:
-            probe.measured[backend.name] = timed
+    measured = {name: dict(probe.measured(name)) for name in BACKENDS}
     share = (time.process_time() - cpu) / (time.perf_counter() - wall) / torch.get_num_threads()
-    return probe.measured, share
+    return {name: factors for name, factors in measured.items() if factors}, share
 
 
 class _Probe:
@@ -247,11 +245,17 @@ class _Probe:
 
     def __init__(self) -> None:
         self._generator = torch.Generator().manual_seed(0)
-        self.measured: dict[str, dict[str, float]] = {}
+        self._timed: dict[str, dict[str, float]] = {}  # by backend, as each is timed
         L = 4096
         q, k, v = self.inputs(L, H=2)
         self._unit = 1.0
-        self._unit = self.time(lambda: F.scaled_dot_product_attention(q, k, v)) / (2 * L * L)
+        self._unit = self.time(lambda: TORCH_SDPA(q, k, v)) / (2 * L * L)
+
+    def measured(self, backend: str) -> dict[str, float]:
+        if backend not in self._timed and backend in BACKENDS:
+            self._timed[backend] = {}  # being timed: a cycle of asks ends here
+            self._timed[backend] = BACKENDS[backend].calibrate(self)
+        return self._timed.get(backend, {})
 
     def inputs(self, L: int, H: int = 8) -> Inputs:
         q, k, v = (torch.randn(1, H, L, 64, generator=self._generator) for _ in range(3))
@@ -265,6 +269,18 @@ class _Probe:
 
     def attention(self, inputs: Inputs, mask: Mask | None, backend: str, runs: int = 3) -> float:
         return self.time(lambda: attention(*inputs, mask, backend=backend), runs)
+
+
+def _checked(backend: Backend, timed: dict[str, float]) -> dict[str, float]:
+    """What a backend timed, if it names its own factors with positive finite numbers; a
+    `ValueError` otherwise (a kept table would not be read back)."""
+    unknown = set(timed) - set(backend.cost_factors.default)
+    if unknown or not all(isinstance(x, float | int) and 0 < x < 1e12 for x in timed.values()):
+        raise ValueError(
+            f"backend {backend.name!r} timed {timed}: expected positive numbers for its own "
+            f"factors ({', '.join(backend.cost_factors.default) or 'none'})"
+        )
+    return dict(timed)
 
 
 def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[float]:

@@ -100,7 +100,7 @@ def _built_in_source(kind: str) -> str:
 
 
 TABLES: dict[str, CostTable] = {kind: CostTable(kind, _built_in_source(kind)) for kind in CPU_KINDS}
-BUILT_IN = TABLES["avx2"]  # the defaults; what `attnkit.calibrate` scales its timings from
+BUILT_IN = TABLES["avx2"]  # every backend's defaults: what prices while `attnkit calibrate` times
 _ACTIVE: CostTable | None = None
 
 

@@ -63,7 +63,7 @@ class BlockwiseBackend(Backend):
         """Per pair from a small causal call; per block, tiled's measured per-group cost."""
         _, predicted, spent = self.timed(probe, probe.inputs(512), causal())
         measured = {"pair": cost.rescaled(self.cost_factors.default["pair"], predicted, spent)}
-        tiled_call = probe.measured.get("tiled", {}).get("call")
+        tiled_call = probe.measured("tiled").get("call")
         return measured if tiled_call is None else {**measured, "call": tiled_call}
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:

@@ -60,9 +60,10 @@ class Probe(Protocol):
     cost model's unit: one query-key pair of one head in SDPA's dense kernel, timed on
     this CPU just before."""
 
-    @property
-    def measured(self) -> Mapping[str, Mapping[str, float]]:
-        """The factors the backends before this one in the registry measured, by name."""
+    def measured(self, backend: str) -> Mapping[str, float]:
+        """The factors the backend called `backend` times on this CPU (timed at the first
+        ask, whatever the registry's order; {} for one that times none, or is not
+        registered, or is being timed: a factor that moves with another's asks for it)."""
         ...
 
     def inputs(self, L: int, H: int = 8) -> Inputs:

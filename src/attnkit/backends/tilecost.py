@@ -59,7 +59,7 @@ def calibrate(tiled: TiledBackend, probe: Probe) -> dict[str, float]:
         "call": probe.attention(probe.inputs(64), causal(), tiled.name, runs=20),  # short: more
         "short": _short_blocks(probe),
     }
-    sdpa_causal = probe.measured.get("sdpa", {}).get("causal")
+    sdpa_causal = probe.measured("sdpa").get("causal")
     if sdpa_causal is not None:
         moved = sdpa_causal / SdpaBackend.cost_factors.default["causal"]
         measured["causal"] = default["causal"] * moved

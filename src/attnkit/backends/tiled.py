@@ -275,7 +275,7 @@ class TiledBackend(Backend):
         """The tile plan of a call: made once per prepared call, for cost and run."""
         d = call.dims
         return call.derived.get(
-            "tiled.plan", lambda: best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S)
+            "tiled.plan", lambda: best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S, self.factors())
         )
 
     def notes(self, call: AttentionCall) -> list[str]:

@@ -275,17 +275,21 @@ def _tiles_around(
     return row0, keep.sum(-1), lo.clamp(max=S), hi
 
 
-def best_plan(mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int) -> TilePlan:
+def best_plan(
+    mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int,
+    priced: dict[str, float] | None = None,
+) -> TilePlan:  # fmt: skip
     """The plan of least estimated cost over the tile heights in `TILES`, with and
-    without causal runs as whole blocks."""
+    without causal runs as whole blocks, priced with tiled's factors `priced` (None: as
+    the process's table has them)."""
     tiles = [tile for tile in TILES if tile < 2 * L or tile == TILES[0]]
     spans = None if mask is None else mask.key_spans(B, L, S)  # read once for every height
     plans = [plan_tiles(mask, B, L, S, tile, spans=spans) for tile in tiles]
     segments = None if mask is None else Segments.find(mask, B, L, S, spans=spans)
     if segments is not None:
         plans += [plan_tiles(mask, B, L, S, tile, segments, spans=spans) for tile in tiles]
-    priced = factors()
-    return min(plans, key=lambda p: p.cost(H, H // Hkv, priced))
+    factors_now = priced if priced is not None else factors()
+    return min(plans, key=lambda p: p.cost(H, H // Hkv, factors_now))
 
 
 def _merging_last(item: tuple[tuple[int, int, int, bool, bool], object]) -> tuple[object, ...]:
