@@ -9,16 +9,17 @@ The unit, dense SDPA per pair, is timed first; then each registered backend time
 own factors (`Backend.calibrate`, through a `Probe` that times in that unit), in the
 registry's order (a factor that moves with another backend's asks the probe for it,
 which times that backend first), while the planner prices with the built-in defaults:
-SDPA with a mask tensor and with `is_causal`; tiled per group on a tiny call, per pair on a sliding
-window, its short blocks from the flash op on blocks of 64 and 256 rows, its causal runs
-moved with SDPA's; blockwise and the reference on a small causal call. A factor timed on
-one call is the built-in default scaled by measured time over the time the defaults
-predict (`cost.rescaled`). What a backend does not time stays built in for the CPU's kind
-(FlexAttention's: measuring it compiles). One to two seconds on a quiet CPU; the table is
-kept as JSON in `$XDG_CACHE_HOME/attnkit` (else `~/.cache/attnkit`) under the machine's
-key (CPU model and units, threads, torch and attnkit versions), every backend's factors
-by name. Measure on a quiet machine: another program on the same cores slows short calls
-many times more than long ones, so a busy measurement is kept but warned about.
+SDPA with a mask tensor and with `is_causal`; tiled per group on a tiny call, per pair
+on a sliding window, its short blocks from the flash op on blocks of 64 and 256 rows,
+its causal runs moved with SDPA's; blockwise and the reference on a small causal call. A
+factor timed on one call is the built-in default scaled by measured time over the time
+the defaults predict (`cost.rescaled`). What a backend does not time stays built in for
+the CPU's kind (FlexAttention's: measuring it compiles). One to two seconds on a quiet
+CPU; the table is kept as JSON in `$XDG_CACHE_HOME/attnkit` (else `~/.cache/attnkit`)
+under the machine's key (CPU model and units, threads, torch and attnkit versions),
+every backend's factors by name. Measure on a quiet machine: another program on the same
+cores slows short calls many times more than long ones, so a busy measurement is kept
+but warned about.
 
 `ATTNKIT_CALIBRATION`: unset, the table kept for this machine, else the built-in one for
 its kind; `off` (or `builtin`), the built-in table for this CPU's kind, kept tables
@@ -274,8 +275,7 @@ class _Probe:
 def _checked(backend: Backend, timed: dict[str, float]) -> dict[str, float]:
     """What a backend timed, if it names its own factors with positive finite numbers; a
     `ValueError` otherwise (a kept table would not be read back)."""
-    unknown = set(timed) - set(backend.cost_factors.default)
-    if unknown or not all(isinstance(x, float | int) and 0 < x < 1e12 for x in timed.values()):
+    if set(timed) - set(backend.cost_factors.default) or not _numbers(timed):
         raise ValueError(
             f"backend {backend.name!r} timed {timed}: expected positive numbers for its own "
             f"factors ({', '.join(backend.cost_factors.default) or 'none'})"
