@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow fuzz lint format bench docs clean
+.PHONY: demo test test-slow fuzz lint format bench docs clean native sanitize
 
 CASES ?= 10000
 SEED ?= 0
@@ -17,7 +17,7 @@ $(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 numpy  # numpy: else torch warns at import
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e '.[native]'  # ninja: PyTorch's extension builder runs it
 	touch $(RUNTIME)
 
 # what the tests, lint, docs and benchmarks need on top
@@ -25,14 +25,28 @@ $(STAMP): $(RUNTIME)
 	$(PY) -m pip install --quiet -e '.[dev,plot,docs]'
 	touch $(STAMP)
 
-demo: $(RUNTIME)
+# attnkit's C++ kernels built for this CPU, once (cached; without a compiler the composed
+# backends serve and `explain` says why)
+native: $(RUNTIME)
+	-$(PY) -m attnkit.native build
+
+demo: $(RUNTIME) native
 	$(VENV)/bin/attnkit tour
 
-test: $(STAMP) lint
+test: $(STAMP) lint native
 	$(PY) -m pytest -q
 
+# the native kernels' tests under AddressSanitizer and UndefinedBehaviorSanitizer (the
+# kernels built with both; the interpreter preloads their runtimes)
+SANITIZERS = $$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)
+sanitize: $(STAMP)
+	ATTNKIT_NATIVE=sanitize $(PY) -m attnkit.native build
+	ATTNKIT_NATIVE=sanitize LD_PRELOAD="$(SANITIZERS)" ASAN_OPTIONS=detect_leaks=0 \
+		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py -k "not suite_passes"
+
 bench: $(STAMP)
-	cd benchmarks && ../$(PY) bench.py && ../$(PY) small_calls.py && ../$(PY) block_mask.py && ../$(PY) tile_levers.py && ../$(PY) dropins.py
+	cd benchmarks && ../$(PY) bench.py && ../$(PY) small_calls.py && ../$(PY) block_mask.py && ../$(PY) tile_levers.py && ../$(PY) dropins.py && ../$(PY) native.py
 
 # the long differential campaign: CASES random cases of SEED on each surface (core
 # backends, distributed, paged, transformers, dropins; or SURFACE=one of them) against a

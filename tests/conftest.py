@@ -14,3 +14,14 @@ import os
 
 if os.environ.get("ATTNKIT_TEST_CALIBRATION", "off") != "on":
     os.environ["ATTNKIT_CALIBRATION"] = "avx2"
+
+
+# the native kernels `make test` built, found by every test's child process too (several
+# move $XDG_CACHE_HOME, where they are kept by default, to a folder of their own)
+def _native_dir() -> str:
+    from attnkit.native.build import cache_dir
+
+    return str(cache_dir())
+
+
+os.environ.setdefault("ATTNKIT_NATIVE_DIR", _native_dir())

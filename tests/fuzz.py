@@ -7,7 +7,8 @@ with a summary table per surface.
     python tests/fuzz.py --seed 0 --case 17 --surface paged      # one case of a surface
 
 Surfaces: `core` (`attention`, `attention_with_lse`, `attention_probs`, `explain` on every
-backend: tests/fuzz_check.py), `distributed` (`attnkit.distributed` in 2-4 gloo
+backend: tests/fuzz_check.py), `native` (the core cases on attnkit's own C++ kernels
+alone: a case they refuse counts as refused), `distributed` (`attnkit.distributed` in 2-4 gloo
 processes: tests/fuzz_distributed.py), `paged` (`PagedKVCache` + `paged_attention`
 programs: tests/fuzz_paged.py), `transformers` (the mask bridge against transformers'
 own masks: tests/fuzz_transformers.py), `dropins` (`attnkit.sdpa` against torch's SDPA,
@@ -36,7 +37,7 @@ import fuzz_transformers
 from fuzz_cases import Draw, RandomDraw, draw_case
 from fuzz_check import Outcome, run_case
 
-SURFACES = ("core", "distributed", "paged", "transformers", "dropins")
+SURFACES = ("core", "native", "distributed", "paged", "transformers", "dropins")
 Results = Iterator[tuple[int, str, list[Outcome]]]
 
 
@@ -44,6 +45,13 @@ def _core(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
     for index in indices:
         case = draw_case(RandomDraw(seed, index), flex_percent=flex_percent)
         yield index, str(case), run_case(case)
+
+
+def _native(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
+    """The core cases on attnkit's own kernels alone (`core` runs them among the rest)."""
+    for index in indices:
+        case = draw_case(RandomDraw(seed, index), flex_percent=0)
+        yield index, str(case), run_case(case, only=("native",))
 
 
 def _programs(name: str, program: Callable[[Draw], str]) -> Callable[..., Results]:
@@ -70,6 +78,7 @@ def _distributed(seed: int, indices: Iterable[int], flex_percent: int) -> Result
 
 RUNNERS: dict[str, Callable[..., Results]] = {
     "core": _core,
+    "native": _native,
     "distributed": _distributed,
     "paged": _programs("paged", fuzz_paged.program),
     "transformers": _programs("transformers", fuzz_transformers.check),

@@ -226,14 +226,16 @@ def _call(fn: Callable[[], Outcome]) -> Outcome:
         return Outcome("", "", "crash", f"{type(err).__name__}: {str(err)[:300]}")
 
 
-def run_case(case: Case) -> list[Outcome]:
-    """Every backend (and attention_probs, explain, to_block_mask) on one case."""
+def run_case(case: Case, only: tuple[str, ...] = ()) -> list[Outcome]:
+    """Every backend (and attention_probs, explain, to_block_mask) on one case; `only`:
+    those backends alone."""
     b = build(case)
     truth = oracle(case, b, torch.float64)
     ref = oracle(case, b, compute_dtype(case.dtype))
     kwargs = {"scale": case.scale, "softcap": case.softcap}
     outcomes = []
-    for backend in (*backends(), "flex") if case.flex else backends():
+    names = only or ((*backends(), "flex") if case.flex else backends())
+    for backend in names:
         for what in ("forward", "backward"):
             result = _call(
                 lambda backend=backend, what=what: _check_backend(
@@ -243,7 +245,7 @@ def run_case(case: Case) -> list[Outcome]:
             result.backend, result.what = backend, result.what or what
             outcomes.append(result)
     checks = (("probs", _check_probs), ("explain", _check_explain), ("blocks", _check_blocks))
-    for what, fn in checks:
+    for what, fn in () if only else checks:
         result = _call(lambda fn=fn: fn(case, b, truth, ref, kwargs))  # type: ignore[misc]
         result.backend, result.what = "api", what
         outcomes.append(result)

@@ -75,7 +75,15 @@ def naive_same_dtype(q, k, v, mask, dout, dtype):
     return tuple(t.to(dtype) for t in (out.detach(), q32.grad, k32.grad, v32.grad))
 
 
-EXACT_BACKENDS = ["reference", "sdpa", "tiled", "auto"]  # the backends every input runs on
+EXACT_BACKENDS = ["reference", "sdpa", "tiled", "auto"]
+
+
+def span_backend() -> str:
+    """The backend `auto` takes for a sparse mask of one key interval per row: attnkit's
+    native kernel where it is built, else the composed `tiled` (ATTNKIT_NATIVE=off)."""
+    from attnkit.native import unavailable
+
+    return "native" if unavailable() is None else "tiled"  # the backends every input runs on
 
 
 def small_qkv(B=1, H=2, Hkv=1, L=6, S=6, D=8, Dv=8, seed=0, dtype=torch.float32):

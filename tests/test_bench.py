@@ -171,3 +171,18 @@ def test_kernel_and_dropin_benches_write_their_tables(tmp_path, script, args, ta
     rows = json.loads((tmp_path / f"{table}.json").read_text())["rows"]
     assert rows and all(r["ms" if table == "tile_levers" else "attnkit_ms"] > 0 for r in rows)
     assert "| " in (tmp_path / f"{table}.md").read_text()
+
+
+def test_native_bench_names_its_cpu_kind_and_compares_every_peer(tmp_path):
+    from attnkit._compat import cpu_kind
+
+    args = ["--sizes", "256", "--patterns", "sliding", "padding", "--no-flex", "--no-decode",
+            "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run([sys.executable, str(BENCH.parent / "native.py"), *args],
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / f"native_{cpu_kind()}.json").read_text())
+    assert result["kind"] == cpu_kind() and 0 < result["load_s"] < 10
+    assert len(result["kernels"]) == 4
+    assert all(r["native_ms"] > 0 and r["per_pair"] > 0 for r in result["kernels"])
+    assert f"CPU kind: **{cpu_kind()}**" in (tmp_path / f"native_{cpu_kind()}.md").read_text()

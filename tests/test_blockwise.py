@@ -57,7 +57,8 @@ def test_unseen_keys_holding_nan_never_leak(monkeypatch):
 
 
 def test_auto_runs_softcap_blockwise_in_a_fraction_of_the_memory():
-    q, k = torch.randn(1, 8, 4096, 64), torch.randn(1, 8, 4096, 64)
+    """In training (the native kernel serves softcap forward only)."""
+    q, k = torch.randn(1, 8, 4096, 64, requires_grad=True), torch.randn(1, 8, 4096, 64)
     plan = ak.explain(q, k, k, ak.causal(), softcap=30.0)
     assert plan.backend == "blockwise", plan
     reference = ak.explain(q, k, k, ak.causal(), softcap=30.0, backend="reference")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.backends.flex import FlexBackend
+from attnkit.backends.native import NativeBackend
 from attnkit.backends.protocol import Backend, Block, Inputs, Kernel, Probe, Work
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
@@ -32,10 +33,18 @@ __all__ = [
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
-    for b in (ReferenceBackend(), SdpaBackend(), TiledBackend(), FlexBackend(), BlockwiseBackend())
+    for b in (
+        ReferenceBackend(),
+        SdpaBackend(),
+        NativeBackend(),
+        TiledBackend(),
+        FlexBackend(),
+        BlockwiseBackend(),
+    )
 }
 AUTO_ORDER: list[str] = [
     "sdpa",
+    "native",
     "tiled",
     "flex",
     "blockwise",

@@ -41,6 +41,8 @@ from attnkit.dispatch import StepCalls
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.positions import _SlidingWindow
+from attnkit.native import ops as native_ops
+from attnkit.native import unavailable as native_unavailable
 from attnkit.precision import kernel_dtype
 
 if TYPE_CHECKING:  # the pool makes layers of itself: it imports this module
@@ -128,9 +130,13 @@ def paged_attention(
     Hkv = pages.num_kv_heads
     grouped = q.to(gather_dtype).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])
     # (T, Hkv, G, D)
+    native = {} if recorded else _native_decodes(q, pages, step, layer, left, scale, softcap)
     outs = []
     for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
         if n == 0:
+            continue
+        if i in native:
+            outs.append(native[i])
             continue
         lo = 0 if left is None else max(0, start - left)  # keys no new query's window reaches
         decode = n == 1 and softcap is None  # sees every key gathered: no mask to plan
@@ -144,6 +150,42 @@ def paged_attention(
     if not outs:
         return q.new_zeros(0, q.shape[1], pages.value_dim)
     return torch.cat(outs).to(q.dtype)  # (T, H, Dv)
+
+
+def _native_decodes(
+    q: Tensor,
+    pages: PagedKVCache,
+    step: Step,
+    layer: int,
+    left: int | None,
+    scale: float | None,
+    softcap: float | None,
+) -> dict[int, Tensor]:
+    """Each decoding sequence's output (1, H, Dv) by attnkit's paged kernel, in place on
+    the pool (no gather), by the step's place of the sequence; {} where the kernel cannot
+    run (not built, another device or dtype)."""
+    decoding = [i for i, n in enumerate(step.counts) if n == 1]
+    if not decoding or q.device.type != "cpu" or q.dtype not in native_ops.DTYPES:
+        return {}
+    if native_unavailable() is not None:
+        return {}
+    firsts, starts = step.firsts(), step.starts
+    rows = torch.tensor([firsts[i] for i in decoding])
+    hi = torch.tensor([starts[i] + 1 for i in decoding])
+    lo = hi - 1 - left if left is not None else torch.zeros_like(hi)
+    table_at = torch.tensor([step.table_at[i] for i in decoding])
+    out, _ = native_ops.paged_decode(
+        q.index_select(0, rows),
+        pages.pool[layer],
+        step.blocks,
+        table_at,
+        lo.clamp(min=0),
+        hi,
+        pages.block_size,
+        q.shape[-1] ** -0.5 if scale is None else scale,
+        softcap or 0.0,
+    )  # (N, H, Dv)
+    return {i: out[j : j + 1] for j, i in enumerate(decoding)}
 
 
 def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:

@@ -1,0 +1,223 @@
+"""attnkit's native kernels side by side with their peers, in one run, per CPU kind.
+
+Forward passes (B = 1, or 4 for padding; H = 8, D = 64) of every mask pattern of
+`bench.py` in float32 and bfloat16 at each S: SDPA (`is_causal` where it applies, else
+the dense bool mask), FlexAttention compiled (compile time apart), the composed `tiled`
+backend, `native` and `auto`. For each it reports the median time (round-robin), and for
+native its time per visible pair against dense SDPA's per pair (`per pair`), its ratio
+to the best peer, and its share of the matrix-multiply roofline measured in the same
+run (useful work 4·pairs·D per head). Then the decoding grid (L = 1, H = 8, Hkv = 2,
+float32; B × S, every sequence full or padded to lengths from S/2 to S): SDPA (a bool
+padding mask where padded) against attnkit's `auto` and `native`; and the time a fresh
+process takes to load the built kernels. Results go to
+`results/native_<kind>.{md,json}`: one table per kind of CPU measured.
+
+    python benchmarks/native.py                        # S = 1024 4096
+    python benchmarks/native.py --sizes 1024 --no-flex --repeats 3   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench import (  # beside this file
+    DTYPES,
+    RESULTS,
+    Peers,
+    cpu_description,
+    inputs,
+    make_case,
+    peer_recompile_limit,
+    roofline_gflops,
+)
+
+import attnkit as ak
+from attnkit._compat import cpu_kind
+from attnkit.benchmark import round_robin
+from attnkit.native import unavailable
+
+H, D = 8, 64
+PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix")
+DECODE_B = (1, 4, 8, 32)
+DECODE_S = (512, 2048, 8192)
+
+
+def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> dict[str, object]:
+    case = make_case(pattern, S, DTYPES[dtype])
+    peers = Peers(case)
+    q, k, v = inputs(case, grad=False)
+    fns: dict[str, Callable[[], object]] = {}
+    sdpa = peers.call("sdpa", grad=False)
+    assert not isinstance(sdpa, str)
+    fns["sdpa"] = lambda: sdpa(q, k, v)
+    fns["dense sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v)
+    if flex:
+        compiled = peers.call("flex", grad=False)
+        if not isinstance(compiled, str):
+            fns["flex"] = lambda: compiled(q, k, v)
+    for backend in ("tiled", "native", "auto"):
+        name = backend if backend != "auto" else "auto"
+        fns[name] = lambda b=backend: ak.attention(q, k, v, case.mask, backend=b)
+    with torch.no_grad():
+        medians = round_robin(fns, repeats)
+    dense_pair = medians.pop("dense sdpa") / (case.B * S * S)
+    native = medians["native"]
+    best_peer = min(t for n, t in medians.items() if n in ("sdpa", "flex", "tiled"))
+    row: dict[str, object] = {
+        "pattern": pattern, "S": S, "dtype": dtype, "pairs": case.pairs,
+        **{f"{n}_ms": t * 1e3 for n, t in medians.items()},
+        "per_pair": dense_pair * case.pairs / native,
+        "vs_best_peer": best_peer / native,
+        "gflops": 4 * case.pairs * H * D / native / 1e9,
+        "compile_s": peers.compile_s,
+        "auto": ak.explain(q, k, v, case.mask).backend,
+    }  # fmt: skip
+    print(
+        f"{dtype} {pattern} S={S}: native {native * 1e3:.1f} ms, per pair "
+        f"{row['per_pair']:.2f} of dense SDPA, {row['vs_best_peer']:.2f}× the best peer",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def decode_rows(repeats: int) -> list[dict[str, object]]:
+    rows = []
+    for padded in (False, True):
+        for B in DECODE_B:
+            for S in DECODE_S:
+                g = torch.Generator().manual_seed(S + B)
+                q = torch.randn(B, H, 1, D, generator=g)
+                k, v = (torch.randn(B, 2, S, D, generator=g) for _ in range(2))
+                lengths = torch.randint(S // 2, S + 1, (B,), generator=g) if padded else None
+                mask = ak.causal(align="bottom_right")
+                attn_mask = None
+                if lengths is not None:
+                    mask = mask & ak.key_padding(lengths)
+                    attn_mask = (torch.arange(S)[None] < lengths[:, None])[:, None, None]
+                fns = {
+                    "sdpa": lambda q=q, k=k, v=v, m=attn_mask: F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=m, enable_gqa=True
+                    ),
+                    "auto": lambda q=q, k=k, v=v, m=mask: ak.attention(q, k, v, m),
+                    "native": lambda q=q, k=k, v=v, m=mask: ak.attention(
+                        q, k, v, m, backend="native"
+                    ),
+                }
+                with torch.no_grad():
+                    us = {n: t * 1e6 for n, t in round_robin(fns, 20 * repeats).items()}
+                row = {"padded": padded, "B": B, "S": S, **{f"{n}_us": t for n, t in us.items()}}
+                row["auto_ratio"] = us["sdpa"] / us["auto"]
+                row["native_ratio"] = us["sdpa"] / us["native"]
+                rows.append(row)
+                print(
+                    f"decode B={B} S={S} padded={padded}: SDPA {us['sdpa']:.0f} µs, auto "
+                    f"{us['auto']:.0f}, native {us['native']:.0f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return rows
+
+
+def load_seconds(runs: int = 5) -> float:
+    """The median time a fresh process spends making the built kernels usable."""
+    code = (
+        "import time, attnkit.native.build as b; t = time.perf_counter(); b.library(); "
+        "print(time.perf_counter() - t)"
+    )
+    command = [sys.executable, "-c", code]
+    times = [
+        float(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+        for _ in range(runs)
+    ]
+    return sorted(times)[runs // 2]
+
+
+def markdown(result: dict[str, object]) -> str:
+    cpu = result["cpu"]
+    lines = [
+        f"CPU kind: **{result['kind']}** ({cpu['model']}; {result['threads']} threads; "  # type: ignore[index]
+        f"torch {result['torch']}); fp32 roofline {result['roofline_fp32']:.0f} GFLOP/s, "
+        f"bf16 {result['roofline_bf16']:.0f} GFLOP/s (measured in the run); the built kernels "
+        f"load in {result['load_s'] * 1e3:.0f} ms in a fresh process.",
+        "",
+        "Forward, B = 1 (4 for padding), H = 8, D = 64: median ms; per pair = native's time "
+        "per visible pair against dense SDPA's; vs best = the best of SDPA, Flex compiled "
+        "and tiled over native.",
+        "",
+        "| dtype | pattern | S | SDPA | Flex | tiled | native | auto (picks) | per pair "
+        "| vs best | roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["kernels"]:  # type: ignore[attr-defined]
+        roof = result["roofline_fp32" if r["dtype"] == "float32" else "roofline_bf16"]
+        flex = f"{r['flex_ms']:.1f}" if "flex_ms" in r else "-"
+        lines.append(
+            f"| {r['dtype']} | {r['pattern']} | {r['S']} | {r['sdpa_ms']:.1f} | {flex} | "
+            f"{r['tiled_ms']:.1f} | {r['native_ms']:.1f} | {r['auto_ms']:.1f} ({r['auto']}) | "
+            f"{r['per_pair']:.2f} | {r['vs_best_peer']:.2f}× | {r['gflops'] / roof:.0%} |"
+        )
+    lines += [
+        "",
+        "Decoding, L = 1, H = 8, Hkv = 2, D = 64, float32: median µs; ratio = SDPA / attnkit.",
+        "",
+        "| padded | B | S | SDPA µs | auto µs | native µs | auto ratio | native ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["decode"]:  # type: ignore[attr-defined]
+        lines.append(
+            f"| {'yes' if r['padded'] else 'no'} | {r['B']} | {r['S']} | {r['sdpa_us']:.0f} | "
+            f"{r['auto_us']:.0f} | {r['native_us']:.0f} | {r['auto_ratio']:.2f}× | "
+            f"{r['native_ratio']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
+    parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the tables go")
+    args = parser.parse_args()
+    if (reason := unavailable()) is not None:
+        sys.exit(f"the native kernels are unavailable: {reason}")
+    peer_recompile_limit()
+    kind = cpu_kind()
+    kernels = [
+        kernel_row(p, S, dtype, args.repeats, not args.no_flex)
+        for dtype in DTYPES
+        for S in args.sizes
+        for p in args.patterns
+    ]
+    result = {
+        "kind": kind,
+        "cpu": cpu_description(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "roofline_fp32": roofline_gflops(args.repeats),
+        "roofline_bf16": roofline_gflops(args.repeats, torch.bfloat16),
+        "load_s": load_seconds(),
+        "kernels": kernels,
+        "decode": [] if args.no_decode else decode_rows(args.repeats),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"native_{kind}.json").write_text(json.dumps(result, indent=1, default=str))
+    text = markdown(result)
+    (args.out / f"native_{kind}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

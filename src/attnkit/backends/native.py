@@ -1,0 +1,198 @@
+"""Backend `native`: attnkit's own C++ kernel (`attnkit.native`) for masks that are one
+interval of keys per row.
+
+Causal with any offset, windows, chunks, documents, padding, prefix-LM, their `&` and
+`|` where they stay one interval, and bool tensors read as such (`Mask.key_spans`, exact)
+become two (B, L) tensors `lo`, `hi`; the kernel walks each query tile's hull of
+intervals in key blocks, full blocks with no mask work, and never reads a key outside it
+(span_attention.cpp says how). Its cost is the pairs of those hulls at its per-pair
+factor, plus a call. It serves the forward pass: a call autograd records runs on the
+composed backends, which have the backward. Where the kernels are not built (no
+compiler, a failed build, `ATTNKIT_NATIVE=off`) it refuses with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from attnkit import cost
+from attnkit.backends.protocol import Backend, Block, Probe, Work
+from attnkit.contracts import AttentionCall
+from attnkit.masks import causal, sliding_window
+from attnkit.masks.spans import exact_spans
+from attnkit.native import unavailable
+from attnkit.native.ops import DTYPES, Spans, blocking, span_forward, spans
+
+__all__ = ["NativeBackend"]
+
+BIG = 2**62  # past any key index
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A call's spans (B, L), its blocking (`ops.blocking`), and per batch row and tile of
+    `rows` queries the hull of their intervals (start, width: (B, tiles))."""
+
+    visible: Spans
+    rows: int
+    keys: int
+    piece_rows: int
+    starts: Tensor
+    widths: Tensor
+    pairs: int  # query-key pairs computed per head: every piece's rows by its keys
+    pieces: int  # GEMM pairs the kernel runs per K/V head: one per block or cut piece
+
+    @property
+    def hulls(self) -> tuple[tuple[int, int, int, int, int], ...]:
+        """Each tile: (batch, first row, rows, hull start, hull width); width 0: no key."""
+        B, tiles = self.widths.shape
+        L = self.visible.lo.shape[1]
+        starts, widths = self.starts.tolist(), self.widths.tolist()
+        return tuple(
+            (b, t * self.rows, min(self.rows, L - t * self.rows), starts[b][t], widths[b][t])
+            for b in range(B)
+            for t in range(tiles)
+        )
+
+
+def _spans(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
+    """(B, L) int64 key intervals of the call's rows, or None where the mask has none."""
+    d, mask = call.dims, call.mask
+    if mask is None:
+        zeros = torch.zeros(d.B, d.L, dtype=torch.long)
+        return zeros, zeros + d.S
+    spans = exact_spans(mask, d.B, d.L, d.S, "cpu")
+    if spans is None:
+        return None
+    return tuple(t.to(torch.long).clamp(0, d.S).expand(d.B, d.L).contiguous() for t in spans)  # type: ignore[return-value]
+
+
+def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per batch row and group of R rows, the hull of the intervals of its rows that see
+    a key: starts and widths (B, groups), 0 and 0 where none does; and each group's rows
+    (groups,)."""
+    B, L = lo.shape
+    groups = -(-L // R)
+    pad = (0, groups * R - L)
+    seen = hi > lo  # (B, L)
+    first = F.pad(torch.where(seen, lo, BIG), pad, value=BIG).view(B, groups, R).amin(2)
+    last = F.pad(torch.where(seen, hi, 0), pad, value=0).view(B, groups, R).amax(2)
+    width = (last - first).clamp(min=0)  # (B, groups)
+    rows = (L - torch.arange(groups) * R).clamp(max=R)
+    return torch.where(width > 0, first, 0), width, rows
+
+
+def _tiles(lo: Tensor, hi: Tensor, S: int, rows: int, keys: int, piece_rows: int) -> Tiles:
+    """The blocking's work: the pairs of every piece, and the pieces (each tile's blocks,
+    plus one per group of piece rows for the cut blocks at its edges)."""
+    starts, widths, _ = _hulls(lo, hi, rows)
+    _, piece_widths, piece_counts = _hulls(lo, hi, piece_rows)
+    pairs = int((piece_widths * piece_counts).sum())
+    pieces = int((-(-widths // keys)).sum() + (piece_widths > 0).sum())
+    B, L = lo.shape
+    return Tiles(spans(lo, hi, B, L, S), rows, keys, piece_rows, starts, widths, pairs, pieces)
+
+
+class NativeBackend(Backend):
+    """attnkit's C++ kernel: one key interval per row, block-sparse, forward only."""
+
+    name = "native"
+    # against dense SDPA's per pair: `pair` per pair computed (every piece's rows by its
+    # keys, masked corners included), `piece` per GEMM pair of a block or cut piece, `call`
+    # per call (the spans' checks, the threads' start, the op's dispatch). Fitted on a
+    # 2-core AVX2 CPU over windows, causal, prefix-LM, chunks and no mask at L = 64..4096
+    # (benchmarks/native.py's kernel table; most within ±20%); `attnkit calibrate` times
+    # them on this machine
+    cost_factors = cost.Factors({"pair": 1.1, "piece": 2_500.0, "call": 40_000.0})
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        if (reason := unavailable()) is not None:
+            return f"attnkit's native kernels are unavailable: {reason}"
+        if call.q.device.type != "cpu":
+            return f"the native kernels run on the CPU, not {call.q.device.type}"
+        if call.q.dtype not in DTYPES:
+            return f"the native kernels take float32, bfloat16 or float16 (got {call.q.dtype})"
+        if call.requires_grad:
+            return "forward only: a call autograd records runs where its backward runs"
+        if call.has_bias or call.dropout_p > 0:
+            return "no additive bias or dropout in the native kernel"
+        if self._tiles(call) is None:
+            return "the mask is not one interval of keys per row (or differs between heads)"
+        return None
+
+    def _tiles(self, call: AttentionCall) -> Tiles | None:
+        """The call's spans and tiles: made once per prepared call."""
+
+        def make() -> Tiles | None:
+            intervals = _spans(call)
+            if intervals is None:
+                return None
+            return _tiles(*intervals, call.dims.S, *blocking(call.dims.L, call.dims.groups))
+
+        return call.derived.get("native.tiles", make)
+
+    def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
+        tiles, factors, d = self._tiles(call), self.factors(), call.dims
+        assert tiles is not None
+        work = factors["pair"] * d.H * tiles.pairs + factors["piece"] * d.Hkv * tiles.pieces
+        return work + factors["call"]
+
+    def cost_floor(self, call: AttentionCall) -> float:
+        return self.factors()["call"]
+
+    def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
+        """Output, log-sum-exp and the spans, plus each thread's scratch (float32)."""
+        d = call.dims
+        rows, keys, _ = blocking(d.L, d.groups)
+        stacked = d.groups * rows
+        scratch = stacked * (d.D + keys + d.Dv + 2) + keys * (d.D + d.Dv)
+        out = d.B * d.H * d.L * d.Dv * call.q.element_size() + 4 * d.B * d.H * d.L
+        return out + 16 * d.B * d.L + 4 * scratch * torch.get_num_threads()
+
+    def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
+        tiles = self._tiles(call)
+        assert tiles is not None
+        out, lse = span_forward(
+            call.q,
+            call.k,
+            call.v,
+            tiles.visible,
+            call.scale,
+            call.softcap or 0.0,
+            (tiles.rows, tiles.keys, tiles.piece_rows),
+        )
+        return out, lse if need_lse else None
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        tiles, d = self._tiles(call), call.dims
+        assert tiles is not None
+        share = tiles.pairs / max(d.L * d.S, 1) / d.B
+        return [
+            f"native: tiles of {tiles.rows} query rows × {d.groups} head(s), key blocks of"
+            f" {tiles.keys}, cut blocks in pieces of {tiles.piece_rows} rows;"
+            f" {share:.1%} of the L×S pairs computed"
+        ]
+
+    def work(self, call: AttentionCall) -> Work | None:
+        tiles = self._tiles(call)
+        if tiles is None:
+            return None
+        blocks = tuple(Block(b, r0, rows, k0, w) for b, r0, rows, k0, w in tiles.hulls if w)
+        return Work(blocks, 1, tiles.rows)
+
+    def calibrate(self, probe: Probe) -> dict[str, float]:
+        """`call` from a tiny causal call; `pair` and `piece` scaled together by a causal
+        256-key window on 4096 rows (net of the call)."""
+        measured = {"call": probe.attention(probe.inputs(16), causal(), self.name, runs=20)}
+        window = sliding_window(255) & causal()
+        _, predicted, spent = self.timed(probe, probe.inputs(4096), window)
+        default = self.cost_factors.default
+        predicted -= default["call"]
+        spent -= measured["call"]
+        for name in ("pair", "piece"):
+            measured[name] = cost.rescaled(default[name], predicted, spent)
+        return measured

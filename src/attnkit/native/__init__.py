@@ -1,0 +1,14 @@
+"""attnkit's own CPU kernels: C++ built for the CPU they run on (`build`), as
+`torch.library` ops checked in Python before they reach C++ (`ops`).
+
+The composed backends stay the fallback and the readable account of what the kernels
+compute: `attnkit.reference` is their specification, and the `native` backend serves
+`auto` only where the kernels are built and loaded (`unavailable()` says why not).
+`python -m attnkit.native build` builds them ahead.
+"""
+
+from __future__ import annotations
+
+from attnkit.native.build import library, unavailable
+
+__all__ = ["library", "unavailable"]

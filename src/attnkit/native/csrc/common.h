@@ -1,0 +1,125 @@
+// Shared pieces of attnkit's kernels: BLAS's GEMM in row-major terms, and the vector
+// loops of an online softmax (row max, exp and sum, softcap, rescale) on float32 rows.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <type_traits>
+
+// BLAS's single-precision GEMM (column-major), as PyTorch links it (MKL or OpenBLAS).
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace attnkit_native {
+
+// Scratch floats left uninitialised: every kernel writes them before it reads them (a
+// zeroed std::vector of a thread's blocks costs more than a small call's whole work).
+class Buffer {
+ public:
+  explicit Buffer(int64_t n) : data_(n > 0 ? new float[n] : nullptr) {}
+  float* data() const { return data_.get(); }
+  float* begin() const { return data_.get(); }
+  float& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  std::unique_ptr<float[]> data_;
+};
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Row-major C (m × n) = A (m × k) · Bᵀ (B is n × k) + beta · C.
+inline void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+             int64_t ldb, float* c, int64_t ldc, float beta) {
+  const char ta = 'T', tb = 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const float alpha = 1.0f;
+  sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
+}
+
+// Row-major C (m × n) += A (m × k) · B (k × n).
+inline void gemm_nn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc) {
+  const char t = 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const float one = 1.0f;
+  sgemm_(&t, &t, &M, &N, &K, &one, b, &la, a, &lb, &one, c, &lc);
+}
+
+inline float row_max(const float* s, int64_t n) {
+  Vec best(kNegInf);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) best = at::vec::maximum(best, Vec::loadu(s + j));
+  float lanes[Vec::size()];
+  best.store(lanes);
+  float m = kNegInf;
+  for (float x : lanes) m = std::isnan(x) || std::isnan(m) ? NAN : std::max(m, x);
+  for (; j < n; ++j) m = std::isnan(s[j]) || std::isnan(m) ? NAN : std::max(m, s[j]);
+  return m;
+}
+
+// s = exp(s − m) in place; returns Σ s.
+inline float exp_sum(float* s, int64_t n, float m) {
+  const Vec vm(m);
+  Vec acc(0.0f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec p = (Vec::loadu(s + j) - vm).exp_u20();
+    p.store(s + j);
+    acc = acc + p;
+  }
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  float sum = 0.0f;
+  for (float x : lanes) sum += x;
+  for (; j < n; ++j) sum += (s[j] = std::exp(s[j] - m));
+  return sum;
+}
+
+inline void softcap_inplace(float* s, int64_t n, float cap) {
+  const Vec vc(cap), inv(1.0f / cap);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (vc * (Vec::loadu(s + j) * inv).tanh()).store(s + j);
+  for (; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
+}
+
+inline void scale_inplace(float* x, int64_t n, float a) {
+  const Vec va(a);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(x + j) * va).store(x + j);
+  for (; j < n; ++j) x[j] *= a;
+}
+
+inline bool all_finite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      if (!std::isfinite(x[r * ld + c])) return false;
+  return true;
+}
+
+// Rows [0, n) of a (rows, cols) slab with row stride `ld` as float32: the slab itself where
+// it is float32, else converted into `buf` (n × cols, packed).
+template <typename T>
+const float* as_float(const T* src, int64_t n, int64_t cols, int64_t ld, float* buf,
+                      int64_t* out_ld) {
+  if constexpr (std::is_same_v<T, float>) {
+    *out_ld = ld;
+    return src;
+  } else {
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < cols; ++c) buf[r * cols + c] = static_cast<float>(src[r * ld + c]);
+    *out_ld = cols;
+    return buf;
+  }
+}
+
+}  // namespace attnkit_native

@@ -1,0 +1,247 @@
+// attnkit's native kernel: one new token per sequence against its pages (decoding).
+//
+// The math. Sequence i's query (its H heads) attends the keys at positions [lo_i, hi_i)
+// of its own history; position p lives in slot blocks[at_i + p / bs] · bs + p % bs of the
+// layer's pool (slots, Hkv, D + Dv), its key and value side by side. Query head h reads
+// K/V head h / G:
+//
+//   s_p   = softcap(scale · q_h · k_p)
+//   lse_h = log Σ_p exp(s_p)                     -inf where the sequence has no key
+//   out_h = Σ_p exp(s_p − lse_h) · v_p           0 there
+//
+// The blocking. Decoding is bound by reading K and V, so each byte is read once per step:
+// a work item is one sequence's K/V head over a range of its positions; the G query heads
+// of that K/V head dot each key row while it is in cache, a chunk of scores goes through
+// the online softmax (running max m, sum l, output O, as in span_attention.cpp), and each
+// value row is added to the G outputs. Where the sequences × K/V heads are fewer than
+// twice the threads, each one's positions are cut into parts (flash-decoding) whose
+// partial (m, l, O) merge by their log-sum-exp at the end. Keys outside [lo_i, hi_i) are
+// never read.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+
+namespace attnkit_native {
+namespace {
+
+constexpr int64_t kChunk = 256;     // positions whose scores go through one softmax update
+constexpr int64_t kMinPart = 512;   // positions of a part at least, when they are cut
+
+float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.0f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size())
+    acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float lanes[Vec::size()];
+  acc.store(lanes);
+  float sum = 0.0f;
+  for (float x : lanes) sum += x;
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// o += p · x over n entries.
+void axpy(float* o, float p, const float* x, int64_t n) {
+  const Vec vp(p);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size())
+    at::vec::fmadd(vp, Vec::loadu(x + d), Vec::loadu(o + d)).store(o + d);
+  for (; d < n; ++d) o[d] += p * x[d];
+}
+
+// One part: sequence i, K/V head hkv, positions [p0, p1).
+struct Part {
+  int64_t i, hkv, p0, p1;
+};
+
+template <typename T>
+struct Paged {
+  const T* q;        // (N, H, D)
+  int64_t qs[3];
+  const T* pool;     // (slots, Hkv, D + Dv), contiguous
+  const int64_t *blocks, *at, *lo, *hi;
+  int64_t N, H, Hkv, G, D, Dv, bs;
+  float scale, softcap;
+
+  const T* row(int64_t i, int64_t hkv, int64_t p) const {
+    const int64_t slot = blocks[at[i] + p / bs] * bs + p % bs;
+    return pool + (slot * Hkv + hkv) * (D + Dv);
+  }
+
+  // The part's partial result: m (G), l (G), O (G × Dv) unnormalised.
+  void run(const Part& part, std::vector<float>& w, float* m, float* l, float* o) const {
+    float* qf = w.data();                // G × D, scaled
+    float* s = qf + G * D;               // G × kChunk
+    float* kf = s + G * kChunk;          // D, one key row as float32
+    float* vf = kf + D;                  // Dv
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + part.i * qs[0] + (part.hkv * G + g) * qs[1];
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * scale;
+      m[g] = -std::numeric_limits<float>::infinity();
+      l[g] = 0.0f;
+    }
+    std::fill(o, o + G * Dv, 0.0f);
+    for (int64_t c0 = part.p0; c0 < part.p1; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, part.p1 - c0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kr = load(row(part.i, part.hkv, c0 + j), D, kf);
+        for (int64_t g = 0; g < G; ++g) s[g * kChunk + j] = dot(qf + g * D, kr, D);
+      }
+      for (int64_t g = 0; g < G; ++g) update(s + g * kChunk, n, m[g], l[g], o + g * Dv);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = load(row(part.i, part.hkv, c0 + j) + D, Dv, vf);
+        for (int64_t g = 0; g < G; ++g) axpy(o + g * Dv, s[g * kChunk + j], vr, Dv);
+      }
+    }
+  }
+
+  static const float* load(const T* src, int64_t n, float* buf) {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+      for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]);
+      return buf;
+    }
+  }
+
+  // A chunk's scores into weights, the running max, sum and output rescaled.
+  void update(float* s, int64_t n, float& m, float& l, float* o) const {
+    if (softcap > 0) softcap_inplace(s, n, softcap);
+    const float mx = row_max(s, n);
+    const float m_new = std::isnan(mx) ? mx : std::max(m, mx);
+    if (m_new == -std::numeric_limits<float>::infinity()) {
+      std::fill(s, s + n, 0.0f);
+      return;
+    }
+    const float alpha = std::exp(m - m_new);
+    l = l * alpha + exp_sum(s, n, m_new);
+    m = m_new;
+    if (alpha != 1.0f) scale_inplace(o, Dv, alpha);
+  }
+};
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& blocks,
+            const at::Tensor& at_, const at::Tensor& lo, const at::Tensor& hi,
+            int64_t block_size, double scale, double softcap, at::Tensor& out, at::Tensor& lse) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = pool.size(1);
+  const int64_t Dv = pool.size(2) - D, G = H / Hkv;
+  Paged<T> k{q.data_ptr<T>(), {q.stride(0), q.stride(1), q.stride(2)}, pool.data_ptr<T>(),
+             blocks.data_ptr<int64_t>(), at_.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
+             hi.data_ptr<int64_t>(), N, H, Hkv, G, D, Dv, block_size,
+             static_cast<float>(scale), static_cast<float>(softcap)};
+  // the parts: each sequence's K/V head whole, or cut where they are fewer than 2 × threads
+  const int64_t threads = at::get_num_threads();
+  const int64_t cut = std::max<int64_t>(1, (2 * threads + N * Hkv - 1) / std::max<int64_t>(1, N * Hkv));
+  std::vector<Part> parts;
+  std::vector<int64_t> first(N * Hkv + 1, 0);  // each item's first part
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
+      const int64_t start = k.lo[i], len = std::max<int64_t>(0, k.hi[i] - k.lo[i]);
+      const int64_t pieces = std::max<int64_t>(1, std::min(cut, len / kMinPart));
+      for (int64_t c = 0; c < pieces; ++c)
+        parts.push_back({i, hkv, start + len * c / pieces, start + len * (c + 1) / pieces});
+      first[i * Hkv + hkv + 1] = static_cast<int64_t>(parts.size());
+    }
+  const int64_t count = static_cast<int64_t>(parts.size());
+  std::vector<float> m(count * G), l(count * G), o(count * G * Dv);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::max<int64_t>(1, std::min(threads, count)), 1, [&](int64_t, int64_t) {
+    std::vector<float> w(G * D + G * kChunk + D + Dv);
+    for (int64_t t = next++; t < count; t = next++)
+      k.run(parts[t], w, &m[t * G], &l[t * G], &o[t * G * Dv]);
+  });
+  // merge each item's parts by their log-sum-exp, and write out and lse
+  T* dst = out.data_ptr<T>();
+  float* lse_out = lse.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> acc(Dv);
+  for (int64_t item = 0; item < N * Hkv; ++item)
+    for (int64_t g = 0; g < G; ++g) {
+      float big = neg_inf;
+      for (int64_t t = first[item]; t < first[item + 1]; ++t)
+        big = std::isnan(m[t * G + g]) ? m[t * G + g] : std::max(big, m[t * G + g]);
+      float sum = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (big != neg_inf)
+        for (int64_t t = first[item]; t < first[item + 1]; ++t) {
+          const float weight = std::exp(m[t * G + g] - big);
+          sum += l[t * G + g] * weight;
+          axpy(acc.data(), weight, &o[(t * G + g) * Dv], Dv);
+        }
+      const int64_t i = item / Hkv, h = (item % Hkv) * G + g;
+      T* row = dst + (i * H + h) * Dv;
+      if (sum > 0.0f || std::isnan(sum)) {
+        for (int64_t d = 0; d < Dv; ++d) row[d] = static_cast<T>(acc[d] / sum);
+        lse_out[i * H + h] = big + std::log(sum);
+      } else {
+        for (int64_t d = 0; d < Dv; ++d) row[d] = static_cast<T>(0.0f);
+        lse_out[i * H + h] = neg_inf;
+      }
+    }
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::paged_decode: ", what); }
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& pool,
+                                                const at::Tensor& blocks, const at::Tensor& at_,
+                                                const at::Tensor& lo, const at::Tensor& hi,
+                                                int64_t block_size, double scale,
+                                                double softcap) {
+  // attnkit.native validates every input before it gets here; these guard the memory.
+  check(q.dim() == 3 && pool.dim() == 3, "q (N, H, D), pool 3-D");
+  check(q.size(2) <= 1 || q.stride(2) == 1, "unit last stride");
+  check(q.device().is_cpu() && pool.device().is_cpu(), "CPU tensors only");
+  check(pool.scalar_type() == q.scalar_type() && pool.is_contiguous(), "pool: q's dtype");
+  check(pool.size(1) > 0 && q.size(1) % pool.size(1) == 0, "heads");
+  check(pool.size(2) >= q.size(2) && block_size > 0, "sizes");
+  check(pool.size(0) % block_size == 0, "whole blocks");
+  for (const at::Tensor* t : {&blocks, &at_, &lo, &hi})
+    check(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "int64 1-D");
+  check(at_.size(0) == q.size(0) && lo.size(0) == q.size(0) && hi.size(0) == q.size(0), "N");
+  const int64_t* b = blocks.data_ptr<int64_t>();
+  const int64_t* a = at_.data_ptr<int64_t>();
+  const int64_t *l = lo.data_ptr<int64_t>(), *h = hi.data_ptr<int64_t>();
+  const int64_t num_blocks = pool.size(0) / block_size;
+  for (int64_t i = 0; i < q.size(0); ++i) {
+    check(0 <= l[i] && l[i] <= h[i], "0 <= lo <= hi");
+    if (l[i] == h[i]) continue;
+    check(a[i] >= 0 && a[i] + (h[i] - 1) / block_size < blocks.size(0), "table range");
+    for (int64_t p = l[i] / block_size; p <= (h[i] - 1) / block_size; ++p)
+      check(0 <= b[a[i] + p] && b[a[i] + p] < num_blocks, "block ids within the pool");
+  }
+  auto out = at::empty({q.size(0), q.size(1), pool.size(2) - q.size(2)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode<float>(q, pool, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+      break;
+    case at::kBFloat16:
+      decode<at::BFloat16>(q, pool, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+      break;
+    case at::kHalf:
+      decode<at::Half>(q, pool, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+      break;
+    default: TORCH_CHECK(false, "attnkit_native::paged_decode: float32, bfloat16 or float16");
+  }
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace attnkit_native
+
+TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
+  m.def("paged_decode(Tensor q, Tensor pool, Tensor blocks, Tensor table_at, Tensor lo, "
+        "Tensor hi, int block_size, float scale, float softcap) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
+  m.impl("paged_decode", &attnkit_native::paged_decode);
+}

@@ -1,0 +1,305 @@
+// attnkit's native kernel: attention where each query row sees one interval of keys.
+//
+// The math (what attnkit.reference computes for such a mask). Row i of batch row b sees
+// keys [lo[b,i], hi[b,i]); query head h reads K/V head h / G (G = H / Hkv, GQA):
+//
+//   s_j   = softcap(scale · q_i · k_j)          lo <= j < hi   (softcap(x) = c·tanh(x/c))
+//   lse_i = log Σ_j exp(s_j)                     -inf where the row sees nothing
+//   out_i = Σ_j exp(s_j − lse_i) · v_j           0 where the row sees nothing
+//
+// The blocking (flash attention's online softmax). One work item is a tile of R query
+// rows (`rows`) of the G query heads sharing one K/V head, stacked as M = G·R rows, so
+// each key byte is read once for all of them. The item walks the hull of its rows'
+// intervals in blocks of KB keys (`keys`; keys outside every interval are never read).
+// A block every row sees whole is one piece: M rows × n keys; any other block is cut
+// into pieces of P query rows (`piece_rows`, of every head) over the hull of their
+// intervals in the block, so the masked corners of a band cost little. Per piece:
+//
+//   S = Q·Kᵀ                                     one GEMM (Q pre-scaled)
+//   rows that see part of the piece: -inf outside their interval (a whole piece needs no
+//   mask work; a row that sees none of it takes p = 0)
+//   m' = max(m, rowmax S);  P = exp(S − m');  l = l·exp(m − m') + rowsum P
+//   O  = O·exp(m − m') + P·V                     one GEMM
+//
+// and at the end out = O / l, lse = m + log l. A key inside a piece that some row does
+// not see could still leak into that row's output through 0·NaN in the GEMM: a cut piece
+// whose V rows hold a non-finite value takes an exact per-row loop instead, which
+// touches only the keys each row sees.
+//
+// Work items run on at::parallel_for's threads, each taking the next item of a list
+// sorted longest first (an atomic counter): a causal mask's late tiles cost more.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+
+namespace attnkit_native {
+namespace {
+
+struct Sizes {
+  int64_t B, H, Hkv, G, L, S, D, Dv, R, KB, P;  // P: query rows of a piece
+};
+
+// One work item: query rows [r0, r0 + rows) of batch row b, the G heads of K/V head hkv,
+// whose intervals' hull is [kmin, kmax).
+struct Item {
+  int64_t b, hkv, r0, rows, kmin, kmax;
+};
+
+// A thread's scratch: scaled queries, a block's scores, K and V as float, the running
+// output, max and sum of every stacked row.
+struct Scratch {
+  Buffer q, s, k, v, o, m, l;
+  Scratch(const Sizes& z, bool convert)  // convert: K and V need a float32 copy
+      : q(z.G * z.R * z.D), s(z.G * z.R * z.KB), k(convert ? z.KB * z.D : 0),
+        v(convert ? z.KB * z.Dv : 0), o(z.G * z.R * z.Dv), m(z.G * z.R), l(z.G * z.R) {}
+};
+
+template <typename T>
+struct Kernel {
+  const Sizes z;
+  const T *q, *k, *v;
+  const int64_t *lo, *hi;  // (B, L) contiguous
+  int64_t qs[4], ks[4], vs[4];  // strides (elements); the last is 1
+  float scale, softcap;
+  T* out;      // (B, H, L, Dv) contiguous
+  float* lse;  // (B, H, L) contiguous
+
+  // The stacked row r of an item is query row r0 + r / G of query head hkv·G + r % G: a
+  // run of query rows is a run of stacked rows, for every head.
+  void load_queries(const Item& it, Scratch& w) const {
+    for (int64_t i = 0; i < it.rows; ++i)
+      for (int64_t g = 0; g < z.G; ++g) {
+        const T* src = q + it.b * qs[0] + (it.hkv * z.G + g) * qs[1] + (it.r0 + i) * qs[2];
+        float* dst = w.q.data() + (i * z.G + g) * z.D;
+        for (int64_t d = 0; d < z.D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+      }
+  }
+
+  // Query row i's interval within the key block [k0, k0 + n), as [*a, *e) from k0.
+  void local(const Item& it, int64_t i, int64_t k0, int64_t n, int64_t* a, int64_t* e) const {
+    const int64_t row = it.b * z.L + it.r0 + i;
+    *a = std::clamp<int64_t>(lo[row] - k0, 0, n);
+    *e = std::clamp<int64_t>(hi[row] - k0, 0, n);
+    if (lo[row] >= hi[row]) *a = *e = 0;
+  }
+
+  // One piece of a key block: stacked rows [r0, r1) against keys [a, e) of the block,
+  // every row seeing all of them unless `masked`. Scores, then weights P in place (the
+  // running max, sum and output of each row rescaled), then O += P·V.
+  void piece(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e,
+             int64_t k0, const float* kb, int64_t ldk, const float* vb, int64_t ldv,
+             bool masked) const {
+    const int64_t rows = r1 - r0, n = e - a;
+    float* scores = w.s.data() + r0 * z.KB + a;
+    gemm_nt(rows, n, z.D, w.q.data() + r0 * z.D, z.D, kb + a * ldk, ldk, scores, z.KB, 0.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* s = w.s.data() + r * z.KB;
+      int64_t ra = a, re = e;
+      if (masked) {
+        local(it, r / z.G, k0, z.KB, &ra, &re);
+        ra = std::clamp(ra, a, e), re = std::clamp(re, a, e);
+      }
+      if (ra >= re) {  // sees none of the piece
+        std::fill(s + a, s + e, 0.0f);
+        continue;
+      }
+      if (softcap > 0) softcap_inplace(s + ra, re - ra, softcap);
+      const float mx = row_max(s + ra, re - ra);
+      const float m_new = std::isnan(mx) ? mx : std::max(w.m[r], mx);  // NaN spreads
+      std::fill(s + a, s + ra, 0.0f);
+      std::fill(s + re, s + e, 0.0f);
+      if (m_new == kNegInf) {  // every visible score is -inf: nothing to add
+        std::fill(s + ra, s + re, 0.0f);
+        continue;
+      }
+      const float alpha = std::exp(w.m[r] - m_new);  // 0 for the first visible block
+      const float sum = exp_sum(s + ra, re - ra, m_new);
+      w.l[r] = w.l[r] * alpha + sum;
+      w.m[r] = m_new;
+      if (alpha != 1.0f) scale_inplace(w.o.data() + r * z.Dv, z.Dv, alpha);
+    }
+    if (!masked || all_finite(vb + a * ldv, n, z.Dv, ldv)) {
+      gemm_nn_add(rows, z.Dv, n, scores, z.KB, vb + a * ldv, ldv, w.o.data() + r0 * z.Dv, z.Dv);
+      return;
+    }
+    for (int64_t r = r0; r < r1; ++r) {  // exact: each row's own keys only
+      int64_t ra = 0, re = 0;
+      local(it, r / z.G, k0, z.KB, &ra, &re);
+      ra = std::clamp(ra, a, e), re = std::clamp(re, a, e);
+      float* o = w.o.data() + r * z.Dv;
+      const float* p = w.s.data() + r * z.KB;
+      for (int64_t j = ra; j < re; ++j)
+        for (int64_t d = 0; d < z.Dv; ++d) o[d] += p[j] * vb[j * ldv + d];
+    }
+  }
+
+  // A key block [k0, k0 + n): one piece where every row sees all of it, else a piece per
+  // run of P query rows (of every head) over the hull of their intervals in the block (the
+  // masked corners of a tile cost little), none where no row sees a key of it.
+  void block(const Item& it, Scratch& w, int64_t k0, int64_t n, const T* kh,
+             const T* vh) const {
+    bool any = false, full = true;
+    for (int64_t i = 0; i < it.rows; ++i) {
+      int64_t a = 0, e = 0;
+      local(it, i, k0, n, &a, &e);
+      any |= a < e;
+      full &= a == 0 && e == n;
+    }
+    if (!any) return;
+    int64_t ldk = 0, ldv = 0;
+    const float* kb = as_float(kh + k0 * ks[2], n, z.D, ks[2], w.k.data(), &ldk);
+    const float* vb = as_float(vh + k0 * vs[2], n, z.Dv, vs[2], w.v.data(), &ldv);
+    if (full) return piece(it, w, 0, z.G * it.rows, 0, n, k0, kb, ldk, vb, ldv, false);
+    const int64_t step = z.P;
+    for (int64_t i0 = 0; i0 < it.rows; i0 += step) {
+      const int64_t i1 = std::min(it.rows, i0 + step);
+      int64_t a = n, e = 0;
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t ra = 0, re = 0;
+        local(it, i, k0, n, &ra, &re);
+        if (ra < re) a = std::min(a, ra), e = std::max(e, re);
+      }
+      if (a < e) piece(it, w, i0 * z.G, i1 * z.G, a, e, k0, kb, ldk, vb, ldv, true);
+    }
+  }
+
+  void finish(const Item& it, const Scratch& w) const {
+    for (int64_t i = 0; i < it.rows; ++i)
+      for (int64_t g = 0; g < z.G; ++g) {
+        const int64_t r = i * z.G + g, h = it.hkv * z.G + g;
+        const int64_t row = (it.b * z.H + h) * z.L + it.r0 + i;
+        T* dst = out + row * z.Dv;
+        const float* o = w.o.data() + r * z.Dv;
+        if (w.l[r] > 0.0f || std::isnan(w.l[r])) {
+          const float inv = 1.0f / w.l[r];
+          for (int64_t d = 0; d < z.Dv; ++d) dst[d] = static_cast<T>(o[d] * inv);
+          lse[row] = w.m[r] + std::log(w.l[r]);
+        } else {  // the row sees nothing
+          for (int64_t d = 0; d < z.Dv; ++d) dst[d] = static_cast<T>(0.0f);
+          lse[row] = kNegInf;
+        }
+      }
+  }
+
+  void run(const Item& it, Scratch& w) const {
+    const int64_t M = z.G * it.rows;
+    std::fill(w.o.begin(), w.o.begin() + M * z.Dv, 0.0f);
+    std::fill(w.m.begin(), w.m.begin() + M, kNegInf);
+    std::fill(w.l.begin(), w.l.begin() + M, 0.0f);
+    if (it.kmin < it.kmax) load_queries(it, w);
+    const T* kh = k + it.b * ks[0] + it.hkv * ks[1];
+    const T* vh = v + it.b * vs[0] + it.hkv * vs[1];
+    for (int64_t k0 = it.kmin; k0 < it.kmax; k0 += z.KB)
+      block(it, w, k0, std::min(z.KB, it.kmax - k0), kh, vh);
+    finish(it, w);
+  }
+};
+
+// The items of a call, longest first: each tile's hull of intervals.
+std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi) {
+  std::vector<Item> items;
+  for (int64_t b = 0; b < z.B; ++b)
+    for (int64_t r0 = 0; r0 < z.L; r0 += z.R) {
+      const int64_t rows = std::min(z.R, z.L - r0);
+      int64_t kmin = z.S, kmax = 0;
+      for (int64_t i = r0; i < r0 + rows; ++i) {
+        const int64_t a = lo[b * z.L + i], e = hi[b * z.L + i];
+        if (a < e) {
+          kmin = std::min(kmin, a);
+          kmax = std::max(kmax, e);
+        }
+      }
+      if (kmin >= kmax) kmin = kmax = 0;
+      for (int64_t hkv = 0; hkv < z.Hkv; ++hkv) items.push_back({b, hkv, r0, rows, kmin, kmax});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
+    return x.kmax - x.kmin > y.kmax - y.kmin;
+  });
+  return items;
+}
+
+template <typename T>
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo,
+             const at::Tensor& hi, double scale, double softcap, int64_t rows, int64_t keys,
+             int64_t piece_rows, at::Tensor& out, at::Tensor& lse) {
+  Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
+          q.size(3), v.size(3), rows, keys, piece_rows};
+  Kernel<T> kern{z,
+                 q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
+                 lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(),
+                 {}, {}, {},
+                 static_cast<float>(scale), static_cast<float>(softcap),
+                 out.data_ptr<T>(), lse.data_ptr<float>()};
+  for (int d = 0; d < 4; ++d) {
+    kern.qs[d] = q.stride(d);
+    kern.ks[d] = k.stride(d);
+    kern.vs[d] = v.stride(d);
+  }
+  const std::vector<Item> items = items_of(z, kern.lo, kern.hi);
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w(z, !std::is_same_v<T, float>);
+    for (int64_t t = next++; t < count; t = next++) kern.run(items[t], w);
+  });
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_forward: ", what); }
+
+std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, const at::Tensor& lo,
+                                                const at::Tensor& hi, double scale,
+                                                double softcap, int64_t rows, int64_t keys,
+                                                int64_t piece_rows) {
+  // attnkit.native validates every input before it gets here; these guard the memory.
+  check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  check(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "one dtype");
+  for (const at::Tensor* t : {&q, &k, &v})
+    check(t->size(3) <= 1 || t->stride(3) == 1, "unit last stride");
+  check(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ");
+  check(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1), "heads");
+  check(k.size(2) == v.size(2) && k.size(3) == q.size(3), "key sizes differ");
+  check(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong, "int64 spans");
+  check(lo.is_contiguous() && hi.is_contiguous(), "contiguous spans");
+  check(lo.dim() == 2 && lo.size(0) == q.size(0) && lo.size(1) == q.size(2), "spans (B, L)");
+  check(hi.sizes() == lo.sizes(), "spans (B, L)");
+  check(q.size(2) * q.size(1) * q.size(3) < (int64_t{1} << 31), "sizes within int32 GEMMs");
+  check(rows >= 1 && keys >= 1 && piece_rows >= 1, "blocking");
+  check(rows * keys * q.size(1) < (int64_t{1} << 31), "blocking within int32");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  switch (q.scalar_type()) {
+    case at::kFloat: 
+      forward<float>(q, k, v, lo, hi, scale, softcap, rows, keys, piece_rows, out, lse);
+      break;
+    case at::kBFloat16: 
+      forward<at::BFloat16>(q, k, v, lo, hi, scale, softcap, rows, keys, piece_rows, out, lse);
+      break;
+    case at::kHalf: 
+      forward<at::Half>(q, k, v, lo, hi, scale, softcap, rows, keys, piece_rows, out, lse);
+      break;
+    default: TORCH_CHECK(false, "attnkit_native::span_forward: float32, bfloat16 or float16");
+  }
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace attnkit_native
+
+TORCH_LIBRARY(attnkit_native, m) {
+  m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, "
+        "float softcap, int rows, int keys, int piece_rows) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
+  m.impl("span_forward", &attnkit_native::span_forward);
+}

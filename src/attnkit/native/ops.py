@@ -1,0 +1,236 @@
+"""The native ops as Python calls: every input checked here before it reaches C++.
+
+`span_forward(q, k, v, spans(lo, hi, B, L, S), scale, softcap, tiles)` is
+`torch.ops.attnkit_native.span_forward` (span_attention.cpp): attention where row i of
+batch row b sees keys `[lo[b, i], hi[b, i])` (checked once by `spans`, kept by a
+prepared call), GQA by head groups, in tiles of `rows`
+query rows (of every head of a K/V head) and blocks of `keys` keys (`blocking` picks
+them), output in q's dtype and the log-sum-exp in float32 (0 and -inf on a row that sees
+nothing). The checks make the C++ side's
+assumptions true (one dtype, CPU, unit last strides, spans within the keys, sizes within
+its int32 GEMMs) or raise `ValueError` naming the argument; the fake implementation gives
+shapes to `torch.compile` and `opcheck`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["DTYPES", "Spans", "blocking", "paged_decode", "register_fakes", "span_forward", "spans"]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT32 = 2**31 - 1
+# Blocking, measured on a 2-core AVX2 CPU (D = 64, fp32, per visible pair against dense
+# SDPA; benchmarks/native.py): 128 query rows × 512 keys reach 0.95-1.0 dense and causal
+# and 0.42-0.61 on 127- to 256-key windows, within a few percent of the best of 16-128 rows
+# × 256-512 keys on each; GQA stacks its G heads' rows, so an item's rows are capped at
+# STACKED_ROWS (R from 16 to 128). A partly seen block is cut into pieces of PIECE_ROWS
+# stacked rows.
+STACKED_ROWS = 256
+KEY_BLOCK = 512
+PIECE_ROWS = 32
+
+
+def blocking(L: int, groups: int) -> tuple[int, int, int]:
+    """(rows, keys, piece rows): query rows of one tile, keys of one block and query rows
+    of one piece of a partly seen block, for L queries of `groups` heads per K/V head."""
+    rows = min(max(L, 1), min(max(STACKED_ROWS // groups, 16), 128))
+    return rows, KEY_BLOCK, min(rows, max(1, PIECE_ROWS // groups))
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv).")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"q, k, v must share one of {DTYPES} (got {q.dtype}, {k.dtype}, {v.dtype})."
+        )
+    if any(t.device.type != "cpu" for t in (q, k, v)):
+        raise ValueError("the native kernels run on the CPU: move q, k, v there.")
+    B, H, L, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[3] != D or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k, v {tuple(k.shape)}, {tuple(v.shape)} do not fit q {tuple(q.shape)}.")
+    if k.shape[1] == 0 or H % k.shape[1]:
+        raise ValueError(f"H={H} query heads must be a multiple of Hkv={k.shape[1]}.")
+    if not math.isfinite(scale) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"scale must be finite, softcap finite and >= 0 (got {scale}, {softcap}).")
+    big = max(max(t.stride()) for t in (q, k, v))
+    if big > INT32 or L * H * D > INT32 or v.shape[3] > INT32:
+        raise ValueError("a stride or size past 2**31 elements: the kernel's GEMMs are int32.")
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Each query row's key interval, checked for the kernel: lo and hi (B, L) int64,
+    contiguous, within [0, S] (`spans` makes them; a prepared call keeps them)."""
+
+    lo: Tensor
+    hi: Tensor
+    S: int
+
+
+def spans(lo: Tensor, hi: Tensor, B: int, L: int, S: int) -> Spans:
+    """(B|1, L) integer intervals [lo, hi) -> `Spans`, clamped to [0, S]."""
+    for name, t in (("lo", lo), ("hi", hi)):
+        if t.dim() != 2 or t.shape[1] != L or t.shape[0] not in (1, B):
+            raise ValueError(
+                f"{name} must be (B, L) or (1, L) = ({B}, {L}) (got {tuple(t.shape)})."
+            )
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.device.type != "cpu":
+            raise ValueError(f"{name} must be an integer CPU tensor (got {t.dtype} on {t.device}).")
+    lo, hi = (t.to(torch.long).clamp(0, S).expand(B, L).contiguous() for t in (lo, hi))
+    return Spans(lo, hi, S)
+
+
+def span_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    visible: Spans,
+    scale: float,
+    softcap: float = 0.0,
+    tiles: tuple[int, int, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
+    library must be loaded: `attnkit.native.build.library()`); row i of batch row b sees
+    keys [visible.lo[b, i], visible.hi[b, i]); softcap 0 = none; `tiles` (rows, keys,
+    piece rows) as `blocking` picks them unless given."""
+    _check(q, k, v, float(scale), float(softcap))
+    B, _, L, _ = q.shape
+    if not isinstance(visible, Spans) or visible.lo.shape != (B, L) or visible.S != k.shape[2]:
+        raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={k.shape[2]}).")
+    rows, keys, pieces = tiles or blocking(q.shape[2], q.shape[1] // k.shape[1])
+    if not (0 < rows <= 4096 and 0 < keys <= 8192 and 0 < pieces <= rows):
+        raise ValueError(
+            f"tiles must be 1..4096 rows, 1..8192 keys and 1..rows piece rows "
+            f"(got {rows}, {keys}, {pieces})."
+        )
+    q, k, v = (_unit_last(t) for t in (q, k, v))
+    out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
+        q, k, v, visible.lo, visible.hi, float(scale), float(softcap), rows, keys, pieces
+    )
+    return out
+
+
+def _check_tables(
+    blocks: Tensor, table_at: Tensor, lo: Tensor, hi: Tensor, block_size: int, num_blocks: int
+) -> None:
+    """Every block a sequence's positions [lo, hi) use lies within its table and the pool."""
+    if bool(((lo < 0) | (hi < lo)).any()):
+        raise ValueError("each sequence's positions must satisfy 0 <= lo <= hi.")
+    used = hi > lo
+    first = table_at + lo // block_size
+    last = table_at + (hi - 1).clamp(min=0) // block_size
+    if bool((used & ((table_at < 0) | (last >= blocks.numel()))).any()):
+        raise ValueError("a sequence's positions run past its block table.")
+    counts = torch.where(used, last - first + 1, 0)
+    index = torch.repeat_interleave(first, counts)
+    index += torch.arange(index.numel()) - torch.repeat_interleave(
+        counts.cumsum(0) - counts, counts
+    )
+    ids = blocks[index]
+    if bool(((ids < 0) | (ids >= num_blocks)).any()):
+        raise ValueError("a block table names a block outside the pool (or a released one).")
+
+
+def paged_decode(
+    q: Tensor,
+    pool: Tensor,
+    blocks: Tensor,
+    table_at: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    block_size: int,
+    scale: float,
+    softcap: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """One query token per sequence (N, H, D) against the keys at positions [lo, hi) of
+    its block table in a layer's pool (slots, Hkv, D + Dv), key and value side by side
+    (slot = blocks[table_at + p // block_size] · block_size + p % block_size): out
+    (N, H, Dv) in q's dtype and lse (N, H) float32 (`paged_decode.cpp`)."""
+    if q.dim() != 3 or pool.dim() != 3:
+        raise ValueError(
+            "q must be (N, H, D) and pool (slots, Hkv, D + Dv) "
+            f"(got {tuple(q.shape)}, {tuple(pool.shape)})."
+        )
+    if q.dtype not in DTYPES or pool.dtype != q.dtype:
+        raise ValueError(f"q and pool must share one of {DTYPES} (got {q.dtype}, {pool.dtype}).")
+    if q.device.type != "cpu" or pool.device.type != "cpu":
+        raise ValueError("the native kernels run on the CPU: move q and the pool there.")
+    N, H, D = q.shape
+    if pool.shape[1] == 0 or H % pool.shape[1] or pool.shape[2] < D:
+        raise ValueError(
+            f"pool {tuple(pool.shape)} does not fit q {tuple(q.shape)}: "
+            "H must be a multiple of Hkv and the pool's last size D + Dv."
+        )
+    if block_size <= 0 or pool.shape[0] % block_size:
+        raise ValueError(f"the pool's {pool.shape[0]} slots are not whole blocks of {block_size}.")
+    if not math.isfinite(scale) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"scale must be finite, softcap finite and >= 0 (got {scale}, {softcap}).")
+    tables = []
+    for name, t in (("blocks", blocks), ("table_at", table_at), ("lo", lo), ("hi", hi)):
+        if (
+            t.dim() != 1
+            or t.dtype.is_floating_point
+            or t.dtype == torch.bool
+            or t.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"{name} must be a 1-D integer CPU tensor (got {tuple(t.shape)} {t.dtype})."
+            )
+        if name != "blocks" and t.shape[0] != N:
+            raise ValueError(f"{name} must hold one entry per sequence ({N}), got {t.shape[0]}.")
+        tables.append(t.to(torch.long).contiguous())
+    blocks, table_at, lo, hi = tables
+    _check_tables(blocks, table_at, lo, hi, block_size, pool.shape[0] // block_size)
+    out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.paged_decode(
+        _unit_last(q), pool.contiguous(), blocks, table_at, lo, hi, block_size, float(scale),
+        float(softcap),
+    )  # fmt: skip
+    return out
+
+
+def _paged_decode_fake(
+    q: Tensor,
+    pool: Tensor,
+    blocks: Tensor,
+    table_at: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    block_size: int,
+    scale: float,
+    softcap: float,
+) -> tuple[Tensor, Tensor]:
+    N, H, D = q.shape
+    return q.new_empty(N, H, pool.shape[2] - D), q.new_empty(N, H, dtype=torch.float32)
+
+
+def _span_forward_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    scale: float,
+    softcap: float,
+    rows: int,
+    keys: int,
+    piece_rows: int,
+) -> tuple[Tensor, Tensor]:
+    B, H, L, _ = q.shape
+    out = q.new_empty(B, H, L, v.shape[3])
+    return out, q.new_empty(B, H, L, dtype=torch.float32)
+
+
+def register_fakes() -> None:
+    """The ops' shapes for tracing (once, after the library is loaded)."""
+    torch.library.register_fake("attnkit_native::span_forward", _span_forward_fake)
+    torch.library.register_fake("attnkit_native::paged_decode", _paged_decode_fake)

@@ -1,0 +1,334 @@
+"""The native kernels (`attnkit.native`, backend `native`) against the float64 reference.
+
+The flash-attention rule on every dtype, MHA/GQA/MQA, every mask with one key interval
+per row, awkward sizes and strided inputs; empty rows give 0 and lse -inf; a non-finite
+key or value a row does not see never reaches it; the op's contract (`opcheck`, compile
+fullgraph), its checks before C++, and what happens where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.native import build, ops
+from fuzz_paged import World
+from helpers import assert_rule
+from test_reference_matrix import FAST_LARGE, HEADS, MASKS, SIZES, truth_and_reference
+
+# where the kernels are meant to run, a failed build fails these tests instead of skipping
+pytestmark = pytest.mark.skipif(build.setting() == "off", reason="ATTNKIT_NATIVE=off")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REFUSED = {  # masks the kernel does not take, and why (a random bool tensor may be spans)
+    "from_mod_per_head": "not one interval of keys per row",
+    "window_or_prefix_padded": "not one interval of keys per row",
+    "bool_tensor": "not one interval of keys per row",
+    "documents_alibi": "no additive bias",
+    "float_bias": "no additive bias",
+}
+
+
+def _forward(q, k, v, mask, **kwargs):
+    with torch.no_grad():
+        return ak.attention_with_lse(q, k, v, mask, backend="native", **kwargs)
+
+
+def _matrix():
+    for dtype in DTYPES:
+        for heads in HEADS:
+            for mask_kind in MASKS:
+                for size in SIZES:
+                    slow = max(size) > 1000 and mask_kind not in FAST_LARGE
+                    yield pytest.param(
+                        dtype, heads, mask_kind, size,
+                        marks=[pytest.mark.slow] if slow else [],
+                        id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}",
+                    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "heads", "mask_kind", "size"), list(_matrix()))
+def test_native_matches_float64_reference(dtype, heads, mask_kind, size):
+    (q, k, v, mask, _), truth, ref = truth_and_reference(dtype, heads, mask_kind, size, 64)
+    try:
+        out, lse = _forward(q, k, v, mask)
+    except ValueError as refused:
+        assert mask_kind in REFUSED and REFUSED[mask_kind] in str(refused), refused
+        return
+    assert mask_kind not in REFUSED or mask_kind == "bool_tensor"
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_rule(f"native {mask_kind} out", out, ref[0], truth[0])
+    with torch.no_grad():
+        want = ak.attention_with_lse(q.double(), k.double(), v.double(), mask, backend="reference")[
+            1
+        ]
+    assert torch.equal(torch.isinf(lse), torch.isinf(want))
+    finite = torch.isfinite(want)
+    assert (lse[finite].double() - want[finite]).abs().max().item() < 1e-4 if finite.any() else True
+
+
+def _strided(x: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as x (B, H, T, D) in another layout."""
+    if how == "bthd":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if how == "every_other_d":
+        wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+        wide[..., ::2] = x
+        return wide[..., ::2]
+    return x
+
+
+@pytest.mark.parametrize("how", ["bthd", "every_other_d"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("D", "Dv"), [(64, 64), (40, 24), (1, 3)])
+def test_strided_inputs_and_odd_head_dims(how, dtype, D, Dv):
+    g = torch.Generator().manual_seed(D * 7 + Dv)
+    q = torch.randn(2, 6, 131, D, generator=g).to(dtype)
+    k = torch.randn(2, 3, 300, D, generator=g).to(dtype)
+    v = torch.randn(2, 3, 300, Dv, generator=g).to(dtype)
+    mask = ak.sliding_window(37, align="bottom_right") & ak.key_padding(torch.tensor([300, 211]))
+    with torch.no_grad():
+        want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+        naive = ak.attention(q, k, v, mask, backend="reference")
+    got = _forward(*(_strided(t, how) for t in (q, k, v)), mask)[0]
+    assert_rule(f"native {how}", got, naive, want)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("scale", [None, 0.7, -0.3])
+def test_scale_and_softcap(scale, softcap):
+    q, k, v = (torch.randn(1, 4, 70, 16), torch.randn(1, 2, 90, 16), torch.randn(1, 2, 90, 16))
+    mask = ak.causal(align="bottom_right")
+    kwargs = {"scale": scale, "softcap": softcap}
+    with torch.no_grad():
+        want, want_lse = ak.attention_with_lse(
+            q.double(), k.double(), v.double(), mask, backend="reference", **kwargs
+        )
+    out, lse = _forward(q, k, v, mask, **kwargs)
+    assert (out.double() - want).abs().max() < 1e-5
+    assert (lse.double() - want_lse).abs().max() < 1e-5
+
+
+def test_empty_rows_give_zero_and_minus_inf():
+    q, k, v = (torch.randn(2, 2, 9, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8))
+    mask = ak.key_padding(torch.tensor([12, 0])) & ak.causal(offset=-3)  # rows 0-2 see none
+    out, lse = _forward(q, k, v, mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isneginf(lse[1]).all() and torch.isneginf(lse[0, :, :3]).all()
+    assert torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+    assert torch.isfinite(lse[0, :, 3:]).all()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unseen_keys_never_leak(poison, dtype):
+    """Documents: a key of one document holds NaN (or inf) in K and V; the rows of every
+    other document, whose tiles' hulls and key blocks take that key, stay exact."""
+    g = torch.Generator().manual_seed(3)
+    L = 700
+    q, k, v = (torch.randn(1, 4, L, 32, generator=g).to(dtype) for _ in range(3))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    ids = (torch.arange(L) >= 300).long() + (torch.arange(L) >= 450).long()  # 3 documents
+    mask = ak.document(ids) & ak.causal()
+    with torch.no_grad():
+        want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[:, :, 310], bad_v[:, :, 320] = poison, poison  # in document 1 (rows 300..449)
+    got = _forward(q, bad_k, bad_v, mask)[0]
+    others = torch.cat([torch.arange(300), torch.arange(450, L)])
+    assert torch.isfinite(got[:, :, others]).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got[:, :, others].double() - want[:, :, others]).abs().max() < tol
+    unseen = torch.full_like(k, poison)  # keys past the padding nobody sees
+    k2, v2 = torch.cat([k, unseen], 2), torch.cat([v, unseen], 2)
+    padded = ak.document(ids, torch.cat([ids, ids + 9])) & ak.causal(align="top_left")
+    assert torch.isfinite(_forward(q, k2, v2, padded)[0]).all()
+
+
+@pytest.mark.parametrize("L", [1, 4, 16])
+@pytest.mark.parametrize(("H", "Hkv"), [(8, 8), (8, 2), (8, 1)])
+def test_decoding_against_a_cache(L, H, Hkv):
+    q = torch.randn(3, H, L, 64)
+    k, v = torch.randn(3, Hkv, 1000, 64), torch.randn(3, Hkv, 1000, 64)
+    mask = ak.causal(align="bottom_right") & ak.key_padding(torch.tensor([1000, 517, 40]))
+    with torch.no_grad():
+        want = ak.attention(q.double(), k.double(), v.double(), mask, backend="reference")
+    got = _forward(q, k, v, mask)[0]
+    assert (got.double() - want).abs().max() < 2e-6
+
+
+def test_auto_takes_native_for_a_window_and_explain_says_why():
+    q, k, v = (torch.randn(1, 8, 4096, 64) for _ in range(3))
+    text = str(ak.explain(q, k, v, ak.sliding_window(256)))
+    assert "backend 'native'" in text and "native: tiles of 128 query rows" in text
+
+
+def test_training_runs_the_composed_backends():
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    with pytest.raises(ValueError, match="forward only"):
+        ak.attention(q, k, v, ak.causal(), backend="native")
+    assert "backend 'native'" not in str(ak.explain(q, k, v, ak.sliding_window(8)))
+
+
+def test_opcheck_and_compile_fullgraph():
+    q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 8)
+    lo = torch.arange(33).clamp(max=40)[None].expand(2, 33).contiguous()
+    hi = (lo + 10).clamp(max=50)
+    for dtype in DTYPES:
+        args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, 0.25, 0.0, 16, 32, 4)
+        torch.library.opcheck(torch.ops.attnkit_native.span_forward, args)
+
+    def fn(q, k, v):
+        return ops.span_forward(q, k, v, visible, 0.25)[0] * 2
+
+    visible = ops.spans(lo, hi, 2, 33, 50)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, k, v), fn(q, k, v))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: {**a, "q": a["q"].double()}, "must share one of"),
+        (lambda a: {**a, "k": a["k"].half()}, "must share one of"),
+        (lambda a: {**a, "q": a["q"][0]}, r"must be \(B, H, L, D\)"),
+        (lambda a: {**a, "k": a["k"][:, :, :, :8]}, "do not fit"),
+        (lambda a: {**a, "q": a["q"][:, :3]}, "multiple of Hkv"),
+        (lambda a: {**a, "lo": a["lo"][:, :5]}, r"lo must be \(B, L\)"),
+        (lambda a: {**a, "hi": a["hi"].float()}, "integer CPU tensor"),
+        (lambda a: {**a, "scale": float("nan")}, "scale must be finite"),
+        (lambda a: {**a, "softcap": -1.0}, "softcap finite and >= 0"),
+        (lambda a: {**a, "tiles": (0, 8, 1)}, "tiles must be"),
+    ],
+)
+def test_inputs_are_checked_before_cpp(change, match):
+    args = {
+        "q": torch.randn(2, 4, 9, 16), "k": torch.randn(2, 2, 11, 16),
+        "v": torch.randn(2, 2, 11, 16), "lo": torch.zeros(2, 9, dtype=torch.long),
+        "hi": torch.full((2, 9), 11), "scale": 0.25, "softcap": 0.0, "tiles": None,
+    }  # fmt: skip
+    a = change(args)
+    with pytest.raises(ValueError, match=match):
+        visible = ops.spans(a["lo"], a["hi"], 2, 9, 11)
+        ops.span_forward(a["q"], a["k"], a["v"], visible, a["scale"], a["softcap"], a["tiles"])
+
+
+def test_spans_past_the_keys_are_clamped():
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    lo, hi = torch.tensor([[-5, 0, 3, 9]]), torch.tensor([[2, 99, 3, 12]])
+    out, lse = ops.span_forward(q, k, v, ops.spans(lo, hi, 1, 4, 6), 0.5)
+    s = (q[0, 0] @ k[0, 0].T) * 0.5
+    assert torch.allclose(out[0, 0, 0], torch.softmax(s[0, :2], 0) @ v[0, 0, :2], atol=1e-6)
+    assert torch.allclose(out[0, 0, 1], torch.softmax(s[1], 0) @ v[0, 0], atol=1e-6)
+    assert torch.isneginf(lse[0, 0, 2:]).all() and not out[0, 0, 2:].any()
+
+
+def _child(env: dict[str, str], code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_without_a_compiler_or_with_a_failed_build_the_composed_backends_serve(tmp_path):
+    fake = tmp_path / "cxx"
+    fake.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo fake 1.0 && exit 0\n'
+        "echo 'span_attention.cpp:1:1: error: no kernels today' >&2; exit 1\n"
+    )
+    fake.chmod(0o755)
+    code = (
+        "import torch, attnkit as ak\n"
+        "q = k = v = torch.randn(1, 2, 64, 16)\n"
+        "print(ak.explain(q, k, v, ak.sliding_window(8)))\n"
+    )
+    cache = {"ATTNKIT_NATIVE_DIR": str(tmp_path / "cache")}
+    for env, reason in (
+        ({"CXX": str(tmp_path / "none")}, "no C++ compiler"),
+        ({"CXX": str(fake)}, "the build failed: span_attention.cpp:1:1: error: no kernels"),
+        ({"ATTNKIT_NATIVE": "off"}, "disabled by ATTNKIT_NATIVE=off"),
+    ):
+        text = _child({**cache, **env}, code)
+        assert f"native kernels are unavailable: {reason}" in text, text
+        assert "backend 'native'" not in text
+    assert list(Path(cache["ATTNKIT_NATIVE_DIR"]).glob("*/failed.txt"))
+
+
+def test_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("ATTNKIT_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="ATTNKIT_NATIVE='maybe': use one of on, off"):
+        build.setting()
+
+
+def test_the_suite_passes_with_the_native_build_disabled():
+    """The composed backends serve alone: the reference matrix's float32 GQA cases, the
+    dispatcher's and the tiled backend's tests, with ATTNKIT_NATIVE=off."""
+    files = ("test_dispatch.py", "test_tiled.py", "test_reference_matrix.py")
+    selection = "not reference_matrix or (float32 and GQA)"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", selection]
+        + [str(Path(__file__).parent / name) for name in files],
+        capture_output=True, text=True, env={**os.environ, "ATTNKIT_NATIVE": "off"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+@pytest.mark.parametrize("left", [None, 5])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_paged_decoding_runs_the_paged_kernel(monkeypatch, dtype, tol, left):
+    """Decoding steps of many sequences (forks sharing blocks, windows crossing blocks)
+    against the float64 formula, on the kernel that reads the pool in place."""
+    from attnkit.paged import attention as paged
+
+    calls = []
+    kernel = paged.native_ops.paged_decode
+    monkeypatch.setattr(paged.native_ops, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
+    world = World(H=8, dtype=dtype)
+    a, b = world.add(), world.add()
+    world.run([a, b], [9, 3], left=left, tol=tol)
+    c = world.fork(a)
+    for _ in range(6):
+        world.run([a, b, c], [1, 1, 1], left=left, tol=tol)
+    world.run([c, a], [2, 1], left=left, tol=tol)  # a prefill beside a decoding token
+    assert len(calls) == 2 * 7
+
+
+@pytest.mark.parametrize("G", [1, 4])
+def test_paged_kernel_splits_a_long_history_over_threads(G):
+    """One sequence of 5,000 keys: its positions cut into parts merged by log-sum-exp."""
+    g = torch.Generator().manual_seed(G)
+    Hkv, D, Dv, bs = 2, 32, 16, 16
+    pool = torch.randn(400 * bs, Hkv, D + Dv, generator=g)
+    blocks = torch.randperm(400, generator=g)
+    q = torch.randn(1, Hkv * G, D, generator=g)
+    lo, hi = torch.tensor([37]), torch.tensor([5000])
+    out, lse = ops.paged_decode(q, pool, blocks, torch.tensor([0]), lo, hi, bs, 0.2)
+    slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[37:5000]
+    keys = pool[slots].double()  # (S, Hkv, D + Dv)
+    k, v = (keys[..., :D], keys[..., D:])
+    s = torch.einsum("hd,shd->hs", q[0].double(), k.repeat_interleave(G, 1)) * 0.2
+    want = torch.softmax(s, -1) @ v.repeat_interleave(G, 1).transpose(0, 1)
+    assert (out[0].double() - torch.diagonal(want, dim1=0, dim2=1).T).abs().max() < 1e-5
+    assert (lse[0].double() - torch.logsumexp(s, -1)).abs().max() < 1e-5
+
+
+def test_paged_kernel_refuses_tables_outside_the_pool():
+    pool = torch.zeros(4 * 4, 1, 16)
+    q = torch.zeros(1, 2, 8)
+    args = (torch.tensor([0]), torch.tensor([0]), torch.tensor([9]), 4, 0.3)
+    with pytest.raises(ValueError, match="run past its block table"):
+        ops.paged_decode(q, pool, torch.tensor([0, 1]), *args)
+    with pytest.raises(ValueError, match="outside the pool"):
+        ops.paged_decode(q, pool, torch.tensor([0, 7, 1]), *args)
+    with pytest.raises(ValueError, match="released one"):
+        ops.paged_decode(q, pool, torch.tensor([-1, 2, 1]), *args)
+    with pytest.raises(ValueError, match="0 <= lo <= hi"):
+        ops.paged_decode(q, pool, torch.tensor([0, 1, 2]), args[0], args[2], args[1], 4, 0.3)
