@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("build", "status"))
     args = parser.parse_args(argv)
     start = time.monotonic()
-    path, reason = build(quiet=args.command == "status")
+    path, reason = build(quiet=args.command == "status", retry=args.command == "build")
     if path is None:
         print(f"attnkit native kernels: unavailable ({reason}); the composed backends serve.")
         return 1 if args.command == "build" and "ATTNKIT_NATIVE=off" not in str(reason) else 0

@@ -7,9 +7,10 @@ The sources in this folder are compiled by PyTorch's own extension builder
 `$XDG_CACHE_HOME/attnkit/native` (else `~/.cache/attnkit/native`), under a key of the
 sources, torch's version, the compiler, the CPU's features and the flags, so a process
 that finds it built only loads it (no `cpp_extension` import). A build runs in a child
-process, with a line on stderr while it runs (about 20 s on 2 cores); a failed one is
-remembered under its key with the compiler's first error line, which `explain` gives as
-the reason `native` is unavailable, and the composed backends serve instead.
+process, with a line on stderr while it runs (about half a minute on 2 cores); a failed
+one is remembered under its key (until `python -m attnkit.native build` retries) with
+the compiler's first error line, which `explain` gives as the reason `native` is
+unavailable, and the composed backends serve instead.
 `ATTNKIT_NATIVE=off` disables the kernels (`=sanitize` builds them with AddressSanitizer
 and UndefinedBehaviorSanitizer, for `make sanitize`).
 """
@@ -28,7 +29,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SOURCES", "build", "cache_dir", "library", "setting", "unavailable"]
+__all__ = [
+    "SANITIZE",
+    "SOURCES",
+    "build",
+    "cache_dir",
+    "flags",
+    "library",
+    "setting",
+    "unavailable",
+]
 
 SOURCES = ("csrc/span_attention.cpp", "csrc/paged_decode.cpp")
 HEADERS = ("csrc/common.h",)
@@ -60,7 +70,7 @@ def _capability() -> str:
     return {"AVX512": "AVX512", "AVX2": "AVX2"}.get(features, "DEFAULT")
 
 
-def _flags(mode: str) -> list[str]:
+def flags(mode: str) -> list[str]:
     cap = _capability()
     flags = [
         "-O3",
@@ -100,7 +110,7 @@ def _key(mode: str, compiler: tuple[str, str]) -> str:
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         digest.update((here / source).read_bytes())
-    for part in (torch.__version__, *compiler, _cpu(), *_flags(mode), sys.version):
+    for part in (torch.__version__, *compiler, _cpu(), *flags(mode), sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:20]
 
@@ -116,20 +126,12 @@ def _ninja_dir() -> str | None:
     return str(ninja.BIN_DIR)
 
 
-def _compile(build_dir: str, name: str, mode: str) -> None:
-    """The child process: compile the sources into `build_dir/name.so`."""
-    from torch.utils import cpp_extension
-
-    here = Path(__file__).parent
-    cpp_extension.load(
-        name=name,
-        sources=[str(here / s) for s in SOURCES],
-        extra_cflags=_flags(mode),
-        extra_ldflags=["-fopenmp", *(SANITIZE if mode == "sanitize" else [])],
-        build_directory=build_dir,
-        is_python_module=False,
-        verbose=False,
-    )
+def _sanitizer_runtimes(cxx: str) -> list[str]:
+    """The AddressSanitizer and UndefinedBehaviorSanitizer runtimes the compiler links."""
+    names = ("libasan.so", "libubsan.so")
+    found = [subprocess.run([cxx, f"-print-file-name={n}"], capture_output=True, text=True)
+             for n in names]  # fmt: skip
+    return [f.stdout.strip() for f in found]
 
 
 def _first_error(log: str) -> str:
@@ -140,9 +142,10 @@ def _first_error(log: str) -> str:
     return (compiler or errors or lines or ["no output"])[0][:300]
 
 
-def build(*, quiet: bool = False) -> tuple[Path | None, str | None]:
+def build(*, quiet: bool = False, retry: bool = False) -> tuple[Path | None, str | None]:
     """The built library's path (building it where it is not: in a child process, once
-    per key), or None and the reason it cannot be had."""
+    per key), or None and the reason it cannot be had. A failed build is remembered
+    under its key; `retry` (`python -m attnkit.native build`) forgets it first."""
     mode = setting()
     if mode == "off":
         return None, "disabled by ATTNKIT_NATIVE=off"
@@ -151,6 +154,8 @@ def build(*, quiet: bool = False) -> tuple[Path | None, str | None]:
         return None, "no C++ compiler (c++ or $CXX) on PATH: install g++ or clang++"
     home = cache_dir() / _key(mode, compiler)
     lib, failed = home / f"{NAME}.so", home / "failed.txt"
+    if retry:
+        failed.unlink(missing_ok=True)
     if lib.exists():
         return lib, None
     if failed.exists():
@@ -158,7 +163,7 @@ def build(*, quiet: bool = False) -> tuple[Path | None, str | None]:
     home.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(
-            "attnkit: building its native kernels for this CPU (once; about 20 s)...",
+            "attnkit: building its native kernels for this CPU (once; about half a minute)...",
             file=sys.stderr,
             flush=True,
         )
@@ -166,7 +171,10 @@ def build(*, quiet: bool = False) -> tuple[Path | None, str | None]:
     env = dict(os.environ)
     if (ninja := _ninja_dir()) is not None:
         env["PATH"] = ninja + os.pathsep + env.get("PATH", "")
-    child = [sys.executable, "-m", "attnkit.native.build", str(home / "build"), name, mode]
+    if mode == "sanitize":  # the child loads what it built: their runtimes must come first
+        env["LD_PRELOAD"] = " ".join(_sanitizer_runtimes(compiler[0]))
+        env.setdefault("ASAN_OPTIONS", "detect_leaks=0")  # the interpreter's own, not ours
+    child = [sys.executable, "-m", "attnkit.native.compile", str(home / "build"), name, mode]
     (home / "build").mkdir(exist_ok=True)
     done = subprocess.run(child, capture_output=True, text=True, env=env)
     built = home / "build" / f"{name}.so"
@@ -204,7 +212,3 @@ def library() -> tuple[Path | None, str | None]:
 def unavailable() -> str | None:
     """Why the native kernels cannot run in this process, or None where they can."""
     return library()[1]
-
-
-if __name__ == "__main__":  # the child process of `build`
-    _compile(sys.argv[1], sys.argv[2], sys.argv[3])
