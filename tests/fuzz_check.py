@@ -277,7 +277,13 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
         if lse is not None:
             lse_dtype = compute_dtype(dtype)
             # half kernels round the weights they sum: lse moves by about that much
-            lse_slack = torch.full_like(truth.lse, _half_kernel_rounding(case, truth, backend))
+            # a score rounded in another summation order moves the lse by as much (its
+            # sensitivity to a relative error of every weight is 1): the reordering slack
+            # of the precision bound (found: native, seed 0 native case 1126, bfloat16
+            # inputs summed in float32 GEMMs of one key per row, |logit| ~ 1000: 1.16x)
+            moved_by = _rounding(case, truth, backend) if moved else 0.0
+            half = _half_kernel_rounding(case, truth, backend)
+            lse_slack = torch.full_like(truth.lse, max(moved_by, half))
             problems.append(
                 compare("lse", lse, truth.lse, ref.lse, lse_dtype, lse_slack, truth.max_logit)
             )

@@ -7,7 +7,10 @@ window): one unmasked fused call for a decoding token, `attention` for a prefill
 `PagedLayer` is one layer's view of a step, what a module's `cache=` takes.
 
 `paged_attention` checks shapes and dtype (the cache's), writes k/v with `index_copy_`
-at the step's slots, and per sequence gathers the history from the first key any new
+at the step's slots, runs every decoding token of the step on attnkit's paged kernel
+where it is built and autograd does not record (`attnkit.native.ops.paged_decode`: the
+pages read in place, no gather; float32, bfloat16, float16), and otherwise per sequence
+gathers the history from the first key any new
 query's window reaches (`history`: whole blocks, keys and values at once, a block's
 slots being one row of block_size·Hkv·(D + Dv) numbers, into buffers the cache reuses
 sequence after sequence, so the keys are still in cache when attended; fresh tensors

@@ -11,9 +11,9 @@
 //
 // The blocking. Decoding is bound by reading K and V, so each byte is read once per step:
 // a work item is one sequence's K/V head over a range of its positions; the G query heads
-// of that K/V head dot each key row while it is in cache, a chunk of scores goes through
-// the online softmax (running max m, sum l, output O, as in span_attention.cpp), and each
-// value row is added to the G outputs. Where the sequences × K/V heads are fewer than
+// of that K/V head take a chunk of its keys together: the chunk's rows copied out of their
+// pages into a cache-resident float32 buffer, S = Q·Kᵀ (one GEMM), the online softmax
+// (running max m, sum l, output O, as in span_attention.cpp), O += P·V (one GEMM). Where the sequences × K/V heads are fewer than
 // twice the threads, each one's positions are cut into parts (flash-decoding) whose
 // partial (m, l, O) merge by their log-sum-exp at the end. Keys outside [lo_i, hi_i) are
 // never read.
@@ -32,19 +32,6 @@ namespace {
 
 constexpr int64_t kChunk = 256;     // positions whose scores go through one softmax update
 constexpr int64_t kMinPart = 512;   // positions of a part at least, when they are cut
-
-float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.0f);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size())
-    acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-  float lanes[Vec::size()];
-  acc.store(lanes);
-  float sum = 0.0f;
-  for (float x : lanes) sum += x;
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
 
 // o += p · x over n entries.
 void axpy(float* o, float p, const float* x, int64_t n) {
@@ -74,12 +61,14 @@ struct Paged {
     return pool + (slot * Hkv + hkv) * (D + Dv);
   }
 
-  // The part's partial result: m (G), l (G), O (G × Dv) unnormalised.
-  void run(const Part& part, std::vector<float>& w, float* m, float* l, float* o) const {
+  // The part's partial result: m (G), l (G), O (G × Dv) unnormalised. A chunk's key
+  // and value rows are copied side by side out of their pages into a float32 buffer
+  // (kChunk rows, cache-resident), then S = Q·Kᵀ and O += P·V are one GEMM each.
+  void run(const Part& part, Buffer& w, float* m, float* l, float* o) const {
     float* qf = w.data();                // G × D, scaled
     float* s = qf + G * D;               // G × kChunk
-    float* kf = s + G * kChunk;          // D, one key row as float32
-    float* vf = kf + D;                  // Dv
+    float* kv = s + G * kChunk;          // kChunk × (D + Dv): the chunk's rows
+    const int64_t width = D + Dv;
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + part.i * qs[0] + (part.hkv * G + g) * qs[1];
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * scale;
@@ -89,24 +78,17 @@ struct Paged {
     std::fill(o, o + G * Dv, 0.0f);
     for (int64_t c0 = part.p0; c0 < part.p1; c0 += kChunk) {
       const int64_t n = std::min(kChunk, part.p1 - c0);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* kr = load(row(part.i, part.hkv, c0 + j), D, kf);
-        for (int64_t g = 0; g < G; ++g) s[g * kChunk + j] = dot(qf + g * D, kr, D);
+      for (int64_t j = 0; j < n;) {  // page by page: a page's slots are consecutive
+        const int64_t p = c0 + j, run = std::min(n - j, bs - p % bs);
+        const T* src = row(part.i, part.hkv, p);
+        for (int64_t r = 0; r < run; ++r)
+          for (int64_t d = 0; d < width; ++d)
+            kv[(j + r) * width + d] = static_cast<float>(src[r * Hkv * width + d]);
+        j += run;
       }
+      gemm_nt(G, n, D, qf, D, kv, width, s, kChunk, 0.0f);
       for (int64_t g = 0; g < G; ++g) update(s + g * kChunk, n, m[g], l[g], o + g * Dv);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vr = load(row(part.i, part.hkv, c0 + j) + D, Dv, vf);
-        for (int64_t g = 0; g < G; ++g) axpy(o + g * Dv, s[g * kChunk + j], vr, Dv);
-      }
-    }
-  }
-
-  static const float* load(const T* src, int64_t n, float* buf) {
-    if constexpr (std::is_same_v<T, float>) {
-      return src;
-    } else {
-      for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]);
-      return buf;
+      gemm_nn_add(G, Dv, n, s, kChunk, kv + D, width, o, Dv);
     }
   }
 
@@ -153,7 +135,7 @@ void decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block
   std::vector<float> m(count * G), l(count * G), o(count * G * Dv);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::max<int64_t>(1, std::min(threads, count)), 1, [&](int64_t, int64_t) {
-    std::vector<float> w(G * D + G * kChunk + D + Dv);
+    Buffer w(G * D + G * kChunk + kChunk * (D + Dv));
     for (int64_t t = next++; t < count; t = next++)
       k.run(parts[t], w, &m[t * G], &l[t * G], &o[t * G * Dv]);
   });
