@@ -129,9 +129,9 @@ def _ninja_dir() -> str | None:
 def _sanitizer_runtimes(cxx: str) -> list[str]:
     """The AddressSanitizer and UndefinedBehaviorSanitizer runtimes the compiler links."""
     names = ("libasan.so", "libubsan.so")
-    found = [subprocess.run([cxx, f"-print-file-name={n}"], capture_output=True, text=True)
-             for n in names]  # fmt: skip
-    return [f.stdout.strip() for f in found]
+    printed = [subprocess.run([cxx, f"-print-file-name={n}"], capture_output=True, text=True)
+               for n in names]  # fmt: skip
+    return [p.stdout.strip() for p in printed]
 
 
 def _first_error(log: str) -> str:
