@@ -45,7 +45,10 @@ def _matrix():
         for heads in HEADS:
             for mask_kind in MASKS:
                 for size in SIZES:
-                    slow = max(size) > 1000 and mask_kind not in FAST_LARGE
+                    big = max(size) > 1000  # the big fast ones: float32, masks it takes
+                    slow = big and (
+                        mask_kind not in FAST_LARGE or mask_kind in REFUSED or dtype != torch.float32
+                    )
                     yield pytest.param(
                         dtype, heads, mask_kind, size,
                         marks=[pytest.mark.slow] if slow else [],
@@ -269,10 +272,10 @@ def test_a_bad_setting_is_refused(monkeypatch):
 
 
 def test_the_suite_passes_with_the_native_build_disabled():
-    """The composed backends serve alone: the reference matrix's float32 GQA cases, the
-    dispatcher's and the tiled backend's tests, with ATTNKIT_NATIVE=off."""
+    """The composed backends serve alone: the reference matrix's float32 GQA cases of the
+    small sizes, the dispatcher's and the tiled backend's tests, with ATTNKIT_NATIVE=off."""
     files = ("test_dispatch.py", "test_tiled.py", "test_reference_matrix.py")
-    selection = "not reference_matrix or (float32 and GQA)"
+    selection = "not reference_matrix or (float32 and GQA and not 1025)"
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", selection]
         + [str(Path(__file__).parent / name) for name in files],
