@@ -40,11 +40,11 @@ class Tiles:
     visible: Spans
     rows: int
     keys: int
-    piece_rows: int
+    group_rows: int
     starts: Tensor
     widths: Tensor
-    pairs: int  # query-key pairs computed per head: every piece's rows by its keys
-    pieces: int  # GEMM pairs the kernel runs per K/V head: one per block or cut piece
+    pairs: int  # query-key pairs computed per head: every block's or group's rows by its keys
+    pieces: int  # per K/V head: the whole blocks (a GEMM pair each) and the cut groups
 
     @property
     def hulls(self) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -86,28 +86,28 @@ def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
     return torch.where(width > 0, first, 0), width, rows
 
 
-def _tiles(lo: Tensor, hi: Tensor, S: int, rows: int, keys: int, piece_rows: int) -> Tiles:
-    """The blocking's work: the pairs of every piece, and the pieces (each tile's blocks,
-    plus one per group of piece rows for the cut blocks at its edges)."""
+def _tiles(lo: Tensor, hi: Tensor, S: int, rows: int, keys: int, group_rows: int) -> Tiles:
+    """The blocking's work: the pairs computed, and the pieces (each tile's blocks, plus
+    one per group of `group_rows` rows for the cut blocks at its edges)."""
     starts, widths, _ = _hulls(lo, hi, rows)
-    _, piece_widths, piece_counts = _hulls(lo, hi, piece_rows)
+    _, piece_widths, piece_counts = _hulls(lo, hi, group_rows)
     pairs = int((piece_widths * piece_counts).sum())
     pieces = int((-(-widths // keys)).sum() + (piece_widths > 0).sum())
     B, L = lo.shape
-    return Tiles(spans(lo, hi, B, L, S), rows, keys, piece_rows, starts, widths, pairs, pieces)
+    return Tiles(spans(lo, hi, B, L, S), rows, keys, group_rows, starts, widths, pairs, pieces)
 
 
 class NativeBackend(Backend):
     """attnkit's C++ kernel: one key interval per row, block-sparse, forward only."""
 
     name = "native"
-    # against dense SDPA's per pair: `pair` per pair computed (every piece's rows by its
-    # keys, masked corners included), `piece` per GEMM pair of a block or cut piece, `call`
-    # per call (the spans' checks, the threads' start, the op's dispatch). Fitted on a
-    # 2-core AVX2 CPU over windows, causal, prefix-LM, chunks and no mask at L = 64..4096
-    # (benchmarks/native.py's kernel table; most within ±20%); `attnkit calibrate` times
+    # against dense SDPA's per pair: `pair` per pair computed (every block's or group's
+    # rows by its keys, masked corners included), `piece` per whole block or cut group,
+    # `call` per call (the spans' checks, the threads' start, the op's dispatch). Fitted
+    # on a 2-core AVX2 CPU by `python benchmarks/native_fit.py` (windows, causal, chunks,
+    # prefix-LM and no mask at L = 256..4096, all within ±10%); `attnkit calibrate` times
     # them on this machine
-    cost_factors = cost.Factors({"pair": 1.1, "piece": 2_500.0, "call": 40_000.0})
+    cost_factors = cost.Factors({"pair": 1.05, "piece": 300.0, "call": 68_000.0})
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if (reason := unavailable()) is not None:
@@ -163,7 +163,7 @@ class NativeBackend(Backend):
             tiles.visible,
             call.scale,
             call.softcap or 0.0,
-            (tiles.rows, tiles.keys, tiles.piece_rows),
+            (tiles.rows, tiles.keys),
         )
         return out, lse if need_lse else None
 
@@ -173,7 +173,7 @@ class NativeBackend(Backend):
         share = tiles.pairs / max(d.L * d.S, 1) / d.B
         return [
             f"native: tiles of {tiles.rows} query rows × {d.groups} head(s), key blocks of"
-            f" {tiles.keys}, cut blocks in pieces of {tiles.piece_rows} rows;"
+            f" {tiles.keys}, cut blocks in groups of {tiles.group_rows} rows;"
             f" {share:.1%} of the L×S pairs computed"
         ]
 

@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 SOURCES = ("csrc/span_attention.cpp", "csrc/paged_decode.cpp")
-HEADERS = ("csrc/common.h",)
+HEADERS = ("csrc/common.h", "csrc/micro.h")  # every header: a test checks the list
 NAME = "attnkit_native"
 MODES = ("on", "off", "sanitize")
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]

@@ -25,43 +25,52 @@ __all__ = ["DTYPES", "Spans", "blocking", "paged_decode", "register_fakes", "spa
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32 = 2**31 - 1
 # Blocking, measured on a 2-core AVX2 CPU (D = 64, fp32, per visible pair against dense
-# SDPA; benchmarks/native.py): 128 query rows × 512 keys reach 0.95-1.0 dense and causal
-# and 0.42-0.61 on 127- to 256-key windows, within a few percent of the best of 16-128 rows
-# × 256-512 keys on each; GQA stacks its G heads' rows, so an item's rows are capped at
-# STACKED_ROWS (R from 16 to 128). A partly seen block is cut into pieces of PIECE_ROWS
-# stacked rows.
+# SDPA; benchmarks/native.py): 128 query rows × 512 keys reach 0.95-1.0 dense and causal,
+# within a few percent of the best of 16-256 rows × 256-512 keys on windows of 127 to
+# 4096 keys; GQA stacks its G heads' rows, so an item's rows are capped at STACKED_ROWS
+# (R from 16 to 128). A partly seen block runs in groups of GROUP_ROWS stacked rows, the
+# kernel's register tile (micro.h).
 STACKED_ROWS = 256
 KEY_BLOCK = 512
-PIECE_ROWS = 32
+GROUP_ROWS = 6
 
 
 def blocking(L: int, groups: int) -> tuple[int, int, int]:
-    """(rows, keys, piece rows): query rows of one tile, keys of one block and query rows
-    of one piece of a partly seen block, for L queries of `groups` heads per K/V head."""
+    """(rows, keys, group rows): query rows of one tile, keys of one block, and query rows
+    of one group of a partly seen block (at least 1: a group of GQA's stacked rows may
+    hold part of a query row's heads), for L queries of `groups` heads per K/V head."""
     rows = min(max(L, 1), min(max(STACKED_ROWS // groups, 16), 128))
-    return rows, KEY_BLOCK, min(rows, max(1, PIECE_ROWS // groups))
+    return rows, KEY_BLOCK, min(rows, max(1, GROUP_ROWS // groups))
 
 
 def _unit_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
+def _check_kind(names: str, *tensors: Tensor) -> None:
+    """One dtype the kernels take, on the CPU: what both ops ask of their tensors."""
+    dtypes = [t.dtype for t in tensors]
+    if dtypes[0] not in DTYPES or any(d != dtypes[0] for d in dtypes):
+        raise ValueError(f"{names} must share one of {DTYPES} (got {', '.join(map(str, dtypes))}).")
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"the native kernels run on the CPU: move {names} there.")
+
+
+def _check_scalars(scale: float, softcap: float) -> None:
+    if not math.isfinite(scale) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"scale must be finite, softcap finite and >= 0 (got {scale}, {softcap}).")
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv).")
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"q, k, v must share one of {DTYPES} (got {q.dtype}, {k.dtype}, {v.dtype})."
-        )
-    if any(t.device.type != "cpu" for t in (q, k, v)):
-        raise ValueError("the native kernels run on the CPU: move q, k, v there.")
+    _check_kind("q, k, v", q, k, v)
+    _check_scalars(scale, softcap)
     B, H, L, D = q.shape
     if k.shape[0] != B or v.shape[0] != B or k.shape[3] != D or k.shape[:3] != v.shape[:3]:
         raise ValueError(f"k, v {tuple(k.shape)}, {tuple(v.shape)} do not fit q {tuple(q.shape)}.")
     if k.shape[1] == 0 or H % k.shape[1]:
         raise ValueError(f"H={H} query heads must be a multiple of Hkv={k.shape[1]}.")
-    if not math.isfinite(scale) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"scale must be finite, softcap finite and >= 0 (got {scale}, {softcap}).")
     big = max(max(t.stride()) for t in (q, k, v))
     if big > INT32 or L * H * D > INT32 or v.shape[3] > INT32:
         raise ValueError("a stride or size past 2**31 elements: the kernel's GEMMs are int32.")
@@ -97,25 +106,22 @@ def span_forward(
     visible: Spans,
     scale: float,
     softcap: float = 0.0,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
     library must be loaded: `attnkit.native.build.library()`); row i of batch row b sees
-    keys [visible.lo[b, i], visible.hi[b, i]); softcap 0 = none; `tiles` (rows, keys,
-    piece rows) as `blocking` picks them unless given."""
+    keys [visible.lo[b, i], visible.hi[b, i]); softcap 0 = none; `tiles` (rows, keys) as
+    `blocking` picks them unless given."""
     _check(q, k, v, float(scale), float(softcap))
     B, _, L, _ = q.shape
     if not isinstance(visible, Spans) or visible.lo.shape != (B, L) or visible.S != k.shape[2]:
         raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={k.shape[2]}).")
-    rows, keys, pieces = tiles or blocking(q.shape[2], q.shape[1] // k.shape[1])
-    if not (0 < rows <= 4096 and 0 < keys <= 8192 and 0 < pieces <= rows):
-        raise ValueError(
-            f"tiles must be 1..4096 rows, 1..8192 keys and 1..rows piece rows "
-            f"(got {rows}, {keys}, {pieces})."
-        )
+    rows, keys = tiles or blocking(q.shape[2], q.shape[1] // k.shape[1])[:2]
+    if not (0 < rows <= 4096 and 0 < keys <= 8192):
+        raise ValueError(f"tiles must be 1..4096 rows and 1..8192 keys (got {rows}, {keys}).")
     q, k, v = (_unit_last(t) for t in (q, k, v))
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
-        q, k, v, visible.lo, visible.hi, float(scale), float(softcap), rows, keys, pieces
+        q, k, v, visible.lo, visible.hi, float(scale), float(softcap), rows, keys
     )
     return out
 
@@ -161,10 +167,7 @@ def paged_decode(
             "q must be (N, H, D) and pool (slots, Hkv, D + Dv) "
             f"(got {tuple(q.shape)}, {tuple(pool.shape)})."
         )
-    if q.dtype not in DTYPES or pool.dtype != q.dtype:
-        raise ValueError(f"q and pool must share one of {DTYPES} (got {q.dtype}, {pool.dtype}).")
-    if q.device.type != "cpu" or pool.device.type != "cpu":
-        raise ValueError("the native kernels run on the CPU: move q and the pool there.")
+    _check_kind("q and pool", q, pool)
     N, H, D = q.shape
     if pool.shape[1] == 0 or H % pool.shape[1] or pool.shape[2] < D:
         raise ValueError(
@@ -173,8 +176,7 @@ def paged_decode(
         )
     if block_size <= 0 or pool.shape[0] % block_size:
         raise ValueError(f"the pool's {pool.shape[0]} slots are not whole blocks of {block_size}.")
-    if not math.isfinite(scale) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"scale must be finite, softcap finite and >= 0 (got {scale}, {softcap}).")
+    _check_scalars(scale, softcap)
     tables = []
     for name, t in (("blocks", blocks), ("table_at", table_at), ("lo", lo), ("hi", hi)):
         if (
@@ -223,7 +225,6 @@ def _span_forward_fake(
     softcap: float,
     rows: int,
     keys: int,
-    piece_rows: int,
 ) -> tuple[Tensor, Tensor]:
     B, H, L, _ = q.shape
     out = q.new_empty(B, H, L, v.shape[3])

@@ -167,28 +167,24 @@ def _native_decodes(
     """Each decoding sequence's output (1, H, Dv) by attnkit's paged kernel, in place on
     the pool (no gather), by the step's place of the sequence; {} where the kernel cannot
     run (not built, another device or dtype)."""
-    decoding = [i for i, n in enumerate(step.counts) if n == 1]
-    if not decoding or q.device.type != "cpu" or q.dtype not in native_ops.DTYPES:
+    if 1 not in step.counts or q.device.type != "cpu" or q.dtype not in native_ops.DTYPES:
         return {}
     if native_unavailable() is not None:
         return {}
-    firsts, starts = step.firsts(), step.starts
-    rows = torch.tensor([firsts[i] for i in decoding])
-    hi = torch.tensor([starts[i] + 1 for i in decoding])
-    lo = hi - 1 - left if left is not None else torch.zeros_like(hi)
-    table_at = torch.tensor([step.table_at[i] for i in decoding])
+    decoding = step.decoding
+    lo = decoding.hi - 1 - left if left is not None else torch.zeros_like(decoding.hi)
     out, _ = native_ops.paged_decode(
-        q.index_select(0, rows),
+        q.index_select(0, decoding.rows),
         pages.pool[layer],
         step.blocks,
-        table_at,
+        decoding.table_at,
         lo.clamp(min=0),
-        hi,
+        decoding.hi,
         pages.block_size,
         q.shape[-1] ** -0.5 if scale is None else scale,
         softcap or 0.0,
     )  # (N, H, Dv)
-    return {i: out[j : j + 1] for j, i in enumerate(decoding)}
+    return {i: out[j : j + 1] for j, i in enumerate(decoding.places)}
 
 
 def _decode(q: Tensor, keys: Tensor, values: Tensor, scale: float | None) -> Tensor:

@@ -27,9 +27,11 @@ sequences.
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -39,6 +41,17 @@ from attnkit.errors import OutOfBlocksError
 from attnkit.paged.attention import PagedLayer
 
 __all__ = ["PagedKVCache", "Step"]
+
+
+class Decoding(NamedTuple):
+    """A step's sequences that decode one token (the paged kernel's inputs): their places
+    in the step, their rows of the packed tokens, each history's end (its length after
+    the step) and where each one's block table begins, (N,) int64 each."""
+
+    places: tuple[int, ...]
+    rows: Tensor
+    hi: Tensor
+    table_at: Tensor
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,18 @@ class Step:
     def firsts(self) -> list[int]:
         """Each sequence's first row in the step's packed tokens."""
         return [0, *itertools.accumulate(self.counts)][:-1]
+
+    @functools.cached_property
+    def decoding(self) -> Decoding:
+        """The sequences that decode one token, made once for every layer of the step."""
+        places = tuple(i for i, n in enumerate(self.counts) if n == 1)
+        firsts = self.firsts()
+        return Decoding(
+            places,
+            torch.tensor([firsts[i] for i in places], dtype=torch.long),
+            torch.tensor([self.starts[i] + 1 for i in places], dtype=torch.long),
+            torch.tensor([self.table_at[i] for i in places], dtype=torch.long),
+        )
 
 
 class PagedKVCache:

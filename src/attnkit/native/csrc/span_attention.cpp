@@ -11,20 +11,21 @@
 // rows (`rows`) of the G query heads sharing one K/V head, stacked as M = G·R rows, so
 // each key byte is read once for all of them. The item walks the hull of its rows'
 // intervals in blocks of KB keys (`keys`; keys outside every interval are never read).
-// A block every row sees whole is one piece: M rows × n keys; any other block is cut
-// into pieces of P query rows (`piece_rows`, of every head) over the hull of their
-// intervals in the block, so the masked corners of a band cost little. Per piece:
+// A block every row sees whole is one piece: M rows × n keys, two BLAS GEMMs and no mask
+// work; any other block is cut into groups of MR = 6 stacked rows (micro.h's register
+// tiles) over the hull of their intervals in the block, so the masked corners of a band
+// cost little. Per piece or group:
 //
-//   S = Q·Kᵀ                                     one GEMM (Q pre-scaled)
-//   rows that see part of the piece: -inf outside their interval (a whole piece needs no
-//   mask work; a row that sees none of it takes p = 0)
+//   S = Q·Kᵀ                                     (Q pre-scaled)
+//   rows that see part of it: p = 0 outside their interval (a row that sees none of it
+//   takes p = 0 throughout)
 //   m' = max(m, rowmax S);  P = exp(S − m');  l = l·exp(m − m') + rowsum P
-//   O  = O·exp(m − m') + P·V                     one GEMM
+//   O  = O·exp(m − m') + P·V
 //
-// and at the end out = O / l, lse = m + log l. A key inside a piece that some row does
-// not see could still leak into that row's output through 0·NaN in the GEMM: a cut piece
-// whose V rows hold a non-finite value takes an exact per-row loop instead, which
-// touches only the keys each row sees.
+// and at the end out = O / l, lse = m + log l. A key inside a group's hull that some row
+// does not see could still leak into that row's output through 0·NaN: a group whose V
+// rows hold a non-finite value takes an exact per-row loop instead, which touches only
+// the keys each row sees.
 //
 // Work items run on at::parallel_for's threads, each taking the next item of a list
 // sorted longest first (an atomic counter): a causal mask's late tiles cost more.
@@ -37,12 +38,16 @@
 #include <vector>
 
 #include "common.h"
+#include "micro.h"
 
 namespace attnkit_native {
 namespace {
 
 struct Sizes {
-  int64_t B, H, Hkv, G, L, S, D, Dv, R, KB, P;  // P: query rows of a piece
+  int64_t B, H, Hkv, G, L, S, D, Dv, R, KB;
+  // a row of a block's scores (and of its transposed keys): the block, plus room for a
+  // micro-tile's vector loads past its last key
+  int64_t SL = KB + Vec::size() + kMicroCols;
 };
 
 // One work item: query rows [r0, r0 + rows) of batch row b, the G heads of K/V head hkv,
@@ -54,10 +59,11 @@ struct Item {
 // A thread's scratch: scaled queries, a block's scores, K and V as float, the running
 // output, max and sum of every stacked row.
 struct Scratch {
-  Buffer q, s, k, v, o, m, l;
+  Buffer q, s, k, v, kt, o, m, l;
   Scratch(const Sizes& z, bool convert)  // convert: K and V need a float32 copy
-      : q(z.G * z.R * z.D), s(z.G * z.R * z.KB), k(convert ? z.KB * z.D : 0),
-        v(convert ? z.KB * z.Dv : 0), o(z.G * z.R * z.Dv), m(z.G * z.R), l(z.G * z.R) {}
+      : q(z.G * z.R * z.D), s(z.G * z.R * z.SL), k(convert ? z.KB * z.D : 0),
+        v(convert ? z.KB * z.Dv : 0), kt(z.D * z.SL), o(z.G * z.R * z.Dv), m(z.G * z.R),
+        l(z.G * z.R) {}
 };
 
 template <typename T>
@@ -89,23 +95,19 @@ struct Kernel {
     if (lo[row] >= hi[row]) *a = *e = 0;
   }
 
-  // One piece of a key block: stacked rows [r0, r1) against keys [a, e) of the block,
-  // every row seeing all of them unless `masked`. Scores, then weights P in place (the
-  // running max, sum and output of each row rescaled), then O += P·V.
-  void piece(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e,
-             int64_t k0, const float* kb, int64_t ldk, const float* vb, int64_t ldv,
-             bool masked) const {
-    const int64_t rows = r1 - r0, n = e - a;
-    float* scores = w.s.data() + r0 * z.KB + a;
-    gemm_nt(rows, n, z.D, w.q.data() + r0 * z.D, z.D, kb + a * ldk, ldk, scores, z.KB, 0.0f);
+  // Stacked rows [r0, r1) have their scores against keys [a, e) of the block in w.s:
+  // turn them into weights P in place (0 outside each row's interval unless every row sees
+  // all of them: `masked` false), rescaling each row's running max, sum and output.
+  void weigh(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e,
+             int64_t k0, bool masked) const {
     for (int64_t r = r0; r < r1; ++r) {
-      float* s = w.s.data() + r * z.KB;
+      float* s = w.s.data() + r * z.SL;
       int64_t ra = a, re = e;
       if (masked) {
         local(it, r / z.G, k0, z.KB, &ra, &re);
         ra = std::clamp(ra, a, e), re = std::clamp(re, a, e);
       }
-      if (ra >= re) {  // sees none of the piece
+      if (ra >= re) {  // sees none of these keys
         std::fill(s + a, s + e, 0.0f);
         continue;
       }
@@ -124,24 +126,65 @@ struct Kernel {
       w.m[r] = m_new;
       if (alpha != 1.0f) scale_inplace(w.o.data() + r * z.Dv, z.Dv, alpha);
     }
-    if (!masked || all_finite(vb + a * ldv, n, z.Dv, ldv)) {
-      gemm_nn_add(rows, z.Dv, n, scores, z.KB, vb + a * ldv, ldv, w.o.data() + r0 * z.Dv, z.Dv);
-      return;
-    }
-    for (int64_t r = r0; r < r1; ++r) {  // exact: each row's own keys only
+  }
+
+  // O += P·V for rows [r0, r1) whose weights over keys [a, e) may skip keys some row
+  // sees: where those V rows hold a non-finite value, 0·NaN would leak it, so each row
+  // then sums its own keys only.
+  void exact_values(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e,
+                    int64_t k0, const float* vb, int64_t ldv) const {
+    for (int64_t r = r0; r < r1; ++r) {
       int64_t ra = 0, re = 0;
       local(it, r / z.G, k0, z.KB, &ra, &re);
       ra = std::clamp(ra, a, e), re = std::clamp(re, a, e);
       float* o = w.o.data() + r * z.Dv;
-      const float* p = w.s.data() + r * z.KB;
+      const float* p = w.s.data() + r * z.SL;
       for (int64_t j = ra; j < re; ++j)
         for (int64_t d = 0; d < z.Dv; ++d) o[d] += p[j] * vb[j * ldv + d];
     }
   }
 
-  // A key block [k0, k0 + n): one piece where every row sees all of it, else a piece per
-  // run of P query rows (of every head) over the hull of their intervals in the block (the
-  // masked corners of a tile cost little), none where no row sees a key of it.
+  // A block every row sees whole: one GEMM pair over all stacked rows, no mask work.
+  void whole(const Item& it, Scratch& w, int64_t n, int64_t k0, const float* kb, int64_t ldk,
+             const float* vb, int64_t ldv) const {
+    const int64_t rows = z.G * it.rows;
+    gemm_nt(rows, n, z.D, w.q.data(), z.D, kb, ldk, w.s.data(), z.SL, 0.0f);
+    weigh(it, w, 0, rows, 0, n, k0, false);
+    gemm_nn_add(rows, z.Dv, n, w.s.data(), z.SL, vb, ldv, w.o.data(), z.Dv);
+  }
+
+  // A block some row sees in part: groups of MR stacked rows (micro.h), each over the
+  // hull [a, e) of its rows' intervals in the block, scores from K transposed once.
+  void cut(const Item& it, Scratch& w, int64_t n, int64_t k0, const float* kb, int64_t ldk,
+           const float* vb, int64_t ldv) const {
+    const int64_t ldt = z.SL;
+    pack_transposed(kb, n, z.D, ldk, w.kt.data(), ldt);
+    const bool finite_v = all_finite(vb, n, z.Dv, ldv);  // else each group checks its keys
+    const int64_t M = z.G * it.rows;
+    for (int64_t r0 = 0; r0 < M; r0 += kMicroRows) {
+      const int64_t r1 = std::min(M, r0 + kMicroRows);
+      int64_t a = n, e = 0;
+      for (int64_t i = r0 / z.G; i <= (r1 - 1) / z.G; ++i) {
+        int64_t ra = 0, re = 0;
+        local(it, i, k0, n, &ra, &re);
+        if (ra < re) a = std::min(a, ra), e = std::max(e, re);
+      }
+      if (a >= e) continue;
+      // whole vectors from a's vector boundary: at most ldt (n rounded up, plus a tile)
+      const int64_t c0 = a - a % Vec::size();
+      const int64_t c1 = c0 + (e - c0 + kMicroCols - 1) / kMicroCols * kMicroCols;
+      float* s = w.s.data() + r0 * z.SL;
+      by_rows<Scores>(r1 - r0, w.q.data() + r0 * z.D, z.D, w.kt.data(), ldt, c0, c1, s, z.SL);
+      weigh(it, w, r0, r1, a, e, k0, true);
+      if (finite_v || all_finite(vb + a * ldv, e - a, z.Dv, ldv))
+        by_rows<Values>(r1 - r0, s, z.SL, vb, ldv, a, e, w.o.data() + r0 * z.Dv, z.Dv);
+      else
+        exact_values(it, w, r0, r1, a, e, k0, vb, ldv);
+    }
+  }
+
+  // A key block [k0, k0 + n): whole where every row sees all of it, else cut; nothing
+  // where no row sees a key of it.
   void block(const Item& it, Scratch& w, int64_t k0, int64_t n, const T* kh,
              const T* vh) const {
     bool any = false, full = true;
@@ -155,18 +198,8 @@ struct Kernel {
     int64_t ldk = 0, ldv = 0;
     const float* kb = as_float(kh + k0 * ks[2], n, z.D, ks[2], w.k.data(), &ldk);
     const float* vb = as_float(vh + k0 * vs[2], n, z.Dv, vs[2], w.v.data(), &ldv);
-    if (full) return piece(it, w, 0, z.G * it.rows, 0, n, k0, kb, ldk, vb, ldv, false);
-    const int64_t step = z.P;
-    for (int64_t i0 = 0; i0 < it.rows; i0 += step) {
-      const int64_t i1 = std::min(it.rows, i0 + step);
-      int64_t a = n, e = 0;
-      for (int64_t i = i0; i < i1; ++i) {
-        int64_t ra = 0, re = 0;
-        local(it, i, k0, n, &ra, &re);
-        if (ra < re) a = std::min(a, ra), e = std::max(e, re);
-      }
-      if (a < e) piece(it, w, i0 * z.G, i1 * z.G, a, e, k0, kb, ldk, vb, ldv, true);
-    }
+    if (full) return whole(it, w, n, k0, kb, ldk, vb, ldv);
+    cut(it, w, n, k0, kb, ldk, vb, ldv);
   }
 
   void finish(const Item& it, const Scratch& w) const {
@@ -227,9 +260,9 @@ std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
 template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo,
              const at::Tensor& hi, double scale, double softcap, int64_t rows, int64_t keys,
-             int64_t piece_rows, at::Tensor& out, at::Tensor& lse) {
+             at::Tensor& out, at::Tensor& lse) {
   Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
-          q.size(3), v.size(3), rows, keys, piece_rows};
+          q.size(3), v.size(3), rows, keys};
   Kernel<T> kern{z,
                  q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
                  lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(),
@@ -256,8 +289,7 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_fo
 std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& lo,
                                                 const at::Tensor& hi, double scale,
-                                                double softcap, int64_t rows, int64_t keys,
-                                                int64_t piece_rows) {
+                                                double softcap, int64_t rows, int64_t keys) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -272,20 +304,20 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   check(lo.dim() == 2 && lo.size(0) == q.size(0) && lo.size(1) == q.size(2), "spans (B, L)");
   check(hi.sizes() == lo.sizes(), "spans (B, L)");
   check(q.size(2) * q.size(1) * q.size(3) < (int64_t{1} << 31), "sizes within int32 GEMMs");
-  check(rows >= 1 && keys >= 1 && piece_rows >= 1, "blocking");
+  check(rows >= 1 && keys >= 1, "blocking");
   check(rows * keys * q.size(1) < (int64_t{1} << 31), "blocking within int32");
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   switch (q.scalar_type()) {
     case at::kFloat: 
-      forward<float>(q, k, v, lo, hi, scale, softcap, rows, keys, piece_rows, out, lse);
+      forward<float>(q, k, v, lo, hi, scale, softcap, rows, keys, out, lse);
       break;
     case at::kBFloat16: 
-      forward<at::BFloat16>(q, k, v, lo, hi, scale, softcap, rows, keys, piece_rows, out, lse);
+      forward<at::BFloat16>(q, k, v, lo, hi, scale, softcap, rows, keys, out, lse);
       break;
     case at::kHalf: 
-      forward<at::Half>(q, k, v, lo, hi, scale, softcap, rows, keys, piece_rows, out, lse);
+      forward<at::Half>(q, k, v, lo, hi, scale, softcap, rows, keys, out, lse);
       break;
     default: TORCH_CHECK(false, "attnkit_native::span_forward: float32, bfloat16 or float16");
   }
@@ -297,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
 
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, "
-        "float softcap, int rows, int keys, int piece_rows) -> (Tensor, Tensor)");
+        "float softcap, int rows, int keys) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

@@ -1,0 +1,115 @@
+// Register-blocked micro-kernels for the cut edges of a tile: a few stacked query rows
+// against the keys their intervals cover, with no BLAS call and no key outside them.
+//
+// The math is the GEMM's: S = Q·Kᵀ on a tile of MR rows × NR keys, and O += P·V on MR
+// rows × NR output columns. The blocking: MR × NR accumulators stay in vector registers
+// for the whole dot product (AVX2: 6 rows × 2 vectors of 8 = 12 of 16 registers; AVX512
+// the same with vectors of 16), one broadcast of a query value or weight feeds 2 FMAs, and
+// K comes transposed (D × keys, packed once per key block) so a key run is one vector
+// load. A BLAS call on 32 rows of a 256-key band spends most of its time outside its
+// inner kernel; these tiles follow each 6-row group's own hull instead.
+#pragma once
+
+#include "common.h"
+
+namespace attnkit_native {
+
+constexpr int64_t kMicroRows = 6;              // MR
+constexpr int64_t kMicroCols = 2 * Vec::size();  // NR
+
+// kt (D × ldt) = the first n rows of k (n × D, row stride ldk), transposed, columns
+// [n, ldt) zero: a tile's vector loads may run past the block's last key.
+inline void pack_transposed(const float* k, int64_t n, int64_t D, int64_t ldk, float* kt,
+                            int64_t ldt) {
+  for (int64_t d = 0; d < D; ++d) std::fill(kt + d * ldt + n, kt + (d + 1) * ldt, 0.0f);
+  constexpr int64_t J = 64;  // rows of k at a time: their lines stay in L1 while d runs
+  for (int64_t j0 = 0; j0 < n; j0 += J) {
+    const int64_t j1 = std::min(n, j0 + J);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t j = j0; j < j1; ++j) kt[d * ldt + j] = k[j * ldk + d];
+  }
+}
+
+// s[r, c0 .. c1) = q[r] · kt[:, c] for MR_ rows, c1 - c0 a multiple of NR within ldt.
+template <int MR_>
+void scores_tile(const float* q, int64_t D, const float* kt, int64_t ldt, int64_t c0,
+                 int64_t c1, float* s, int64_t lds) {
+  for (int64_t c = c0; c < c1; c += kMicroCols) {
+    Vec acc[MR_][2];
+    for (int r = 0; r < MR_; ++r) acc[r][0] = acc[r][1] = Vec(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec b0 = Vec::loadu(kt + d * ldt + c), b1 = Vec::loadu(kt + d * ldt + c + Vec::size());
+#pragma GCC unroll 6
+      for (int r = 0; r < MR_; ++r) {
+        const Vec a(q[r * D + d]);
+        acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR_; ++r) {
+      acc[r][0].store(s + r * lds + c);
+      acc[r][1].store(s + r * lds + c + Vec::size());
+    }
+  }
+}
+
+// o[r, :Dv] += Σ_{a <= j < e} p[r, j] · v[j, :Dv] for MR_ rows (v: row stride ldv).
+template <int MR_>
+void values_tile(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t a, int64_t e,
+                 float* o, int64_t Dv) {
+  constexpr int64_t W = Vec::size();
+  for (int64_t c = 0; c < Dv; c += 2 * W) {
+    const int64_t n0 = std::min(W, Dv - c), n1 = std::clamp<int64_t>(Dv - c - W, 0, W);
+    Vec acc[MR_][2];
+    for (int r = 0; r < MR_; ++r) {
+      acc[r][0] = Vec::loadu(o + r * Dv + c, n0);
+      acc[r][1] = n1 ? Vec::loadu(o + r * Dv + c + W, n1) : Vec(0.0f);
+    }
+    for (int64_t j = a; j < e; ++j) {
+      const float* vj = v + j * ldv + c;
+      const Vec b0 = n0 == W ? Vec::loadu(vj) : Vec::loadu(vj, n0);
+      const Vec b1 = n1 == W ? Vec::loadu(vj + W) : n1 ? Vec::loadu(vj + W, n1) : Vec(0.0f);
+#pragma GCC unroll 6
+      for (int r = 0; r < MR_; ++r) {
+        const Vec w(p[r * lds + j]);
+        acc[r][0] = at::vec::fmadd(w, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(w, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR_; ++r) {
+      acc[r][0].store(o + r * Dv + c, n0);
+      if (n1) acc[r][1].store(o + r * Dv + c + W, n1);
+    }
+  }
+}
+
+// The two tiles for any row count 1..MR (the last group of a tile may be short).
+template <template <int> class F, typename... A>
+void by_rows(int64_t rows, A... args) {
+  switch (rows) {
+    case 1: return F<1>::run(args...);
+    case 2: return F<2>::run(args...);
+    case 3: return F<3>::run(args...);
+    case 4: return F<4>::run(args...);
+    case 5: return F<5>::run(args...);
+    default: return F<6>::run(args...);
+  }
+}
+
+template <int MR_>
+struct Scores {
+  static void run(const float* q, int64_t D, const float* kt, int64_t ldt, int64_t c0,
+                  int64_t c1, float* s, int64_t lds) {
+    scores_tile<MR_>(q, D, kt, ldt, c0, c1, s, lds);
+  }
+};
+
+template <int MR_>
+struct Values {
+  static void run(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t a,
+                  int64_t e, float* o, int64_t Dv) {
+    values_tile<MR_>(p, lds, v, ldv, a, e, o, Dv);
+  }
+};
+
+}  // namespace attnkit_native
