@@ -30,8 +30,7 @@ REFUSED = {  # masks the kernel does not take, and why (a random bool tensor may
     "from_mod_per_head": "not one interval of keys per row",
     "window_or_prefix_padded": "not one interval of keys per row",
     "bool_tensor": "not one interval of keys per row",
-    "documents_alibi": "no additive bias",
-    "float_bias": "no additive bias",
+    "float_bias": "no additive bias tensor",
 }
 
 
@@ -204,13 +203,55 @@ def test_training_runs_the_composed_backends():
     assert "backend 'native'" not in str(ak.explain(q, k, v, ak.sliding_window(8)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("L", "S"), [(300, 300), (70, 300), (1, 257)])
+def test_alibi_runs_in_the_kernel(dtype, L, S):
+    """ALiBi with a window and causal (bottom-right when L != S), GQA, softcap: the
+    kernel adds -slope·|i' - j| itself, within the rule of the float64 reference."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 8, L, 32, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, S, 32, generator=g).to(dtype) for _ in range(2))
+    align = "bottom_right" if L != S else None
+    mask = ak.sliding_window(100, align=align) & ak.causal(align=align) & ak.alibi(8, align=align)
+    plan = str(ak.explain(q, k, v, mask, backend="native", softcap=4.0))
+    assert "backend 'native'" in plan
+    out, lse = _forward(q, k, v, mask, softcap=4.0)
+    with torch.no_grad():
+        truth = ak.attention_with_lse(
+            q.double(), k.double(), v.double(), mask, backend="reference", softcap=4.0
+        )
+        naive = ak.attention(q, k, v, mask, backend="reference", softcap=4.0)
+    assert_rule("native alibi out", out, naive, truth[0])
+    assert (lse.double() - truth[1]).abs().max() < 1e-4
+
+
+def test_a_bias_other_than_one_alibi_runs_on_the_composed_backends():
+    q, k, v = (torch.randn(1, 4, 40, 16) for _ in range(3))
+    bias = torch.randn(1, 4, 40, 40)
+    for mask, why in (
+        (bias, "no additive bias tensor"),
+        (ak.causal() & ak.alibi(4) & ak.alibi(4), "the only bias the native kernel adds"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            _forward(q, k, v, mask)
+    bad = {"slopes": torch.ones(1, 40, 3), "positions": torch.zeros(1, 40, dtype=torch.long)}
+    with pytest.raises(ValueError, match="slopes must be float"):
+        ops.alibi(bad["slopes"], bad["positions"], 1, 40, 4, 40)
+    with pytest.raises(ValueError, match="within 2"):
+        ops.alibi(torch.ones(1, 40, 4), bad["positions"] + 2**24, 1, 40, 4, 40)
+    with pytest.raises(ValueError, match="finite"):
+        ops.alibi(torch.full((1, 40, 4), float("nan")), bad["positions"], 1, 40, 4, 40)
+
+
 def test_opcheck_and_compile_fullgraph():
     q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 8)
     lo = torch.arange(33).clamp(max=40)[None].expand(2, 33).contiguous()
     hi = (lo + 10).clamp(max=50)
+    slopes, at = torch.rand(2, 33, 4), torch.arange(33)[None].expand(2, 33).contiguous() + 17
     for dtype in DTYPES:
-        args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, 0.25, 0.0, 16, 32)
-        torch.library.opcheck(torch.ops.attnkit_native.span_forward, args)
+        for bias in ((None, None), (slopes, at)):
+            args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, *bias, 0.25, 0.0, 16, 32)
+            torch.library.opcheck(torch.ops.attnkit_native.span_forward, args)
 
     def fn(q, k, v):
         return ops.span_forward(q, k, v, visible, 0.25)[0] * 2

@@ -5,14 +5,16 @@ Causal with any offset, windows, chunks, documents, padding, prefix-LM, their `&
 `|` where they stay one interval, and bool tensors read as such (`Mask.key_spans`, exact)
 become two (B, L) tensors `lo`, `hi`; the kernel walks each query tile's hull of
 intervals in key blocks, full blocks with no mask work, and never reads a key outside it
-(span_attention.cpp says how). Its cost is the pairs of those hulls at its per-pair
-factor, plus a call. It serves the forward pass: a call autograd records runs on the
+(span_attention.cpp says how). A mask's one ALiBi (`& alibi(H)`) becomes each row's
+slopes and aligned position, added in the kernel. Its cost is the pairs of those hulls
+at its per-pair factor, plus a call. It serves the forward pass: a call autograd records runs on the
 composed backends, which have the backward. Where the kernels are not built (no
 compiler, a failed build, `ATTNKIT_NATIVE=off`) it refuses with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +25,10 @@ from attnkit import cost
 from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal, sliding_window
+from attnkit.masks.biases import alibi_rows
 from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
-from attnkit.native.ops import DTYPES, Spans, blocking, span_forward, spans
+from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward, spans
 
 __all__ = ["NativeBackend"]
 
@@ -45,6 +48,7 @@ class Tiles:
     widths: Tensor
     pairs: int  # query-key pairs computed per head: every block's or group's rows by its keys
     pieces: int  # per K/V head: the whole blocks (a GEMM pair each) and the cut groups
+    bias: ALiBi | None = None  # the mask's ALiBi, per row
 
     @property
     def hulls(self) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -69,6 +73,13 @@ def _spans(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     if spans is None:
         return None
     return tuple(t.to(torch.long).clamp(0, d.S).expand(d.B, d.L).contiguous() for t in spans)  # type: ignore[return-value]
+
+
+def _alibi(call: AttentionCall) -> ALiBi | None:
+    """The mask's one ALiBi as the kernel's per-row terms, or None (another bias)."""
+    d = call.dims
+    terms = alibi_rows(call.mask, d.B, d.H, d.L, d.S) if call.mask is not None else None
+    return None if terms is None else alibi(*terms, d.B, d.L, d.H, d.S)
 
 
 def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -118,9 +129,11 @@ class NativeBackend(Backend):
             return f"the native kernels take float32, bfloat16 or float16 (got {call.q.dtype})"
         if call.requires_grad:
             return "forward only: a call autograd records runs where its backward runs"
-        if call.has_bias or call.dropout_p > 0:
-            return "no additive bias or dropout in the native kernel"
+        if call.bias_tensor is not None or call.dropout_p > 0:
+            return "no additive bias tensor or dropout in the native kernel (ALiBi it adds)"
         if self._tiles(call) is None:
+            if call.has_bias and _alibi(call) is None:
+                return "the only bias the native kernel adds is one ALiBi (alibi(H) with `&`)"
             return "the mask is not one interval of keys per row (or differs between heads)"
         return None
 
@@ -129,9 +142,11 @@ class NativeBackend(Backend):
 
         def make() -> Tiles | None:
             intervals = _spans(call)
-            if intervals is None:
+            bias = _alibi(call) if call.has_bias else None
+            if intervals is None or (call.has_bias and bias is None):
                 return None
-            return _tiles(*intervals, call.dims.S, *blocking(call.dims.L, call.dims.groups))
+            tiles = _tiles(*intervals, call.dims.S, *blocking(call.dims.L, call.dims.groups))
+            return dataclasses.replace(tiles, bias=bias)
 
         return call.derived.get("native.tiles", make)
 
@@ -164,6 +179,7 @@ class NativeBackend(Backend):
             call.scale,
             call.softcap or 0.0,
             (tiles.rows, tiles.keys),
+            tiles.bias,
         )
         return out, lse if need_lse else None
 

@@ -20,7 +20,7 @@ from attnkit.masks.base import BiasFn, Mask, Predicate
 from attnkit.masks.checks import causal_offset
 from attnkit.masks.spans import Spans
 
-__all__ = ["alibi", "alibi_bias", "alibi_slopes"]
+__all__ = ["alibi", "alibi_bias", "alibi_rows", "alibi_slopes"]
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
@@ -135,6 +135,40 @@ class _ALiBi(Mask):
     def describe(self) -> str:
         align = "" if self.align is None else f", align={self.align!r}"
         return f"alibi(H={self.slopes.shape[-1]}{align})"
+
+    def rows(self, B: int, H: int, L: int, S: int) -> tuple[Tensor, Tensor]:
+        """Each query row's slopes (B, L, H) float32 and aligned position (B, L) int64."""
+        slopes = self.slopes.float()
+        if slopes.dim() == 1:
+            slopes = slopes[None, None]  # (1, 1, H)
+        elif slopes.dim() == 2:
+            slopes = slopes[:, None]  # (B, 1, H)
+        if self.positions is None:
+            offset = causal_offset(self.align, L, S, constructor="alibi")
+            at = (torch.arange(L) + offset)[None]
+        else:
+            at = self.positions.to(torch.long)
+        return slopes.expand(B, L, H).contiguous(), at.expand(B, L).contiguous()
+
+
+def alibi_rows(mask: Mask, B: int, H: int, L: int, S: int) -> tuple[Tensor, Tensor] | None:
+    """A mask whose one bias is ALiBi (`alibi(H)` alone or `&` visibility masks) as each
+    query row's slopes (B, L, H) float32 and aligned key position (B, L) int64 on the CPU,
+    so a kernel adds `-slope · |position - j|` itself; None for any other bias."""
+    biased = [m for m in _conjuncts(mask) if m.has_bias]
+    if len(biased) != 1 or not isinstance(biased[0], _ALiBi):
+        return None
+    if biased[0].slopes.device.type != "cpu":
+        return None
+    return biased[0].rows(B, H, L, S)
+
+
+def _conjuncts(mask: Mask) -> list[Mask]:
+    """The masks `&` joins (a bias combines by `&` only)."""
+    parts = getattr(mask, "parts", None)
+    if getattr(mask, "op", None) != "&" or parts is None:
+        return [mask]
+    return [m for p in parts for m in _conjuncts(p)]
 
 
 def alibi(num_heads: int, *, align: str | None = None) -> Mask:

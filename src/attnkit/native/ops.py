@@ -20,7 +20,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPES", "Spans", "blocking", "paged_decode", "register_fakes", "span_forward", "spans"]
+__all__ = [
+    "DTYPES",
+    "ALiBi",
+    "Spans",
+    "alibi",
+    "blocking",
+    "paged_decode",
+    "register_fakes",
+    "span_forward",
+    "spans",
+]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT32 = 2**31 - 1
@@ -99,6 +109,38 @@ def spans(lo: Tensor, hi: Tensor, B: int, L: int, S: int) -> Spans:
     return Spans(lo, hi, S)
 
 
+@dataclass(frozen=True)
+class ALiBi:
+    """ALiBi's terms per query row, checked for the kernel: slopes (B, L, H) float32 and
+    aligned key positions (B, L) int64, contiguous (`alibi` makes them)."""
+
+    slopes: Tensor
+    positions: Tensor
+
+
+EXACT_DISTANCE = 2**24  # float32 holds every distance |position - j| below this exactly
+
+
+def alibi(slopes: Tensor, positions: Tensor, B: int, L: int, H: int, S: int) -> ALiBi:
+    """(B, L, H) slopes and (B, L) positions -> `ALiBi`: the kernel adds
+    `-slopes[b, i, h] · |positions[b, i] - j|` to row i's score of key j."""
+    if slopes.shape != (B, L, H) or not slopes.dtype.is_floating_point:
+        raise ValueError(f"ALiBi slopes must be float ({B}, {L}, {H}) (got {tuple(slopes.shape)}).")
+    if positions.shape != (B, L) or positions.dtype.is_floating_point:
+        raise ValueError(
+            f"ALiBi positions must be integer ({B}, {L}) (got {tuple(positions.shape)})."
+        )
+    if slopes.device.type != "cpu" or positions.device.type != "cpu":
+        raise ValueError("ALiBi's slopes and positions must be CPU tensors.")
+    slopes = slopes.to(torch.float32).contiguous()
+    if not bool(torch.isfinite(slopes).all()):
+        raise ValueError("ALiBi slopes must be finite.")
+    positions = positions.to(torch.long).contiguous()
+    if positions.numel() and int(positions.abs().max()) + S >= EXACT_DISTANCE:
+        raise ValueError(f"ALiBi positions and keys must lie within 2**24 (S={S}).")
+    return ALiBi(slopes, positions)
+
+
 def span_forward(
     q: Tensor,
     k: Tensor,
@@ -107,22 +149,32 @@ def span_forward(
     scale: float,
     softcap: float = 0.0,
     tiles: tuple[int, int] | None = None,
+    bias: ALiBi | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
     library must be loaded: `attnkit.native.build.library()`); row i of batch row b sees
     keys [visible.lo[b, i], visible.hi[b, i]); softcap 0 = none; `tiles` (rows, keys) as
-    `blocking` picks them unless given."""
+    `blocking` picks them unless given; `bias` ALiBi's terms (`alibi`) or None."""
     _check(q, k, v, float(scale), float(softcap))
     B, _, L, _ = q.shape
     if not isinstance(visible, Spans) or visible.lo.shape != (B, L) or visible.S != k.shape[2]:
         raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={k.shape[2]}).")
+    H = q.shape[1]
+    if bias is not None and (
+        not isinstance(bias, ALiBi)
+        or bias.slopes.shape != (B, L, H)
+        or bias.positions.shape != (B, L)
+    ):
+        raise ValueError(f"bias must be ops.alibi(slopes, positions, B={B}, L={L}, H={H}, S).")
     rows, keys = tiles or blocking(q.shape[2], q.shape[1] // k.shape[1])[:2]
     if not (0 < rows <= 4096 and 0 < keys <= 8192):
         raise ValueError(f"tiles must be 1..4096 rows and 1..8192 keys (got {rows}, {keys}).")
     q, k, v = (_unit_last(t) for t in (q, k, v))
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
-        q, k, v, visible.lo, visible.hi, float(scale), float(softcap), rows, keys
-    )
+        q, k, v, visible.lo, visible.hi,
+        None if bias is None else bias.slopes, None if bias is None else bias.positions,
+        float(scale), float(softcap), rows, keys,
+    )  # fmt: skip
     return out
 
 
@@ -221,6 +273,8 @@ def _span_forward_fake(
     v: Tensor,
     lo: Tensor,
     hi: Tensor,
+    slopes: Tensor | None,
+    positions: Tensor | None,
     scale: float,
     softcap: float,
     rows: int,

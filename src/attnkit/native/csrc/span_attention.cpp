@@ -3,7 +3,8 @@
 // The math (what attnkit.reference computes for such a mask). Row i of batch row b sees
 // keys [lo[b,i], hi[b,i]); query head h reads K/V head h / G (G = H / Hkv, GQA):
 //
-//   s_j   = softcap(scale · q_i · k_j)          lo <= j < hi   (softcap(x) = c·tanh(x/c))
+//   s_j   = softcap(scale · q_i · k_j) − a_i·|p_i − j|     lo <= j < hi
+//           (softcap(x) = c·tanh(x/c); ALiBi: row i's slope a_i of head h, position p_i)
 //   lse_i = log Σ_j exp(s_j)                     -inf where the row sees nothing
 //   out_i = Σ_j exp(s_j − lse_i) · v_j           0 where the row sees nothing
 //
@@ -73,6 +74,8 @@ struct Kernel {
   const int64_t *lo, *hi;  // (B, L) contiguous
   int64_t qs[4], ks[4], vs[4];  // strides (elements); the last is 1
   float scale, softcap;
+  const float* slopes;  // ALiBi (B, L, H) contiguous, or null
+  const int64_t* positions;  // ALiBi's aligned positions (B, L) contiguous
   T* out;      // (B, H, L, Dv) contiguous
   float* lse;  // (B, H, L) contiguous
 
@@ -95,6 +98,21 @@ struct Kernel {
     if (lo[row] >= hi[row]) *a = *e = 0;
   }
 
+  // s[j] −= a·|p − (k0 + j)| for j in [ra, re): ALiBi of stacked row r (float32 holds the
+  // distance exactly below 2**24, which ops.py checks).
+  void alibi(const Item& it, int64_t r, int64_t k0, float* s, int64_t ra, int64_t re) const {
+    const int64_t row = it.b * z.L + it.r0 + r / z.G;
+    const float a = slopes[row * z.H + it.hkv * z.G + r % z.G];
+    const float p = static_cast<float>(positions[row] - k0);
+    const Vec va(a), vp(p);
+    int64_t j = ra;
+    for (; j + Vec::size() <= re; j += Vec::size()) {
+      const Vec dist = (vp - Vec::arange(static_cast<float>(j), 1.0f)).abs();
+      (Vec::loadu(s + j) - va * dist).store(s + j);
+    }
+    for (; j < re; ++j) s[j] -= a * std::abs(p - static_cast<float>(j));
+  }
+
   // Stacked rows [r0, r1) have their scores against keys [a, e) of the block in w.s:
   // turn them into weights P in place (0 outside each row's interval unless every row sees
   // all of them: `masked` false), rescaling each row's running max, sum and output.
@@ -112,6 +130,7 @@ struct Kernel {
         continue;
       }
       if (softcap > 0) softcap_inplace(s + ra, re - ra, softcap);
+      if (slopes != nullptr) alibi(it, r, k0, s, ra, re);
       const float mx = row_max(s + ra, re - ra);
       const float m_new = std::isnan(mx) ? mx : std::max(w.m[r], mx);  // NaN spreads
       std::fill(s + a, s + ra, 0.0f);
@@ -259,8 +278,9 @@ std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
 
 template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo,
-             const at::Tensor& hi, double scale, double softcap, int64_t rows, int64_t keys,
-             at::Tensor& out, at::Tensor& lse) {
+             const at::Tensor& hi, const std::optional<at::Tensor>& slopes,
+             const std::optional<at::Tensor>& positions, double scale, double softcap, int64_t rows,
+             int64_t keys, at::Tensor& out, at::Tensor& lse) {
   Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
           q.size(3), v.size(3), rows, keys};
   Kernel<T> kern{z,
@@ -268,6 +288,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
                  lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(),
                  {}, {}, {},
                  static_cast<float>(scale), static_cast<float>(softcap),
+                 slopes ? slopes->data_ptr<float>() : nullptr,
+                 positions ? positions->data_ptr<int64_t>() : nullptr,
                  out.data_ptr<T>(), lse.data_ptr<float>()};
   for (int d = 0; d < 4; ++d) {
     kern.qs[d] = q.stride(d);
@@ -288,7 +310,9 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_fo
 
 std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, const at::Tensor& lo,
-                                                const at::Tensor& hi, double scale,
+                                                const at::Tensor& hi,
+                                                const std::optional<at::Tensor>& slopes,
+                                                const std::optional<at::Tensor>& positions, double scale,
                                                 double softcap, int64_t rows, int64_t keys) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
@@ -303,6 +327,14 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   check(lo.is_contiguous() && hi.is_contiguous(), "contiguous spans");
   check(lo.dim() == 2 && lo.size(0) == q.size(0) && lo.size(1) == q.size(2), "spans (B, L)");
   check(hi.sizes() == lo.sizes(), "spans (B, L)");
+  check(slopes.has_value() == positions.has_value(), "ALiBi takes slopes and positions");
+  if (slopes) {
+    check(slopes->scalar_type() == at::kFloat && slopes->is_contiguous(), "float32 slopes");
+    check(slopes->dim() == 3 && slopes->size(0) == q.size(0) && slopes->size(1) == q.size(2) &&
+              slopes->size(2) == q.size(1), "slopes (B, L, H)");
+    check(positions->scalar_type() == at::kLong && positions->is_contiguous(), "int64 positions");
+    check(positions->sizes() == lo.sizes(), "positions (B, L)");
+  }
   check(q.size(2) * q.size(1) * q.size(3) < (int64_t{1} << 31), "sizes within int32 GEMMs");
   check(rows >= 1 && keys >= 1, "blocking");
   check(rows * keys * q.size(1) < (int64_t{1} << 31), "blocking within int32");
@@ -311,13 +343,13 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   switch (q.scalar_type()) {
     case at::kFloat: 
-      forward<float>(q, k, v, lo, hi, scale, softcap, rows, keys, out, lse);
+      forward<float>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, out, lse);
       break;
     case at::kBFloat16: 
-      forward<at::BFloat16>(q, k, v, lo, hi, scale, softcap, rows, keys, out, lse);
+      forward<at::BFloat16>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, out, lse);
       break;
     case at::kHalf: 
-      forward<at::Half>(q, k, v, lo, hi, scale, softcap, rows, keys, out, lse);
+      forward<at::Half>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, out, lse);
       break;
     default: TORCH_CHECK(false, "attnkit_native::span_forward: float32, bfloat16 or float16");
   }
@@ -328,7 +360,8 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
 }  // namespace attnkit_native
 
 TORCH_LIBRARY(attnkit_native, m) {
-  m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, float scale, "
+  m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? slopes, "
+        "Tensor? positions, float scale, "
         "float softcap, int rows, int keys) -> (Tensor, Tensor)");
 }
 
