@@ -243,6 +243,43 @@ def test_a_bias_other_than_one_alibi_runs_on_the_composed_backends():
         ops.alibi(torch.full((1, 40, 4), float("nan")), bad["positions"], 1, 40, 4, 40)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
+    monkeypatch, dtype
+):
+    """Where SDPA would compute half inputs in float32 (converting the whole cache each
+    step), `auto` takes a dense decoding step to the kernel, unpriced, and the prepared
+    call serves the next steps of the growing cache without planning again; float32
+    steps and half kernels that run natively stay with SDPA."""
+    from attnkit import dispatch
+
+    monkeypatch.setenv("ATTNKIT_HALF_KERNELS", "float32")
+    prepared = []
+    original = dispatch._prepared
+    def counting(q, k, v, mask, options, *rest):
+        prepared.append(options[3])  # (scale, softcap, dropout_p, backend, ...)
+        return original(q, k, v, mask, options, *rest)
+
+    monkeypatch.setattr(dispatch, "_prepared", counting)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 8, 1, 32, generator=g).to(dtype)
+    k, v = (torch.randn(3, 2, 140, 32, generator=g).to(dtype) for _ in range(2))
+    mask = ak.causal(align="bottom_right")
+    assert "backend 'native'" in str(ak.explain(q, k[:, :, :100], v[:, :, :100], mask))
+    with torch.no_grad():
+        for S in range(100, 140):
+            got = ak.attention(q, k[:, :, :S], v[:, :, :S], mask)
+            want = ak.attention(q, k[:, :, :S], v[:, :, :S], mask, backend="reference")
+            assert (got.float() - want.float()).abs().max() < 2e-2
+    assert prepared.count("auto") == 1  # one call prepared, 40 steps served
+    for other in (q.float(), None):
+        if other is None:
+            monkeypatch.setenv("ATTNKIT_HALF_KERNELS", "native")
+        x = q if other is None else other
+        kk, vv = (k, v) if other is None else (k.float(), v.float())
+        assert "backend 'sdpa'" in str(ak.explain(x, kk[:, :, :77], vv[:, :, :77], mask))
+
+
 def test_opcheck_and_compile_fullgraph():
     q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 8)
     lo = torch.arange(33).clamp(max=40)[None].expand(2, 33).contiguous()

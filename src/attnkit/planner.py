@@ -87,14 +87,24 @@ def _human_bytes(n: int) -> str:
 
 def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backend:
     """The backend `choose_backend` would choose, without the reasons for the others. A
-    dense call (`is_dense`: decoding steps among them) goes straight to the backend
-    whose dense kernel is the cheapest per pair (`Backend.dense_fastest`: sdpa) when it
-    can serve it, as costing would choose. A prepared call keeps the choice."""
-    if name == "auto" and call.is_dense and call.softcap is None:
-        for backend in BACKENDS.values():
-            if backend.dense_fastest and backend.can_use(call, need_lse=need_lse) is None:
-                return backend
+    dense call (`is_dense`: decoding steps among them) goes straight to a backend that
+    `takes_dense` it, else to the one whose dense kernel is the cheapest per pair
+    (`Backend.dense_fastest`: sdpa), where it can serve it. A prepared call keeps the
+    choice."""
+    if name == "auto" and (backend := _dense_shortcut(call, need_lse)) is not None:
+        return backend
     return _pick(call, name, need_lse)[0]
+
+
+def _dense_shortcut(call: AttentionCall, need_lse: bool) -> Backend | None:
+    """The backend a dense call runs on unpriced, or None (priced)."""
+    if not call.is_dense or call.softcap is not None:
+        return None
+    for claims in (lambda b: b.takes_dense(call), lambda b: b.dense_fastest):
+        for backend in BACKENDS.values():
+            if claims(backend) and backend.can_use(call, need_lse=need_lse) is None:
+                return backend
+    return None
 
 
 def _pick(
@@ -132,6 +142,16 @@ def choose_backend(
 ) -> tuple[Backend, dict[str, str | None]]:
     """The backend to run and, for every backend, why it was not chosen (None if chosen)."""
     backend, reasons, costs, floored = _pick(call, name, need_lse)
+    shortcut = _dense_shortcut(call, need_lse) if name == "auto" else None
+    if shortcut is not None and shortcut is not backend:
+        own = max(costs.get(shortcut.name, 1.0), 1.0)
+        for n, estimate in costs.items():  # explain says what runs: the dense call's rule
+            reasons[n] = (
+                f"a dense call runs on '{shortcut.name}' unpriced "
+                f"(estimated {estimate / own:.1f}× its cost)"
+            )
+        reasons[shortcut.name] = None
+        return shortcut, reasons
     if name != "auto":
         for n in BACKENDS:
             reasons[n] = None if n == name else reasons[n] or f"not asked for (backend={name!r})"

@@ -56,8 +56,11 @@ class BlockwiseBackend(Backend):
         return factors["pair"] * d.B * d.H * pairs + factors["call"] * math.ceil(d.L / rows)
 
     def cost_floor(self, call: AttentionCall) -> float:
-        """At least one block's call: the planner prices no further below that."""
-        return self.factors()["call"]
+        """At least one block's call, and a dense call's every pair: the planner prices
+        no further below that."""
+        d, factors = call.dims, self.factors()
+        dense = factors["pair"] * d.B * d.H * d.L * d.S if call.is_dense else 0.0
+        return factors["call"] + dense
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Per pair from a small causal call; per block, tiled's measured per-group cost."""

@@ -22,17 +22,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit import cost
-from attnkit.backends.protocol import Backend, Block, Probe, Work
+from attnkit.backends.protocol import Backend, Block, Kernel, Probe, Work
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal, sliding_window
 from attnkit.masks.biases import alibi_rows
 from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
 from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward, spans
+from attnkit.precision import HALF, kernel_dtype
 
 __all__ = ["NativeBackend"]
 
 BIG = 2**62  # past any key index
+DECODE_ROWS = 16  # a call of at most this many queries is priced as a decoding step
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,17 @@ def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
     return torch.where(width > 0, first, 0), width, rows
 
 
+def _dense_tiles(B: int, L: int, S: int, rows: int, keys: int, group_rows: int) -> Tiles:
+    """`_tiles` of a call where every row sees every key, counted without a tensor
+    reduction (a decoding step with a growing cache plans a new call every step)."""
+    zeros = torch.zeros(1, L, dtype=torch.long)
+    tiles, groups = -(-L // rows), -(-L // group_rows)
+    starts = torch.zeros(B, tiles, dtype=torch.long)
+    pieces = B * (tiles * -(-S // keys) + groups) if S else 0
+    visible = spans(zeros, zeros + S, B, L, S)
+    return Tiles(visible, rows, keys, group_rows, starts, starts + S, B * L * S, pieces)
+
+
 def _tiles(lo: Tensor, hi: Tensor, S: int, rows: int, keys: int, group_rows: int) -> Tiles:
     """The blocking's work: the pairs computed, and the pieces (each tile's blocks, plus
     one per group of `group_rows` rows for the cut blocks at its edges)."""
@@ -106,6 +119,25 @@ def _tiles(lo: Tensor, hi: Tensor, S: int, rows: int, keys: int, group_rows: int
     pieces = int((-(-widths // keys)).sum() + (piece_widths > 0).sum())
     B, L = lo.shape
     return Tiles(spans(lo, hi, B, L, S), rows, keys, group_rows, starts, widths, pairs, pieces)
+
+
+@dataclass(frozen=True)
+class _DenseKernel:
+    """The kernel over every key, whatever S: each row's interval is [0, S)."""
+
+    scale: float
+    softcap: float
+
+    @property
+    def serves_any_length(self) -> bool:
+        return True
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
+        B, _, L, _ = q.shape
+        S = k.shape[2]
+        zeros = torch.zeros(1, L, dtype=torch.long)
+        visible = spans(zeros, zeros + S, B, L, S)
+        return span_forward(q, k, v, visible, self.scale, self.softcap)[0]
 
 
 class NativeBackend(Backend):
@@ -118,7 +150,15 @@ class NativeBackend(Backend):
     # on a 2-core AVX2 CPU by `python benchmarks/native_fit.py` (windows, causal, chunks,
     # prefix-LM and no mask at L = 256..4096, all within ±10%); `attnkit calibrate` times
     # them on this machine
-    cost_factors = cost.Factors({"pair": 1.05, "piece": 300.0, "call": 68_000.0})
+    cost_factors = cost.Factors(
+        {"pair": 1.05, "piece": 300.0, "call": 68_000.0, "kv": 0.36, "head": 0.57, "step": 5_000.0}
+    )
+    # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
+    # key of each K/V head (read once for its G query heads), `head` per key of each query
+    # head, `step` per call, in units of SDPA's decoding pair (its cost counts B·H·L·S);
+    # fitted on the same CPU from `python benchmarks/native.py`'s decoding grid and
+    # MHA/GQA float32 steps of B = 1..32, S = 512..8192 (SDPA then is the faster at
+    # B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without)
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if (reason := unavailable()) is not None:
@@ -141,6 +181,9 @@ class NativeBackend(Backend):
         """The call's spans and tiles: made once per prepared call."""
 
         def make() -> Tiles | None:
+            d = call.dims
+            if call.is_dense:
+                return _dense_tiles(d.B, d.L, d.S, *blocking(d.L, d.groups))
             intervals = _spans(call)
             bias = _alibi(call) if call.has_bias else None
             if intervals is None or (call.has_bias and bias is None):
@@ -153,11 +196,29 @@ class NativeBackend(Backend):
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         tiles, factors, d = self._tiles(call), self.factors(), call.dims
         assert tiles is not None
+        if d.L <= DECODE_ROWS:
+            keys = factors["kv"] * d.Hkv + factors["head"] * d.H
+            return keys * tiles.pairs + factors["step"]
         work = factors["pair"] * d.H * tiles.pairs + factors["piece"] * d.Hkv * tiles.pieces
         return work + factors["call"]
 
     def cost_floor(self, call: AttentionCall) -> float:
-        return self.factors()["call"]
+        return self.factors()["step" if call.dims.L <= DECODE_ROWS else "call"]
+
+    def takes_dense(self, call: AttentionCall) -> bool:
+        """A decoding step of half inputs that SDPA would compute in float32: converting
+        the whole cache each step costs it 2-10× the kernel's time at every size measured
+        (`python benchmarks/native.py`); float32 steps stay with SDPA's dense rule."""
+        q, d = call.q, call.dims
+        if d.L > DECODE_ROWS or call.requires_grad or q.device.type != "cpu" or q.dtype not in HALF:
+            return False
+        return kernel_dtype(q.dtype, q.device) != q.dtype and unavailable() is None
+
+    def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
+        """A dense call's kernel, which serves any key length (a growing cache's steps)."""
+        if need_lse or not call.is_dense or call.has_bias or self._tiles(call) is None:
+            return None
+        return _DenseKernel(call.scale, call.softcap or 0.0)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output, log-sum-exp and the spans, plus each thread's scratch (float32)."""

@@ -16,7 +16,8 @@ kernels turning warm), which cached plans carry.
 `serves_backward` says whether `backward` takes a call (`sdpa`: one fused call for dense
 and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
 in the registry that serves); `dense_fastest` marks the backend cheapest per pair on a
-dense call, which `auto` takes for such a call without pricing (`sdpa`); `work` is read
+dense call, which `auto` takes for such a call without pricing (`sdpa`), unless a backend
+`takes_dense` that call (`native`: a decoding step of half inputs); `work` is read
 by `plot.computed_regions` and the calibration. A backend keeps no cache of its own:
 what it derives lives in the call's `derived`. Nothing outside `backends/` names a
 concrete backend class or looks one up by a literal name; `backends.register(backend)`
@@ -152,6 +153,12 @@ class Backend:
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
+
+    def takes_dense(self, call: AttentionCall) -> bool:
+        """Whether `auto` runs this dense call here, unpriced, ahead of the `dense_fastest`
+        backend: O(1), and the same for every key length S (a call prepared for one step
+        of a growing cache serves the next)."""
+        return False
 
     def cost_floor(self, call: AttentionCall) -> float:
         """A lower bound on `cost` in O(1) (the planner skips `cost` where another

@@ -307,13 +307,13 @@ class TiledBackend(Backend):
         return tilecost.calibrate(self, probe)
 
     def cost_floor(self, call: AttentionCall) -> float:
-        """A lower bound on any plan's cost, in O(1): one group of blocks, plus, under
-        SDPA's causal mask, its pairs (at least L·S/2 per head) at tiled's lowest per-pair
-        cost. The planner skips planning (ms for a long cache or a long causal prefill)
-        where another backend's whole call costs no more."""
+        """A lower bound on any plan's cost, in O(1): one group of blocks, plus the pairs
+        every plan computes (a dense call's L·S per head, SDPA's causal mask's at least
+        L·S/2) at tiled's lowest per-pair cost. The planner skips planning (ms for a long
+        cache or a long causal prefill) where another backend's whole call costs no more."""
         d, mask = call.dims, call.mask
         causal = mask is not None and not call.has_bias and is_sdpa_causal(mask, d.L, d.S)
-        pairs = d.B * d.H * d.L * d.S / 2 if causal else 0.0
+        pairs = d.B * d.H * d.L * d.S * (1.0 if call.is_dense else 0.5 if causal else 0.0)
         factors = self.factors()
         return factors["call"] + min(factors["pair"], factors["causal"]) * pairs
 
