@@ -7,7 +7,7 @@ backend, `native` and `auto`. For each it reports the median time (round-robin),
 native its time per visible pair against dense SDPA's per pair (`per pair`), its ratio
 to the best peer, and its share of the matrix-multiply roofline measured in the same
 run (useful work 4·pairs·D per head). Then the decoding grid (L = 1, H = 8, Hkv = 2,
-float32; B × S, every sequence full or padded to lengths from S/2 to S): SDPA (a bool
+float32 and bfloat16; B × S, every sequence full or padded to lengths from S/2 to S): SDPA (a bool
 padding mask where padded) against attnkit's `auto` and `native`; and the time a fresh
 process takes to load the built kernels. Results go to
 `results/native_<kind>.{md,json}`: one table per kind of CPU measured.
@@ -19,6 +19,7 @@ process takes to load the built kernels. Results go to
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -90,41 +91,40 @@ def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> di
 
 
 def decode_rows(repeats: int) -> list[dict[str, object]]:
-    rows = []
-    for padded in (False, True):
-        for B in DECODE_B:
-            for S in DECODE_S:
-                g = torch.Generator().manual_seed(S + B)
-                q = torch.randn(B, H, 1, D, generator=g)
-                k, v = (torch.randn(B, 2, S, D, generator=g) for _ in range(2))
-                lengths = torch.randint(S // 2, S + 1, (B,), generator=g) if padded else None
-                mask = ak.causal(align="bottom_right")
-                attn_mask = None
-                if lengths is not None:
-                    mask = mask & ak.key_padding(lengths)
-                    attn_mask = (torch.arange(S)[None] < lengths[:, None])[:, None, None]
-                fns = {
-                    "sdpa": lambda q=q, k=k, v=v, m=attn_mask: F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=m, enable_gqa=True
-                    ),
-                    "auto": lambda q=q, k=k, v=v, m=mask: ak.attention(q, k, v, m),
-                    "native": lambda q=q, k=k, v=v, m=mask: ak.attention(
-                        q, k, v, m, backend="native"
-                    ),
-                }
-                with torch.no_grad():
-                    us = {n: t * 1e6 for n, t in round_robin(fns, 20 * repeats).items()}
-                row = {"padded": padded, "B": B, "S": S, **{f"{n}_us": t for n, t in us.items()}}
-                row["auto_ratio"] = us["sdpa"] / us["auto"]
-                row["native_ratio"] = us["sdpa"] / us["native"]
-                rows.append(row)
-                print(
-                    f"decode B={B} S={S} padded={padded}: SDPA {us['sdpa']:.0f} µs, auto "
-                    f"{us['auto']:.0f}, native {us['native']:.0f}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    return rows
+    grid = itertools.product(DTYPES, (False, True), DECODE_B, DECODE_S)
+    return [decode_row(dtype, padded, B, S, repeats) for dtype, padded, B, S in grid]
+
+
+def decode_row(dtype: str, padded: bool, B: int, S: int, repeats: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(S + B)
+    q = torch.randn(B, H, 1, D, generator=g).to(DTYPES[dtype])
+    k, v = (torch.randn(B, 2, S, D, generator=g).to(DTYPES[dtype]) for _ in range(2))
+    lengths = torch.randint(S // 2, S + 1, (B,), generator=g) if padded else None
+    mask = ak.causal(align="bottom_right")
+    attn_mask = None
+    if lengths is not None:
+        mask = mask & ak.key_padding(lengths)
+        attn_mask = (torch.arange(S)[None] < lengths[:, None])[:, None, None]
+    fns = {
+        "sdpa": lambda q=q, k=k, v=v, m=attn_mask: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, enable_gqa=True
+        ),
+        "auto": lambda q=q, k=k, v=v, m=mask: ak.attention(q, k, v, m),
+        "native": lambda q=q, k=k, v=v, m=mask: ak.attention(q, k, v, m, backend="native"),
+    }
+    with torch.no_grad():
+        us = {n: t * 1e6 for n, t in round_robin(fns, 20 * repeats).items()}
+    row = {"dtype": dtype, "padded": padded, "B": B, "S": S}
+    row.update({f"{n}_us": t for n, t in us.items()})
+    row["auto_ratio"] = us["sdpa"] / us["auto"]
+    row["native_ratio"] = us["sdpa"] / us["native"]
+    print(
+        f"decode {dtype} B={B} S={S} padded={padded}: SDPA {us['sdpa']:.0f} µs, auto "
+        f"{us['auto']:.0f}, native {us['native']:.0f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
 
 
 def load_seconds(runs: int = 5) -> float:
@@ -169,14 +169,15 @@ def markdown(result: dict[str, object]) -> str:
         )
     lines += [
         "",
-        "Decoding, L = 1, H = 8, Hkv = 2, D = 64, float32: median µs; ratio = SDPA / attnkit.",
+        "Decoding, L = 1, H = 8, Hkv = 2, D = 64: median µs; ratio = SDPA / attnkit.",
         "",
-        "| padded | B | S | SDPA µs | auto µs | native µs | auto ratio | native ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| dtype | padded | B | S | SDPA µs | auto µs | native µs | auto ratio | native ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["decode"]:  # type: ignore[attr-defined]
         lines.append(
-            f"| {'yes' if r['padded'] else 'no'} | {r['B']} | {r['S']} | {r['sdpa_us']:.0f} | "
+            f"| {r.get('dtype', 'float32')} | {'yes' if r['padded'] else 'no'} | {r['B']} | "
+            f"{r['S']} | {r['sdpa_us']:.0f} | "
             f"{r['auto_us']:.0f} | {r['native_us']:.0f} | {r['auto_ratio']:.2f}× | "
             f"{r['native_ratio']:.2f}× |"
         )
