@@ -244,9 +244,7 @@ def test_a_bias_other_than_one_alibi_runs_on_the_composed_backends():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
-    monkeypatch, dtype
-):
+def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(monkeypatch, dtype):
     """Where SDPA would compute half inputs in float32 (converting the whole cache each
     step), `auto` takes a dense decoding step to the kernel, unpriced, and the prepared
     call serves the next steps of the growing cache without planning again; float32
@@ -256,6 +254,7 @@ def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
     monkeypatch.setenv("ATTNKIT_HALF_KERNELS", "float32")
     prepared = []
     original = dispatch._prepared
+
     def counting(q, k, v, mask, options, *rest):
         prepared.append(options[3])  # (scale, softcap, dropout_p, backend, ...)
         return original(q, k, v, mask, options, *rest)
