@@ -421,7 +421,8 @@ def test_paged_kernel_splits_a_long_history_over_threads(G):
     blocks = torch.randperm(400, generator=g)
     q = torch.randn(1, Hkv * G, D, generator=g)
     lo, hi = torch.tensor([37]), torch.tensor([5000])
-    out, lse = ops.paged_decode(q, pool, blocks, torch.tensor([0]), lo, hi, bs, 0.2)
+    kv = (pool[..., :D], pool[..., D:])  # side by side, as a paged cache keeps them
+    out, lse = ops.paged_decode(q, *kv, blocks, torch.tensor([0]), lo, hi, bs, 0.2)
     slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[37:5000]
     keys = pool[slots].double()  # (S, Hkv, D + Dv)
     k, v = (keys[..., :D], keys[..., D:])
@@ -432,17 +433,19 @@ def test_paged_kernel_splits_a_long_history_over_threads(G):
 
 
 def test_paged_kernel_refuses_tables_outside_the_pool():
-    pool = torch.zeros(4 * 4, 1, 16)
+    kv = (torch.zeros(4 * 4, 1, 8), torch.zeros(4 * 4, 1, 8))
     q = torch.zeros(1, 2, 8)
     args = (torch.tensor([0]), torch.tensor([0]), torch.tensor([9]), 4, 0.3)
     with pytest.raises(ValueError, match="run past its block table"):
-        ops.paged_decode(q, pool, torch.tensor([0, 1]), *args)
+        ops.paged_decode(q, *kv, torch.tensor([0, 1]), *args)
     with pytest.raises(ValueError, match="outside the pool"):
-        ops.paged_decode(q, pool, torch.tensor([0, 7, 1]), *args)
+        ops.paged_decode(q, *kv, torch.tensor([0, 7, 1]), *args)
     with pytest.raises(ValueError, match="released one"):
-        ops.paged_decode(q, pool, torch.tensor([-1, 2, 1]), *args)
+        ops.paged_decode(q, *kv, torch.tensor([-1, 2, 1]), *args)
     with pytest.raises(ValueError, match="0 <= lo <= hi"):
-        ops.paged_decode(q, pool, torch.tensor([0, 1, 2]), args[0], args[2], args[1], 4, 0.3)
+        ops.paged_decode(q, *kv, torch.tensor([0, 1, 2]), args[0], args[2], args[1], 4, 0.3)
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.paged_decode(q, kv[0], kv[1][:8], torch.tensor([0, 1, 2]), *args)
 
 
 def test_native_lse_takes_the_reordering_slack_of_the_precision_bound():
@@ -455,3 +458,48 @@ def test_native_lse_takes_the_reordering_slack_of_the_precision_bound():
 
     outcomes = run_case(draw_case(RandomDraw(0, 1126), flex_percent=0), only=("native",))
     assert [o.status for o in outcomes] == ["ok", "refused"], outcomes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("causal", "window", "softcap"), [(True, (-1, -1), 0.0), (True, (40, 0), 3.0)]
+)
+def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
+    monkeypatch, dtype, causal, window, softcap
+):
+    """A decoding step of flash-attention's `flash_attn_with_kvcache` with a `block_table`
+    reads the pages in place on the paged kernel (keys and values in separate pools), and
+    gives what the composed path gives; pages nobody reads may hold NaN."""
+    from attnkit import flash_cache
+    from attnkit.flash_attn import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(4)
+    B, H, Hkv, D, page, pages = 3, 8, 2, 32, 16, 40
+    k_cache, v_cache = (torch.randn(pages, page, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(pages, generator=g)[: B * 12].view(B, 12).int()
+    lengths = torch.tensor([0, 57, 150], dtype=torch.int32)
+    unread = sorted(set(range(pages)) - set(table.flatten().tolist()))
+    k_cache[unread], v_cache[unread] = float("nan"), float("nan")
+    q = torch.randn(B, 1, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, 1, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    calls = []
+    kernel = flash_cache.native_ops.paged_decode
+    monkeypatch.setattr(
+        flash_cache.native_ops, "paged_decode", lambda *a: calls.append(1) or kernel(*a)
+    )
+
+    def run():
+        caches = (k_cache.clone(), v_cache.clone())
+        return flash_attn_with_kvcache(
+            q, *caches, k=k, v=v, cache_seqlens=lengths, block_table=table, causal=causal,
+            window_size=window, softcap=softcap, return_softmax_lse=True,
+        )  # fmt: skip
+
+    out, lse = run()
+    assert calls == [1] and out.shape == (B, 1, H, D) and lse.shape == (B, H, 1)
+    monkeypatch.setattr(flash_cache, "native_unavailable", lambda: "off for the comparison")
+    want, want_lse = run()
+    assert calls == [1] and torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out.float() - want.float()).abs().max() < tol
+    assert (lse - want_lse.float()).abs().max() < 1e-4

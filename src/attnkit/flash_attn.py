@@ -40,6 +40,7 @@ from attnkit.dropins import (
     window_spans,
 )
 from attnkit.errors import ShapeContractError
+from attnkit.flash_cache import cache_lengths, decode_pages, pool_size, read_cache, write_new
 from attnkit.functional import attention_with_lse
 from attnkit.masks import Mask, row_spans
 from attnkit.masks.biases import _ALiBi
@@ -114,7 +115,7 @@ def flash_attn_varlen_func(
     """
     if block_table is not None:
         lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(block_table.device)
-        check_block_table("flash_attn_varlen_func", block_table, lengths, _pool(k),
+        check_block_table("flash_attn_varlen_func", block_table, lengths, pool_size(k),
                           "cu_seqlens_k[{next}] - cu_seqlens_k[{n}]")  # fmt: skip
         k, v, cu_seqlens_k = gather_pages(k, v, block_table, lengths)
         used: Tensor | None = lengths
@@ -192,11 +193,12 @@ def flash_attn_with_kvcache(
     """
     B, L = q.shape[0], q.shape[1]
     dev = q.device
-    seqlens = _lengths(cache_seqlens, B, k_cache.shape[1] if block_table is None else None, dev)
+    rows_held = k_cache.shape[1] if block_table is None else None
+    seqlens = cache_lengths(cache_seqlens, B, rows_held, dev)
     new = 0 if k is None else k.shape[1]
     if block_table is not None:  # before any write
         named = "cache_seqlens[{n}]" + (f" + {new} new keys" if new else "")
-        check_block_table("flash_attn_with_kvcache", block_table, seqlens + new, _pool(k_cache),
+        check_block_table("flash_attn_with_kvcache", block_table, seqlens + new, pool_size(k_cache),
                           named)  # fmt: skip
     else:
         check_cache_room(seqlens + new, k_cache.shape[1], new)
@@ -209,9 +211,8 @@ def flash_attn_with_kvcache(
             k = _rotate(k, rotary_cos, rotary_sin, k_at, rotary_interleaved)
     rows = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
     if k is not None and v is not None:
-        _write(k_cache, v_cache, k, v, seqlens, rows, block_table)
+        write_new(k_cache, v_cache, k, v, seqlens, rows, block_table)
     end = (seqlens + new)[:, None]  # (B, 1)
-    keys, values = _cached(k_cache, v_cache, rows, block_table, end)  # (B, S, Hkv, D)
     first = (
         torch.zeros(B, dtype=torch.long, device=dev)
         if cache_leftpad is None
@@ -219,6 +220,11 @@ def flash_attn_with_kvcache(
     )[:, None]
     index = torch.arange(L, device=dev)[None].expand(B, L)
     spans = window_spans(first, end - first, L, index, _window(causal, window_size))
+    if block_table is not None and L == 1 and alibi_slopes is None:
+        decoded = decode_pages(q, k_cache, v_cache, block_table, spans, softmax_scale, softcap)
+        if decoded is not None:
+            return decoded if return_softmax_lse else decoded[0]
+    keys, values = read_cache(k_cache, v_cache, rows, block_table, end)  # (B, S, Hkv, D)
     mask = _mask(spans, alibi_slopes, q.dtype)
     with torch.no_grad():
         out, lse = _attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
@@ -373,65 +379,6 @@ def _attend(
     return attention_with_lse(
         q, k, v, mask, scale=scale, softcap=softcap if softcap > 0 else None, dropout_p=dropout_p
     )
-
-
-def _pool(paged: Tensor) -> tuple[int, int]:
-    """(pages, page_size) of paged keys (pages, page_size, Hkv, D)."""
-    return paged.shape[0], paged.shape[1]
-
-
-def _lengths(
-    cache_seqlens: int | Tensor | None, B: int, cache_len: int | None, device: torch.device
-) -> Tensor:
-    """(B,) cached positions per sequence (before the new keys)."""
-    if cache_seqlens is None:
-        if cache_len is None:
-            raise ValueError("flash_attn_with_kvcache with block_table needs cache_seqlens")
-        return torch.full((B,), cache_len, dtype=torch.long, device=device)
-    if isinstance(cache_seqlens, int):
-        return torch.full((B,), cache_seqlens, dtype=torch.long, device=device)
-    return cache_seqlens.long().to(device).expand(B)
-
-
-def _slots(
-    positions: Tensor, rows: Tensor, block_table: Tensor | None, page_size: int
-) -> tuple[Tensor, Tensor]:
-    """(B, n) cache positions of each sequence -> the (first, second) indices of the
-    cache tensors: (batch row, position), or with pages (page, slot)."""
-    if block_table is None:
-        return rows[:, None].expand_as(positions), positions
-    pages = block_table.long().gather(1, positions // page_size)
-    return pages, positions % page_size
-
-
-def _write(
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor,
-    v: Tensor,
-    seqlens: Tensor,
-    rows: Tensor,
-    block_table: Tensor | None,
-) -> None:
-    """New keys and values (B, n, Hkv, D) into the cache at positions seqlens.., in place."""
-    positions = seqlens[:, None] + torch.arange(k.shape[1], device=k.device)[None]  # (B, n)
-    first, second = _slots(positions, rows, block_table, k_cache.shape[1])
-    k_cache[first, second] = k.to(k_cache.dtype)
-    v_cache[first, second] = v.to(v_cache.dtype)
-
-
-def _cached(
-    k_cache: Tensor, v_cache: Tensor, rows: Tensor, block_table: Tensor | None, end: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Each sequence's cache (B, S, Hkv, D): its rows, or its pages in table order (the
-    entries past a sequence's `end` (B, 1) positions, which nobody reads, as page 0: flash-
-    attention does not read them either, so they may hold anything)."""
-    if block_table is None:
-        return k_cache[rows], v_cache[rows]
-    page_size, width = k_cache.shape[1], block_table.shape[1]
-    used = torch.arange(width, device=end.device) * page_size < end  # (B, max_pages)
-    pages = torch.where(used.to(block_table.device), block_table.long(), 0)  # (B, max_pages)
-    return tuple(t[pages].flatten(1, 2) for t in (k_cache, v_cache))  # type: ignore[return-value]
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:

@@ -201,7 +201,8 @@ def _check_tables(
 
 def paged_decode(
     q: Tensor,
-    pool: Tensor,
+    keys: Tensor,
+    values: Tensor,
     blocks: Tensor,
     table_at: Tensor,
     lo: Tensor,
@@ -211,23 +212,25 @@ def paged_decode(
     softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """One query token per sequence (N, H, D) against the keys at positions [lo, hi) of
-    its block table in a layer's pool (slots, Hkv, D + Dv), key and value side by side
-    (slot = blocks[table_at + p // block_size] · block_size + p % block_size): out
-    (N, H, Dv) in q's dtype and lse (N, H) float32 (`paged_decode.cpp`)."""
-    if q.dim() != 3 or pool.dim() != 3:
+    its block table in a layer's keys (slots, Hkv, D) and values (slots, Hkv, Dv) (a paged
+    cache's pool side by side, or flash-attention's pages; slot = blocks[table_at + p //
+    block_size] · block_size + p % block_size): out (N, H, Dv) in q's dtype and lse (N, H)
+    float32 (`paged_decode.cpp`)."""
+    if q.dim() != 3 or keys.dim() != 3 or values.dim() != 3:
         raise ValueError(
-            "q must be (N, H, D) and pool (slots, Hkv, D + Dv) "
-            f"(got {tuple(q.shape)}, {tuple(pool.shape)})."
+            "q must be (N, H, D), keys (slots, Hkv, D) and values (slots, Hkv, Dv) "
+            f"(got {tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)})."
         )
-    _check_kind("q and pool", q, pool)
+    _check_kind("q, keys and values", q, keys, values)
     N, H, D = q.shape
-    if pool.shape[1] == 0 or H % pool.shape[1] or pool.shape[2] < D:
+    slots, Hkv = keys.shape[:2]
+    if Hkv == 0 or H % Hkv or keys.shape[2] != D or values.shape[:2] != keys.shape[:2]:
         raise ValueError(
-            f"pool {tuple(pool.shape)} does not fit q {tuple(q.shape)}: "
-            "H must be a multiple of Hkv and the pool's last size D + Dv."
+            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} do not fit q "
+            f"{tuple(q.shape)}: H must be a multiple of Hkv, keys' last size D."
         )
-    if block_size <= 0 or pool.shape[0] % block_size:
-        raise ValueError(f"the pool's {pool.shape[0]} slots are not whole blocks of {block_size}.")
+    if block_size <= 0 or slots % block_size:
+        raise ValueError(f"the {slots} slots are not whole blocks of {block_size}.")
     _check_scalars(scale, softcap)
     tables = []
     for name, t in (("blocks", blocks), ("table_at", table_at), ("lo", lo), ("hi", hi)):
@@ -244,17 +247,18 @@ def paged_decode(
             raise ValueError(f"{name} must hold one entry per sequence ({N}), got {t.shape[0]}.")
         tables.append(t.to(torch.long).contiguous())
     blocks, table_at, lo, hi = tables
-    _check_tables(blocks, table_at, lo, hi, block_size, pool.shape[0] // block_size)
+    _check_tables(blocks, table_at, lo, hi, block_size, slots // block_size)
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.paged_decode(
-        _unit_last(q), pool.contiguous(), blocks, table_at, lo, hi, block_size, float(scale),
-        float(softcap),
+        _unit_last(q), _unit_last(keys), _unit_last(values), blocks, table_at, lo, hi,
+        block_size, float(scale), float(softcap),
     )  # fmt: skip
     return out
 
 
 def _paged_decode_fake(
     q: Tensor,
-    pool: Tensor,
+    keys: Tensor,
+    values: Tensor,
     blocks: Tensor,
     table_at: Tensor,
     lo: Tensor,
@@ -263,8 +267,8 @@ def _paged_decode_fake(
     scale: float,
     softcap: float,
 ) -> tuple[Tensor, Tensor]:
-    N, H, D = q.shape
-    return q.new_empty(N, H, pool.shape[2] - D), q.new_empty(N, H, dtype=torch.float32)
+    N, H, _ = q.shape
+    return q.new_empty(N, H, values.shape[2]), q.new_empty(N, H, dtype=torch.float32)
 
 
 def _span_forward_fake(

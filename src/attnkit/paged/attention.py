@@ -175,7 +175,8 @@ def _native_decodes(
     lo = decoding.hi - 1 - left if left is not None else torch.zeros_like(decoding.hi)
     out, _ = native_ops.paged_decode(
         q.index_select(0, decoding.rows),
-        pages.pool[layer],
+        pages.pool[layer][..., : q.shape[-1]],  # keys and values side by side
+        pages.pool[layer][..., q.shape[-1] :],
         step.blocks,
         decoding.table_at,
         lo.clamp(min=0),

@@ -2,8 +2,9 @@
 //
 // The math. Sequence i's query (its H heads) attends the keys at positions [lo_i, hi_i)
 // of its own history; position p lives in slot blocks[at_i + p / bs] · bs + p % bs of the
-// layer's pool (slots, Hkv, D + Dv), its key and value side by side. Query head h reads
-// K/V head h / G:
+// keys (slots, Hkv, D) and values (slots, Hkv, Dv), any strides but a unit last one (a
+// paged cache's pool holds them side by side, flash-attention's pages apart). Query head
+// h reads K/V head h / G:
 //
 //   s_p   = softcap(scale · q_h · k_p)
 //   lse_h = log Σ_p exp(s_p)                     -inf where the sequence has no key
@@ -51,15 +52,13 @@ template <typename T>
 struct Paged {
   const T* q;        // (N, H, D)
   int64_t qs[3];
-  const T* pool;     // (slots, Hkv, D + Dv), contiguous
+  const T *keys, *values;  // (slots, Hkv, D), (slots, Hkv, Dv)
+  int64_t ks[2], vs[2];     // their slot and head strides
   const int64_t *blocks, *at, *lo, *hi;
   int64_t N, H, Hkv, G, D, Dv, bs;
   float scale, softcap;
 
-  const T* row(int64_t i, int64_t hkv, int64_t p) const {
-    const int64_t slot = blocks[at[i] + p / bs] * bs + p % bs;
-    return pool + (slot * Hkv + hkv) * (D + Dv);
-  }
+  int64_t slot(int64_t i, int64_t p) const { return blocks[at[i] + p / bs] * bs + p % bs; }
 
   // The part's partial result: m (G), l (G), O (G × Dv) unnormalised. A chunk's key
   // and value rows are copied side by side out of their pages into a float32 buffer
@@ -79,11 +78,14 @@ struct Paged {
     for (int64_t c0 = part.p0; c0 < part.p1; c0 += kChunk) {
       const int64_t n = std::min(kChunk, part.p1 - c0);
       for (int64_t j = 0; j < n;) {  // page by page: a page's slots are consecutive
-        const int64_t p = c0 + j, run = std::min(n - j, bs - p % bs);
-        const T* src = row(part.i, part.hkv, p);
-        for (int64_t r = 0; r < run; ++r)
-          for (int64_t d = 0; d < width; ++d)
-            kv[(j + r) * width + d] = static_cast<float>(src[r * Hkv * width + d]);
+        const int64_t p = c0 + j, run = std::min(n - j, bs - p % bs), at_slot = slot(part.i, p);
+        const T* key = keys + at_slot * ks[0] + part.hkv * ks[1];
+        const T* value = values + at_slot * vs[0] + part.hkv * vs[1];
+        for (int64_t r = 0; r < run; ++r) {
+          float* dst = kv + (j + r) * width;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(key[r * ks[0] + d]);
+          for (int64_t d = 0; d < Dv; ++d) dst[D + d] = static_cast<float>(value[r * vs[0] + d]);
+        }
         j += run;
       }
       gemm_nt(G, n, D, qf, D, kv, width, s, kChunk, 0.0f);
@@ -109,12 +111,15 @@ struct Paged {
 };
 
 template <typename T>
-void decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& blocks,
-            const at::Tensor& at_, const at::Tensor& lo, const at::Tensor& hi,
-            int64_t block_size, double scale, double softcap, at::Tensor& out, at::Tensor& lse) {
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = pool.size(1);
-  const int64_t Dv = pool.size(2) - D, G = H / Hkv;
-  Paged<T> k{q.data_ptr<T>(), {q.stride(0), q.stride(1), q.stride(2)}, pool.data_ptr<T>(),
+void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+            const at::Tensor& blocks, const at::Tensor& at_, const at::Tensor& lo,
+            const at::Tensor& hi, int64_t block_size, double scale, double softcap,
+            at::Tensor& out, at::Tensor& lse) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = keys.size(1);
+  const int64_t Dv = values.size(2), G = H / Hkv;
+  Paged<T> k{q.data_ptr<T>(), {q.stride(0), q.stride(1), q.stride(2)},
+             keys.data_ptr<T>(), values.data_ptr<T>(),
+             {keys.stride(0), keys.stride(1)}, {values.stride(0), values.stride(1)},
              blocks.data_ptr<int64_t>(), at_.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
              hi.data_ptr<int64_t>(), N, H, Hkv, G, D, Dv, block_size,
              static_cast<float>(scale), static_cast<float>(softcap)};
@@ -171,26 +176,29 @@ void decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& block
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::paged_decode: ", what); }
 
-std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& pool,
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& keys,
+                                                const at::Tensor& values,
                                                 const at::Tensor& blocks, const at::Tensor& at_,
                                                 const at::Tensor& lo, const at::Tensor& hi,
                                                 int64_t block_size, double scale,
                                                 double softcap) {
   // attnkit.native validates every input before it gets here; these guard the memory.
-  check(q.dim() == 3 && pool.dim() == 3, "q (N, H, D), pool 3-D");
-  check(q.size(2) <= 1 || q.stride(2) == 1, "unit last stride");
-  check(q.device().is_cpu() && pool.device().is_cpu(), "CPU tensors only");
-  check(pool.scalar_type() == q.scalar_type() && pool.is_contiguous(), "pool: q's dtype");
-  check(pool.size(1) > 0 && q.size(1) % pool.size(1) == 0, "heads");
-  check(pool.size(2) >= q.size(2) && block_size > 0, "sizes");
-  check(pool.size(0) % block_size == 0, "whole blocks");
+  check(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q (N, H, D), keys, values 3-D");
+  for (const at::Tensor* t : {&q, &keys, &values}) {
+    check(t->size(2) <= 1 || t->stride(2) == 1, "unit last stride");
+    check(t->device().is_cpu() && t->scalar_type() == q.scalar_type(), "CPU, q's dtype");
+  }
+  check(keys.size(1) > 0 && q.size(1) % keys.size(1) == 0, "heads");
+  check(keys.size(2) == q.size(2) && block_size > 0, "sizes");
+  check(values.size(0) == keys.size(0) && values.size(1) == keys.size(1), "keys and values");
+  check(keys.size(0) % block_size == 0, "whole blocks");
   for (const at::Tensor* t : {&blocks, &at_, &lo, &hi})
     check(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "int64 1-D");
   check(at_.size(0) == q.size(0) && lo.size(0) == q.size(0) && hi.size(0) == q.size(0), "N");
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t* a = at_.data_ptr<int64_t>();
   const int64_t *l = lo.data_ptr<int64_t>(), *h = hi.data_ptr<int64_t>();
-  const int64_t num_blocks = pool.size(0) / block_size;
+  const int64_t num_blocks = keys.size(0) / block_size;
   for (int64_t i = 0; i < q.size(0); ++i) {
     check(0 <= l[i] && l[i] <= h[i], "0 <= lo <= hi");
     if (l[i] == h[i]) continue;
@@ -198,18 +206,18 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
     for (int64_t p = l[i] / block_size; p <= (h[i] - 1) / block_size; ++p)
       check(0 <= b[a[i] + p] && b[a[i] + p] < num_blocks, "block ids within the pool");
   }
-  auto out = at::empty({q.size(0), q.size(1), pool.size(2) - q.size(2)}, q.options());
+  auto out = at::empty({q.size(0), q.size(1), values.size(2)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
   switch (q.scalar_type()) {
     case at::kFloat:
-      decode<float>(q, pool, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+      decode<float>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
       break;
     case at::kBFloat16:
-      decode<at::BFloat16>(q, pool, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+      decode<at::BFloat16>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
       break;
     case at::kHalf:
-      decode<at::Half>(q, pool, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+      decode<at::Half>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
       break;
     default: TORCH_CHECK(false, "attnkit_native::paged_decode: float32, bfloat16 or float16");
   }
@@ -220,7 +228,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 }  // namespace attnkit_native
 
 TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
-  m.def("paged_decode(Tensor q, Tensor pool, Tensor blocks, Tensor table_at, Tensor lo, "
+  m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor table_at, "
+        "Tensor lo, "
         "Tensor hi, int block_size, float scale, float softcap) -> (Tensor, Tensor)");
 }
 
