@@ -156,9 +156,9 @@ class NativeBackend(Backend):
     # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
     # key of each K/V head (read once for its G query heads), `head` per key of each query
     # head, `step` per call, in units of SDPA's decoding pair (its cost counts B·H·L·S);
-    # fitted on the same CPU from `python benchmarks/native.py`'s decoding grid and
-    # MHA/GQA float32 steps of B = 1..32, S = 512..8192 (SDPA then is the faster at
-    # B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without)
+    # fitted by hand on the same CPU to float32 steps of B = 1..32, S = 512..8192, GQA
+    # (`python benchmarks/native.py`'s decoding grid) and MHA alike (SDPA then is the
+    # faster at B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without)
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if (reason := unavailable()) is not None:
@@ -207,7 +207,7 @@ class NativeBackend(Backend):
 
     def takes_dense(self, call: AttentionCall) -> bool:
         """A decoding step of half inputs that SDPA would compute in float32: converting
-        the whole cache each step costs it 2-10× the kernel's time at every size measured
+        the whole cache each step costs it 2-13× the kernel's time at every size measured
         (`python benchmarks/native.py`); float32 steps stay with SDPA's dense rule."""
         q, d = call.q, call.dims
         if d.L > DECODE_ROWS or call.requires_grad or q.device.type != "cpu" or q.dtype not in HALF:
