@@ -503,3 +503,46 @@ def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.float() - want.float()).abs().max() < tol
     assert (lse - want_lse.float()).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypatch, dtype):
+    """torch's `varlen_attn` and `flash_attn_varlen_func` with a `block_table` and one query
+    per sequence run on the paged kernel: what the composed path gives, and each
+    sequence's output bitwise the same in another pack (the kernel cuts a history by its
+    own length only: 3,000 keys run as parts whatever the pack)."""
+    from attnkit import flash_cache
+    from attnkit.dropins import varlen_attn
+    from attnkit.flash_attn import flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(8)
+    H, Hkv, D, page = 4, 2, 16, 16
+    keys, values = (torch.randn(600, page, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(600, generator=g)[: 3 * 190].view(3, 190).int()
+    lengths = torch.tensor([3000, 5, 700], dtype=torch.int32)
+    q = torch.randn(3, H, D, generator=g).to(dtype)
+    calls = []
+    kernel = flash_cache.native_ops.paged_decode
+    spy = lambda *a: calls.append(1) or kernel(*a)  # noqa: E731
+    monkeypatch.setattr(flash_cache.native_ops, "paged_decode", spy)
+
+    def run(rows, window=(-1, -1)):
+        cu = torch.arange(len(rows) + 1, dtype=torch.int32)
+        used, pages = lengths[rows], table[rows]
+        return varlen_attn(q[rows], keys, values, cu, None, 1, 3000, window_size=window,
+                           enable_gqa=True, seqused_k=used, block_table=pages)  # fmt: skip
+
+    whole, other, alone = run([0, 1, 2]), run([2, 0]), run([0])
+    assert torch.equal(whole[0], other[1]) and torch.equal(whole[2], other[0])
+    assert torch.equal(whole[0], alone[0])  # alone, it is the step's only sequence
+    windowed = run([0, 1, 2], (100, 0))
+    cu = torch.arange(4, dtype=torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    flash = flash_attn_varlen_func(q, keys, values, cu, cu_k, 1, 3000, causal=True,
+                                   window_size=(100, 0), block_table=table)  # fmt: skip
+    assert len(calls) == 5 and torch.equal(flash, windowed)
+    monkeypatch.setattr(flash_cache, "native_unavailable", lambda: "off for the comparison")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, window in ((whole, (-1, -1)), (windowed, (100, 0))):
+        assert (got.float() - run([0, 1, 2], window).float()).abs().max() < tol
+    assert len(calls) == 5

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from attnkit._compat import AuxRequest
 from attnkit.errors import BlockTableError, ShapeContractError
+from attnkit.flash_cache import decode_pages
 from attnkit.functional import attend, attention_with_lse
 from attnkit.masks import causal, row_spans
 from attnkit.masks.convert import from_torch_mask
@@ -217,6 +218,11 @@ def varlen_attn(
             raise ValueError("varlen_attn with block_table needs seqused_k (keys per sequence)")
         pool = (key.shape[0], key.shape[1])  # (pages, page_size)
         check_block_table("varlen_attn", block_table, seqused_k, pool, "seqused_k[{n}]")
+        window = (int(window_size[0]), int(window_size[1]))
+        decoded = decode_packed(query, key, value, cu_seq_q, block_table, seqused_k, window,
+                                scale, 0.0)  # fmt: skip
+        if decoded is not None:  # (T_q, H, Dv), (T_q, H)
+            return decoded if return_aux is not None and return_aux.lse else decoded[0]
         key, value, cu_seq_k = gather_pages(key, value, block_table, seqused_k)
     elif cu_seq_k is None:
         raise ValueError("varlen_attn needs cu_seq_k (or block_table with seqused_k)")
@@ -276,6 +282,37 @@ def window_spans(
     lo = torch.zeros_like(at) if left < 0 else (at - left).clamp(min=0)
     hi = len_k + torch.zeros_like(at) if right < 0 else torch.minimum(at + right + 1, len_k)
     return KeySpans(first_key + lo, first_key + torch.maximum(hi, lo), first_key + at)
+
+
+def decode_packed(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_q: Tensor,
+    block_table: Tensor,
+    lengths: Tensor,
+    window: tuple[int, int],
+    scale: float | None,
+    softcap: float,
+) -> tuple[Tensor, Tensor] | None:
+    """A pack of one query per sequence (T_q = N) against its paged keys, on the paged
+    kernel (`flash_cache.decode_pages`: pages read in place, each sequence's result the
+    same whatever else is packed): out (T_q, H, Dv) and lse (T_q, H); None where the
+    pack holds another shape, autograd records or torch.compile traces (the packed path
+    serves)."""
+    N = block_table.shape[0]
+    if query.shape[0] != N or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return None
+    if not bool((cu_q.long().cpu() == torch.arange(N + 1)).all()):
+        return None
+    zeros = torch.zeros(N, 1, dtype=torch.long)
+    spans = window_spans(zeros, lengths.long().cpu()[:, None], 1, zeros, window)
+    decoded = decode_pages(
+        query[:, None], key, value, block_table, spans.lo[:, 0], spans.hi[:, 0], scale, softcap
+    )
+    return None if decoded is None else (decoded[0][:, 0].contiguous(), decoded[1][:, :, 0])
 
 
 def packed_rows(cu_q: Tensor, T_q: int) -> tuple[Tensor, Tensor]:

@@ -35,6 +35,7 @@ from attnkit.dropins import (
     KeySpans,
     check_block_table,
     check_cache_room,
+    decode_packed,
     gather_pages,
     packed_spans,
     window_spans,
@@ -117,6 +118,13 @@ def flash_attn_varlen_func(
         lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(block_table.device)
         check_block_table("flash_attn_varlen_func", block_table, lengths, pool_size(k),
                           "cu_seqlens_k[{next}] - cu_seqlens_k[{n}]")  # fmt: skip
+        window = _window(causal, window_size)
+        if alibi_slopes is None and dropout_p == 0:
+            decoded = decode_packed(q, k, v, cu_seqlens_q, block_table, lengths, window,
+                                    softmax_scale, softcap)  # fmt: skip
+            if decoded is not None:  # (T_q, H, Dv), (T_q, H)
+                out, lse = decoded
+                return (out, lse.T.contiguous(), None) if return_attn_probs else out
         k, v, cu_seqlens_k = gather_pages(k, v, block_table, lengths)
         used: Tensor | None = lengths
     else:
@@ -221,7 +229,8 @@ def flash_attn_with_kvcache(
     index = torch.arange(L, device=dev)[None].expand(B, L)
     spans = window_spans(first, end - first, L, index, _window(causal, window_size))
     if block_table is not None and L == 1 and alibi_slopes is None:
-        decoded = decode_pages(q, k_cache, v_cache, block_table, spans, softmax_scale, softcap)
+        lo, hi = spans.lo[:, 0], spans.hi[:, 0]
+        decoded = decode_pages(q, k_cache, v_cache, block_table, lo, hi, softmax_scale, softcap)
         if decoded is not None:
             return decoded if return_softmax_lse else decoded[0]
     keys, values = read_cache(k_cache, v_cache, rows, block_table, end)  # (B, S, Hkv, D)

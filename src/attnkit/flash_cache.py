@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.dropins import KeySpans
 from attnkit.native import ops as native_ops
 from attnkit.native import unavailable as native_unavailable
 
@@ -22,14 +21,16 @@ def decode_pages(
     k_cache: Tensor,
     v_cache: Tensor,
     block_table: Tensor,
-    spans: KeySpans,
+    lo: Tensor,
+    hi: Tensor,
     scale: float | None,
     softcap: float,
 ) -> tuple[Tensor, Tensor] | None:
-    """One new query per sequence (B, 1, H, D) on attnkit's paged kernel, which reads each
-    sequence's pages in place (no gather of its history): out (B, 1, H, Dv) and lse
-    (B, H, 1); None where the kernel cannot run (not built, another device or dtype,
-    pages that are no view of one slot axis)."""
+    """One new query per sequence (B, 1, H, D) against the keys at positions [lo, hi)
+    (B,) of its pages, on attnkit's paged kernel, which reads them in place (no gather of
+    the history; a sequence's result does not depend on the others): out (B, 1, H, Dv)
+    and lse (B, H, 1); None where the kernel cannot run (not built, another device or
+    dtype, pages that are no view of one slot axis)."""
     if q.device.type != "cpu" or q.dtype not in native_ops.DTYPES:
         return None
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or native_unavailable() is not None:
@@ -44,7 +45,7 @@ def decode_pages(
     with torch.no_grad():
         out, lse = native_ops.paged_decode(
             q[:, 0], keys, values, block_table.reshape(-1).cpu(),
-            torch.arange(B) * width, spans.lo[:, 0].cpu(), spans.hi[:, 0].cpu(), page_size,
+            torch.arange(B) * width, lo.cpu(), hi.cpu(), page_size,
             D**-0.5 if scale is None else scale, softcap,
         )  # fmt: skip  # (B, H, Dv), (B, H)
     return out[:, None], lse[:, :, None]

@@ -14,10 +14,11 @@
 // a work item is one sequence's K/V head over a range of its positions; the G query heads
 // of that K/V head take a chunk of its keys together: the chunk's rows copied out of their
 // pages into a cache-resident float32 buffer, S = Q·Kᵀ (one GEMM), the online softmax
-// (running max m, sum l, output O, as in span_attention.cpp), O += P·V (one GEMM). Where the sequences × K/V heads are fewer than
-// twice the threads, each one's positions are cut into parts (flash-decoding) whose
-// partial (m, l, O) merge by their log-sum-exp at the end. Keys outside [lo_i, hi_i) are
-// never read.
+// (running max m, sum l, output O, as in span_attention.cpp), O += P·V (one GEMM). Each
+// sequence's positions are cut into parts of kPart (flash-decoding: a long history runs on
+// every thread) whose partial (m, l, O) merge by their log-sum-exp at the end; the cut
+// depends on the sequence alone, so its result is the same whatever else the step holds
+// (varlen_attn's packs are order-invariant). Keys outside [lo_i, hi_i) are never read.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,7 +33,7 @@ namespace attnkit_native {
 namespace {
 
 constexpr int64_t kChunk = 256;     // positions whose scores go through one softmax update
-constexpr int64_t kMinPart = 512;   // positions of a part at least, when they are cut
+constexpr int64_t kPart = 2048;     // positions of a part (the last of a sequence: the rest)
 
 // o += p · x over n entries.
 void axpy(float* o, float p, const float* x, int64_t n) {
@@ -123,17 +124,17 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
              blocks.data_ptr<int64_t>(), at_.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
              hi.data_ptr<int64_t>(), N, H, Hkv, G, D, Dv, block_size,
              static_cast<float>(scale), static_cast<float>(softcap)};
-  // the parts: each sequence's K/V head whole, or cut where they are fewer than 2 × threads
+  // the parts: each sequence's K/V head in runs of kPart positions, the last one longer
+  // (up to 2·kPart) rather than a short tail
   const int64_t threads = at::get_num_threads();
-  const int64_t cut = std::max<int64_t>(1, (2 * threads + N * Hkv - 1) / std::max<int64_t>(1, N * Hkv));
   std::vector<Part> parts;
   std::vector<int64_t> first(N * Hkv + 1, 0);  // each item's first part
   for (int64_t i = 0; i < N; ++i)
     for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
       const int64_t start = k.lo[i], len = std::max<int64_t>(0, k.hi[i] - k.lo[i]);
-      const int64_t pieces = std::max<int64_t>(1, std::min(cut, len / kMinPart));
+      const int64_t pieces = std::max<int64_t>(1, len / kPart);
       for (int64_t c = 0; c < pieces; ++c)
-        parts.push_back({i, hkv, start + len * c / pieces, start + len * (c + 1) / pieces});
+        parts.push_back({i, hkv, start + c * kPart, c + 1 < pieces ? start + (c + 1) * kPart : start + len});
       first[i * Hkv + hkv + 1] = static_cast<int64_t>(parts.size());
     }
   const int64_t count = static_cast<int64_t>(parts.size());
