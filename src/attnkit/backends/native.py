@@ -133,11 +133,7 @@ class _DenseKernel:
         return True
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-        B, _, L, _ = q.shape
-        S = k.shape[2]
-        zeros = torch.zeros(1, L, dtype=torch.long)
-        visible = spans(zeros, zeros + S, B, L, S)
-        return span_forward(q, k, v, visible, self.scale, self.softcap)[0]
+        return span_forward(q, k, v, None, self.scale, self.softcap)[0]
 
 
 class NativeBackend(Backend):
@@ -236,7 +232,7 @@ class NativeBackend(Backend):
             call.q,
             call.k,
             call.v,
-            tiles.visible,
+            None if call.is_dense else tiles.visible,  # None: every key, no spans to read
             call.scale,
             call.softcap or 0.0,
             (tiles.rows, tiles.keys),

@@ -3,7 +3,7 @@
 `span_forward(q, k, v, spans(lo, hi, B, L, S), scale, softcap, tiles)` is
 `torch.ops.attnkit_native.span_forward` (span_attention.cpp): attention where row i of
 batch row b sees keys `[lo[b, i], hi[b, i])` (checked once by `spans`, kept by a
-prepared call), GQA by head groups, in tiles of `rows`
+prepared call; `None` for every key), GQA by head groups, in tiles of `rows`
 query rows (of every head of a K/V head) and blocks of `keys` keys (`blocking` picks
 them), output in q's dtype and the log-sum-exp in float32 (0 and -inf on a row that sees
 nothing). The checks make the C++ side's
@@ -59,9 +59,10 @@ def _unit_last(x: Tensor) -> Tensor:
 
 def _check_kind(names: str, *tensors: Tensor) -> None:
     """One dtype the kernels take, on the CPU: what both ops ask of their tensors."""
-    dtypes = [t.dtype for t in tensors]
-    if dtypes[0] not in DTYPES or any(d != dtypes[0] for d in dtypes):
-        raise ValueError(f"{names} must share one of {DTYPES} (got {', '.join(map(str, dtypes))}).")
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES or any(t.dtype != dtype for t in tensors):
+        dtypes = ", ".join(str(t.dtype) for t in tensors)
+        raise ValueError(f"{names} must share one of {DTYPES} (got {dtypes}).")
     if any(t.device.type != "cpu" for t in tensors):
         raise ValueError(f"the native kernels run on the CPU: move {names} there.")
 
@@ -77,12 +78,13 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float) -> Non
     _check_kind("q, k, v", q, k, v)
     _check_scalars(scale, softcap)
     B, H, L, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[3] != D or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k, v {tuple(k.shape)}, {tuple(v.shape)} do not fit q {tuple(q.shape)}.")
-    if k.shape[1] == 0 or H % k.shape[1]:
-        raise ValueError(f"H={H} query heads must be a multiple of Hkv={k.shape[1]}.")
-    big = max(max(t.stride()) for t in (q, k, v))
-    if big > INT32 or L * H * D > INT32 or v.shape[3] > INT32:
+    ks, vs = k.shape, v.shape
+    if ks[0] != B or vs[0] != B or ks[3] != D or ks[:3] != vs[:3]:
+        raise ValueError(f"k, v {tuple(ks)}, {tuple(vs)} do not fit q {tuple(q.shape)}.")
+    if ks[1] == 0 or H % ks[1]:
+        raise ValueError(f"H={H} query heads must be a multiple of Hkv={ks[1]}.")
+    big = max(*q.stride(), *k.stride(), *v.stride())
+    if big > INT32 or L * H * D > INT32 or vs[3] > INT32:
         raise ValueError("a stride or size past 2**31 elements: the kernel's GEMMs are int32.")
 
 
@@ -145,7 +147,7 @@ def span_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    visible: Spans,
+    visible: Spans | None,
     scale: float,
     softcap: float = 0.0,
     tiles: tuple[int, int] | None = None,
@@ -153,28 +155,31 @@ def span_forward(
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
     library must be loaded: `attnkit.native.build.library()`); row i of batch row b sees
-    keys [visible.lo[b, i], visible.hi[b, i]); softcap 0 = none; `tiles` (rows, keys) as
-    `blocking` picks them unless given; `bias` ALiBi's terms (`alibi`) or None."""
+    keys [visible.lo[b, i], visible.hi[b, i]), every key where `visible` is None; softcap
+    0 = none; `tiles` (rows, keys) as `blocking` picks them unless given; `bias` ALiBi's
+    terms (`alibi`) or None."""
     _check(q, k, v, float(scale), float(softcap))
-    B, _, L, _ = q.shape
-    if not isinstance(visible, Spans) or visible.lo.shape != (B, L) or visible.S != k.shape[2]:
-        raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={k.shape[2]}).")
-    H = q.shape[1]
+    B, H, L, _ = q.shape
+    if visible is not None and (
+        not isinstance(visible, Spans) or visible.lo.shape != (B, L) or visible.S != k.shape[2]
+    ):
+        S = k.shape[2]
+        raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={S}) or None.")
     if bias is not None and (
         not isinstance(bias, ALiBi)
         or bias.slopes.shape != (B, L, H)
         or bias.positions.shape != (B, L)
     ):
         raise ValueError(f"bias must be ops.alibi(slopes, positions, B={B}, L={L}, H={H}, S).")
-    rows, keys = tiles or blocking(q.shape[2], q.shape[1] // k.shape[1])[:2]
+    rows, keys = tiles or blocking(L, H // k.shape[1])[:2]
     if not (0 < rows <= 4096 and 0 < keys <= 8192):
         raise ValueError(f"tiles must be 1..4096 rows and 1..8192 keys (got {rows}, {keys}).")
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
+    slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
-        q, k, v, visible.lo, visible.hi,
-        None if bias is None else bias.slopes, None if bias is None else bias.positions,
-        float(scale), float(softcap), rows, keys,
-    )  # fmt: skip
+        q, k, v, lo, hi, slopes, positions, float(scale), float(softcap), rows, keys
+    )
     return out
 
 
@@ -275,8 +280,8 @@ def _span_forward_fake(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    lo: Tensor,
-    hi: Tensor,
+    lo: Tensor | None,
+    hi: Tensor | None,
     slopes: Tensor | None,
     positions: Tensor | None,
     scale: float,

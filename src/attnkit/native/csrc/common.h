@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -117,6 +118,24 @@ inline bool all_finite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
   return tail == 0.0f;
 }
 
+// n <= Vec::size() entries at p as float32 (the rest zero): one vector load, converted
+// from a half dtype on the way.
+template <typename T>
+inline Vec load_float(const T* p, int64_t n = Vec::size()) {
+  if constexpr (std::is_same_v<T, float>) {
+    return n == Vec::size() ? Vec::loadu(p) : Vec::loadu(p, n);
+  } else {
+    if (n == Vec::size()) {
+      Vec x;
+      at::vec::load_to_float<T>(p, x);
+      return x;
+    }
+    float lanes[Vec::size()] = {};
+    for (int64_t i = 0; i < n; ++i) lanes[i] = static_cast<float>(p[i]);
+    return Vec::loadu(lanes);
+  }
+}
+
 // Rows [0, n) of a (rows, cols) slab with row stride `ld` as float32: the slab itself where
 // it is float32, else converted into `buf` (n × cols, packed).
 template <typename T>
@@ -126,8 +145,17 @@ const float* as_float(const T* src, int64_t n, int64_t cols, int64_t ld, float* 
     *out_ld = ld;
     return src;
   } else {
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t c = 0; c < cols; ++c) buf[r * cols + c] = static_cast<float>(src[r * ld + c]);
+    for (int64_t r = 0; r < n; ++r) {
+      const T* row = src + r * ld;
+      float* dst = buf + r * cols;
+      int64_t c = 0;
+      for (; c + Vec::size() <= cols; c += Vec::size()) {
+        Vec x;
+        at::vec::load_to_float<T>(row + c, x);
+        x.store(dst + c);
+      }
+      for (; c < cols; ++c) dst[c] = static_cast<float>(row[c]);
+    }
     *out_ld = cols;
     return buf;
   }

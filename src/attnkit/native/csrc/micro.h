@@ -7,7 +7,9 @@
 // the same with vectors of 16), one broadcast of a query value or weight feeds 2 FMAs, and
 // K comes transposed (D × keys, packed once per key block) so a key run is one vector
 // load. A BLAS call on 32 rows of a 256-key band spends most of its time outside its
-// inner kernel; these tiles follow each 6-row group's own hull instead.
+// inner kernel; these tiles follow each 6-row group's own hull instead. A decoding step
+// has no keys to pack: dots_tile reads each key row in place for up to MR query heads
+// and sums each dot product's lanes, and values_tile reads value rows in place too.
 #pragma once
 
 #include "common.h"
@@ -53,9 +55,10 @@ void scores_tile(const float* q, int64_t D, const float* kt, int64_t ldt, int64_
   }
 }
 
-// o[r, :Dv] += Σ_{a <= j < e} p[r, j] · v[j, :Dv] for MR_ rows (v: row stride ldv).
-template <int MR_>
-void values_tile(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t a, int64_t e,
+// o[r, :Dv] += Σ_{a <= j < e} p[r, j] · v[j, :Dv] for MR_ rows (v: row stride ldv; a half
+// dtype converted as it is loaded).
+template <int MR_, typename T>
+void values_tile(const float* p, int64_t lds, const T* v, int64_t ldv, int64_t a, int64_t e,
                  float* o, int64_t Dv) {
   constexpr int64_t W = Vec::size();
   for (int64_t c = 0; c < Dv; c += 2 * W) {
@@ -66,9 +69,9 @@ void values_tile(const float* p, int64_t lds, const float* v, int64_t ldv, int64
       acc[r][1] = n1 ? Vec::loadu(o + r * Dv + c + W, n1) : Vec(0.0f);
     }
     for (int64_t j = a; j < e; ++j) {
-      const float* vj = v + j * ldv + c;
-      const Vec b0 = n0 == W ? Vec::loadu(vj) : Vec::loadu(vj, n0);
-      const Vec b1 = n1 == W ? Vec::loadu(vj + W) : n1 ? Vec::loadu(vj + W, n1) : Vec(0.0f);
+      const T* vj = v + j * ldv + c;
+      const Vec b0 = load_float(vj, n0);
+      const Vec b1 = n1 ? load_float(vj + W, n1) : Vec(0.0f);
 #pragma GCC unroll 6
       for (int r = 0; r < MR_; ++r) {
         const Vec w(p[r * lds + j]);
@@ -80,6 +83,53 @@ void values_tile(const float* p, int64_t lds, const float* v, int64_t ldv, int64
       acc[r][0].store(o + r * Dv + c, n0);
       if (n1) acc[r][1].store(o + r * Dv + c + W, n1);
     }
+  }
+}
+
+// One cache line's prefetch. GCC deletes a loop of __builtin_prefetch whose trip count it
+// cannot see (a loop with no effect); an asm statement stays.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// The rows a decoding kernel reads next (a later page run's keys and values, strides in
+// bytes), prefetched a row per key scored: the pages lie anywhere in memory, where no
+// hardware prefetcher looks ahead, and a burst of prefetches would wait for memory as a
+// load does. The default reads nothing ahead.
+struct Ahead {
+  const char *k = nullptr, *v = nullptr;
+  int64_t n = 0, k_ld = 0, v_ld = 0, k_bytes = 0, v_bytes = 0;
+  void row(int64_t j) const {
+    if (j >= n) return;
+    for (int64_t b = 0; b < k_bytes; b += 64) prefetch_line(k + j * k_ld + b);
+    for (int64_t b = 0; b < v_bytes; b += 64) prefetch_line(v + j * v_ld + b);
+  }
+};
+
+// s[r, j] = q[r] · k[j] for MR_ rows and n keys read in place (row stride ldk), for a
+// decoding step: each key row is loaded once for all MR_ rows and its MR_ vectors of
+// partial sums are summed across lanes. q's rows are zero-padded to a multiple of the
+// vector (row stride ldq); a key's tail past D is never loaded.
+template <int MR_, typename T>
+void dots_tile(const float* q, int64_t ldq, int64_t D, const T* k, int64_t ldk, int64_t n,
+               float* s, int64_t lds, const Ahead& ahead) {
+  constexpr int64_t W = Vec::size();
+  for (int64_t j = 0; j < n; ++j) {
+    ahead.row(j);
+    const T* kj = k + j * ldk;
+    Vec acc[MR_];
+    for (int r = 0; r < MR_; ++r) acc[r] = Vec(0.0f);
+    for (int64_t d = 0; d < D; d += W) {
+      const Vec b = load_float(kj + d, std::min(W, D - d));
+#pragma GCC unroll 6
+      for (int r = 0; r < MR_; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * ldq + d), b, acc[r]);
+    }
+    for (int r = 0; r < MR_; ++r)
+      s[r * lds + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[r]);
   }
 }
 
@@ -105,9 +155,19 @@ struct Scores {
 };
 
 template <int MR_>
+struct Dots {
+  template <typename T>
+  static void run(const float* q, int64_t ldq, int64_t D, const T* k, int64_t ldk, int64_t n,
+                  float* s, int64_t lds, const Ahead* ahead) {
+    dots_tile<MR_>(q, ldq, D, k, ldk, n, s, lds, *ahead);
+  }
+};
+
+template <int MR_>
 struct Values {
-  static void run(const float* p, int64_t lds, const float* v, int64_t ldv, int64_t a,
-                  int64_t e, float* o, int64_t Dv) {
+  template <typename T>
+  static void run(const float* p, int64_t lds, const T* v, int64_t ldv, int64_t a, int64_t e,
+                  float* o, int64_t Dv) {
     values_tile<MR_>(p, lds, v, ldv, a, e, o, Dv);
   }
 };

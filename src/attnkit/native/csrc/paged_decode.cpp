@@ -10,15 +10,23 @@
 //   lse_h = log Σ_p exp(s_p)                     -inf where the sequence has no key
 //   out_h = Σ_p exp(s_p − lse_h) · v_p           0 there
 //
-// The blocking. Decoding is bound by reading K and V, so each byte is read once per step:
-// a work item is one sequence's K/V head over a range of its positions; the G query heads
-// of that K/V head take a chunk of its keys together: the chunk's rows copied out of their
-// pages into a cache-resident float32 buffer, S = Q·Kᵀ (one GEMM), the online softmax
-// (running max m, sum l, output O, as in span_attention.cpp), O += P·V (one GEMM). Each
-// sequence's positions are cut into parts of kPart (flash-decoding: a long history runs on
-// every thread) whose partial (m, l, O) merge by their log-sum-exp at the end; the cut
-// depends on the sequence alone, so its result is the same whatever else the step holds
-// (varlen_attn's packs are order-invariant). Keys outside [lo_i, hi_i) are never read.
+// The blocking. Decoding is bound by reading K and V, so each byte is read once per step,
+// in place: a work item is one sequence's range of positions (a part) for a group of its
+// K/V heads. The part walks its positions page run by page run (a page's slots are
+// consecutive); per K/V head the G query heads that share it score the run's keys
+// together (micro.h's dots_tile: each key row loaded once, in any dtype, converted as it
+// is loaded), the online softmax updates over the run (running max m, sum l, output O, as
+// in span_attention.cpp; the output is rescaled only when the max grows), and O += P·V
+// reads the run's value rows (values_tile) while they are in cache. The pages lie
+// anywhere in the pool, where no hardware prefetcher looks ahead, so the rows of the run
+// kLead positions further on are prefetched a row per key scored (micro.h's Ahead).
+//
+// The parts: each sequence's positions are cut into parts of kPart (flash-decoding: a long
+// history runs on every thread) whose partial (m, l, O) merge by their log-sum-exp at the
+// end; the cut depends on the sequence alone, so its result is the same whatever else the
+// step holds (varlen_attn's packs are order-invariant). The K/V heads go in groups only
+// when there are fewer parts than threads (a head's result is the same in any group).
+// Keys outside [lo_i, hi_i) are never read.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -27,13 +35,14 @@
 #include <tuple>
 #include <vector>
 
-#include "common.h"
+#include "micro.h"
 
 namespace attnkit_native {
 namespace {
 
-constexpr int64_t kChunk = 256;     // positions whose scores go through one softmax update
-constexpr int64_t kPart = 2048;     // positions of a part (the last of a sequence: the rest)
+constexpr int64_t kRun = 256;   // positions of a page run at most (one softmax update)
+constexpr int64_t kPart = 2048;  // positions of a part (the last of a sequence: the rest)
+constexpr int64_t kLead = 32;    // positions the prefetch runs ahead, at least
 
 // o += p · x over n entries.
 void axpy(float* o, float p, const float* x, int64_t n) {
@@ -44,9 +53,10 @@ void axpy(float* o, float p, const float* x, int64_t n) {
   for (; d < n; ++d) o[d] += p * x[d];
 }
 
-// One part: sequence i, K/V head hkv, positions [p0, p1).
+// One part: sequence i, K/V heads [h0, h1), positions [p0, p1); its partial results are
+// rows [row, row + (h1 - h0)·G) of m, l and O.
 struct Part {
-  int64_t i, hkv, p0, p1;
+  int64_t i, h0, h1, p0, p1, row;
 };
 
 template <typename T>
@@ -59,55 +69,80 @@ struct Paged {
   int64_t N, H, Hkv, G, D, Dv, bs;
   float scale, softcap;
 
+  static int64_t padded(int64_t d) { return (d + Vec::size() - 1) / Vec::size() * Vec::size(); }
   int64_t slot(int64_t i, int64_t p) const { return blocks[at[i] + p / bs] * bs + p % bs; }
 
-  // The part's partial result: m (G), l (G), O (G × Dv) unnormalised. A chunk's key
-  // and value rows are copied side by side out of their pages into a float32 buffer
-  // (kChunk rows, cache-resident), then S = Q·Kᵀ and O += P·V are one GEMM each.
+  // The part's partial result: m, l (one per query head of its K/V heads) and O (one row
+  // of Dv each) unnormalised, in one pass over its page runs (the blocking above).
   void run(const Part& part, Buffer& w, float* m, float* l, float* o) const {
-    float* qf = w.data();                // G × D, scaled
-    float* s = qf + G * D;               // G × kChunk
-    float* kv = s + G * kChunk;          // kChunk × (D + Dv): the chunk's rows
-    const int64_t width = D + Dv;
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + part.i * qs[0] + (part.hkv * G + g) * qs[1];
-      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * scale;
-      m[g] = -std::numeric_limits<float>::infinity();
-      l[g] = 0.0f;
+    const int64_t ldq = padded(D), heads = (part.h1 - part.h0) * G;
+    float* qf = w.data();               // heads × ldq, scaled, zero-padded
+    float* s = qf + H * ldq;            // G × kRun: a run's scores
+    for (int64_t r = 0; r < heads; ++r) {
+      const T* src = q + part.i * qs[0] + (part.h0 * G + r) * qs[1];
+      for (int64_t d = 0; d < ldq; ++d) qf[r * ldq + d] = d < D ? static_cast<float>(src[d]) * scale : 0.0f;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
     }
-    std::fill(o, o + G * Dv, 0.0f);
-    for (int64_t c0 = part.p0; c0 < part.p1; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, part.p1 - c0);
-      for (int64_t j = 0; j < n;) {  // page by page: a page's slots are consecutive
-        const int64_t p = c0 + j, run = std::min(n - j, bs - p % bs), at_slot = slot(part.i, p);
-        const T* key = keys + at_slot * ks[0] + part.hkv * ks[1];
-        const T* value = values + at_slot * vs[0] + part.hkv * vs[1];
-        for (int64_t r = 0; r < run; ++r) {
-          float* dst = kv + (j + r) * width;
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(key[r * ks[0] + d]);
-          for (int64_t d = 0; d < Dv; ++d) dst[D + d] = static_cast<float>(value[r * vs[0] + d]);
-        }
-        j += run;
+    std::fill(o, o + heads * Dv, 0.0f);
+    runs(part, [&](int64_t count, int64_t at_slot, int64_t next, int64_t ahead) {
+      for (int64_t hkv = part.h0; hkv < part.h1; ++hkv) {
+        const int64_t r0 = (hkv - part.h0) * G;
+        const T* k = keys + at_slot * ks[0] + hkv * ks[1];
+        const Ahead fetch = prefetch(next, hkv, ahead), none;
+        for (int64_t g = 0; g < G; g += kMicroRows)
+          by_rows<Dots>(std::min(kMicroRows, G - g), qf + (r0 + g) * ldq, ldq, D, k, ks[0], count,
+                        s + g * kRun, kRun, g == 0 ? &fetch : &none);
+        for (int64_t g = 0; g < G; ++g) update(s + g * kRun, count, m[r0 + g], l[r0 + g], o + (r0 + g) * Dv);
+        const T* v = values + at_slot * vs[0] + hkv * vs[1];
+        for (int64_t g = 0; g < G; g += kMicroRows)
+          by_rows<Values>(std::min(kMicroRows, G - g), s + g * kRun, kRun, v, vs[0], int64_t{0}, count,
+                          o + (r0 + g) * Dv, Dv);
       }
-      gemm_nt(G, n, D, qf, D, kv, width, s, kChunk, 0.0f);
-      for (int64_t g = 0; g < G; ++g) update(s + g * kChunk, n, m[g], l[g], o + g * Dv);
-      gemm_nn_add(G, Dv, n, s, kChunk, kv + D, width, o, Dv);
+    });
+  }
+
+  // f(count, slot, next, ahead) for each run of positions [p, p + count) of the part
+  // within one page (kRun at most): `slot` holds p; `next` the first of the `ahead` rows
+  // to prefetch meanwhile (none near the part's end): the run that starts kLead positions
+  // or more past this one's end, so that every run is prefetched once.
+  template <typename F>
+  void runs(const Part& part, const F& f) const {
+    const int64_t skip = bs <= kRun ? std::max<int64_t>(0, (kLead + bs - 1) / bs - 1) * bs : 0;
+    for (int64_t p = part.p0; p < part.p1;) {
+      const int64_t count = std::min({part.p1 - p, bs - p % bs, kRun});
+      const int64_t target = p + count + skip;  // a run's start: a page's, or kRun into one
+      const int64_t ahead = target < part.p1 ? std::min({part.p1 - target, bs - target % bs, kRun}) : 0;
+      f(count, slot(part.i, p), ahead > 0 ? slot(part.i, target) : 0, ahead);
+      p += count;
     }
   }
 
-  // A chunk's scores into weights, the running max, sum and output rescaled.
+  // The next run's key and value rows of K/V head hkv, to prefetch.
+  Ahead prefetch(int64_t next, int64_t hkv, int64_t ahead) const {
+    const int64_t size = static_cast<int64_t>(sizeof(T));
+    return {reinterpret_cast<const char*>(keys + next * ks[0] + hkv * ks[1]),
+            reinterpret_cast<const char*>(values + next * vs[0] + hkv * vs[1]),
+            ahead, ks[0] * size, vs[0] * size, D * size, Dv * size};
+  }
+
+  // A run's scores into weights, the running max, sum and output rescaled (only when
+  // the max grows: most runs of a long history leave it as it is).
   void update(float* s, int64_t n, float& m, float& l, float* o) const {
     if (softcap > 0) softcap_inplace(s, n, softcap);
     const float mx = row_max(s, n);
     const float m_new = std::isnan(mx) ? mx : std::max(m, mx);
-    if (m_new == -std::numeric_limits<float>::infinity()) {
+    if (m_new == kNegInf) {
       std::fill(s, s + n, 0.0f);
       return;
     }
-    const float alpha = std::exp(m - m_new);
-    l = l * alpha + exp_sum(s, n, m_new);
-    m = m_new;
-    if (alpha != 1.0f) scale_inplace(o, Dv, alpha);
+    if (m_new != m) {
+      const float alpha = std::exp(m - m_new);
+      l *= alpha;
+      scale_inplace(o, Dv, alpha);
+      m = m_new;
+    }
+    l += exp_sum(s, n, m);
   }
 };
 
@@ -124,55 +159,74 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
              blocks.data_ptr<int64_t>(), at_.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
              hi.data_ptr<int64_t>(), N, H, Hkv, G, D, Dv, block_size,
              static_cast<float>(scale), static_cast<float>(softcap)};
-  // the parts: each sequence's K/V head in runs of kPart positions, the last one longer
-  // (up to 2·kPart) rather than a short tail
+  // the parts: each sequence's positions in runs of kPart, the last one longer (up to
+  // 2·kPart) rather than a short tail; its K/V heads in groups, as many as the threads need
+  // to share the work (the cut of positions depends on the sequence alone, so a sequence's
+  // result is the same whatever the step holds; a head's result is the same in any group)
   const int64_t threads = at::get_num_threads();
+  auto pieces = [&](int64_t i) {
+    return std::max<int64_t>(1, std::max<int64_t>(0, k.hi[i] - k.lo[i]) / kPart);
+  };
+  int64_t all = 0;
+  for (int64_t i = 0; i < N; ++i) all += pieces(i);
+  const int64_t groups = std::clamp<int64_t>((threads + all - 1) / all, 1, Hkv);
+  const int64_t per = (Hkv + groups - 1) / groups;  // K/V heads of a group
   std::vector<Part> parts;
-  std::vector<int64_t> first(N * Hkv + 1, 0);  // each item's first part
+  std::vector<int64_t> first{0};  // each (sequence, group)'s first part
+  int64_t rows = 0;
   for (int64_t i = 0; i < N; ++i)
-    for (int64_t hkv = 0; hkv < Hkv; ++hkv) {
-      const int64_t start = k.lo[i], len = std::max<int64_t>(0, k.hi[i] - k.lo[i]);
-      const int64_t pieces = std::max<int64_t>(1, len / kPart);
-      for (int64_t c = 0; c < pieces; ++c)
-        parts.push_back({i, hkv, start + c * kPart, c + 1 < pieces ? start + (c + 1) * kPart : start + len});
-      first[i * Hkv + hkv + 1] = static_cast<int64_t>(parts.size());
+    for (int64_t h0 = 0; h0 < Hkv; h0 += per) {
+      const int64_t h1 = std::min(Hkv, h0 + per), start = k.lo[i], count = pieces(i);
+      const int64_t end = std::max(start, k.hi[i]);
+      for (int64_t c = 0; c < count; ++c) {
+        parts.push_back({i, h0, h1, start + c * kPart, c + 1 < count ? start + (c + 1) * kPart : end, rows});
+        rows += (h1 - h0) * G;
+      }
+      first.push_back(static_cast<int64_t>(parts.size()));
     }
   const int64_t count = static_cast<int64_t>(parts.size());
-  std::vector<float> m(count * G), l(count * G), o(count * G * Dv);
+  std::vector<float> m(rows), l(rows), o(rows * Dv);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::max<int64_t>(1, std::min(threads, count)), 1, [&](int64_t, int64_t) {
-    Buffer w(G * D + G * kChunk + kChunk * (D + Dv));
-    for (int64_t t = next++; t < count; t = next++)
-      k.run(parts[t], w, &m[t * G], &l[t * G], &o[t * G * Dv]);
+    Buffer w(H * Paged<T>::padded(D) + G * kRun);
+    for (int64_t t = next++; t < count; t = next++) {
+      const int64_t r = parts[t].row;
+      k.run(parts[t], w, &m[r], &l[r], &o[r * Dv]);
+    }
   });
-  // merge each item's parts by their log-sum-exp, and write out and lse
+  // merge each query head's parts by their log-sum-exp, and write out and lse
   T* dst = out.data_ptr<T>();
   float* lse_out = lse.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<float> acc(Dv);
-  for (int64_t item = 0; item < N * Hkv; ++item)
-    for (int64_t g = 0; g < G; ++g) {
+  for (size_t item = 0; item + 1 < first.size(); ++item) {
+    const Part& head = parts[first[item]];
+    for (int64_t r = 0; r < (head.h1 - head.h0) * G; ++r) {
       float big = neg_inf;
-      for (int64_t t = first[item]; t < first[item + 1]; ++t)
-        big = std::isnan(m[t * G + g]) ? m[t * G + g] : std::max(big, m[t * G + g]);
+      for (int64_t t = first[item]; t < first[item + 1]; ++t) {
+        const float mt = m[parts[t].row + r];
+        big = std::isnan(mt) ? mt : std::max(big, mt);
+      }
       float sum = 0.0f;
       std::fill(acc.begin(), acc.end(), 0.0f);
       if (big != neg_inf)
         for (int64_t t = first[item]; t < first[item + 1]; ++t) {
-          const float weight = std::exp(m[t * G + g] - big);
-          sum += l[t * G + g] * weight;
-          axpy(acc.data(), weight, &o[(t * G + g) * Dv], Dv);
+          const int64_t at_row = parts[t].row + r;
+          const float weight = std::exp(m[at_row] - big);
+          sum += l[at_row] * weight;
+          axpy(acc.data(), weight, &o[at_row * Dv], Dv);
         }
-      const int64_t i = item / Hkv, h = (item % Hkv) * G + g;
-      T* row = dst + (i * H + h) * Dv;
+      const int64_t h = head.h0 * G + r;
+      T* row = dst + (head.i * H + h) * Dv;
       if (sum > 0.0f || std::isnan(sum)) {
         for (int64_t d = 0; d < Dv; ++d) row[d] = static_cast<T>(acc[d] / sum);
-        lse_out[i * H + h] = big + std::log(sum);
+        lse_out[head.i * H + h] = big + std::log(sum);
       } else {
         for (int64_t d = 0; d < Dv; ++d) row[d] = static_cast<T>(0.0f);
-        lse_out[i * H + h] = neg_inf;
+        lse_out[head.i * H + h] = neg_inf;
       }
     }
+  }
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::paged_decode: ", what); }

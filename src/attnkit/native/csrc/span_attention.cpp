@@ -71,7 +71,7 @@ template <typename T>
 struct Kernel {
   const Sizes z;
   const T *q, *k, *v;
-  const int64_t *lo, *hi;  // (B, L) contiguous
+  const int64_t *lo, *hi;  // (B, L) contiguous, or null: every row sees every key
   int64_t qs[4], ks[4], vs[4];  // strides (elements); the last is 1
   float scale, softcap;
   const float* slopes;  // ALiBi (B, L, H) contiguous, or null
@@ -93,9 +93,10 @@ struct Kernel {
   // Query row i's interval within the key block [k0, k0 + n), as [*a, *e) from k0.
   void local(const Item& it, int64_t i, int64_t k0, int64_t n, int64_t* a, int64_t* e) const {
     const int64_t row = it.b * z.L + it.r0 + i;
-    *a = std::clamp<int64_t>(lo[row] - k0, 0, n);
-    *e = std::clamp<int64_t>(hi[row] - k0, 0, n);
-    if (lo[row] >= hi[row]) *a = *e = 0;
+    const int64_t first = lo ? lo[row] : 0, last = hi ? hi[row] : z.S;
+    *a = std::clamp<int64_t>(first - k0, 0, n);
+    *e = std::clamp<int64_t>(last - k0, 0, n);
+    if (first >= last) *a = *e = 0;
   }
 
   // s[j] −= a·|p − (k0 + j)| for j in [ra, re): ALiBi of stacked row r (float32 holds the
@@ -261,7 +262,7 @@ std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
       const int64_t rows = std::min(z.R, z.L - r0);
       int64_t kmin = z.S, kmax = 0;
       for (int64_t i = r0; i < r0 + rows; ++i) {
-        const int64_t a = lo[b * z.L + i], e = hi[b * z.L + i];
+        const int64_t a = lo ? lo[b * z.L + i] : 0, e = hi ? hi[b * z.L + i] : z.S;
         if (a < e) {
           kmin = std::min(kmin, a);
           kmax = std::max(kmax, e);
@@ -277,15 +278,16 @@ std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
 }
 
 template <typename T>
-void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo,
-             const at::Tensor& hi, const std::optional<at::Tensor>& slopes,
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
+             const std::optional<at::Tensor>& slopes,
              const std::optional<at::Tensor>& positions, double scale, double softcap, int64_t rows,
              int64_t keys, at::Tensor& out, at::Tensor& lse) {
   Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
           q.size(3), v.size(3), rows, keys};
   Kernel<T> kern{z,
                  q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                 lo.data_ptr<int64_t>(), hi.data_ptr<int64_t>(),
+                 lo ? lo->data_ptr<int64_t>() : nullptr, hi ? hi->data_ptr<int64_t>() : nullptr,
                  {}, {}, {},
                  static_cast<float>(scale), static_cast<float>(softcap),
                  slopes ? slopes->data_ptr<float>() : nullptr,
@@ -309,8 +311,9 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_forward: ", what); }
 
 std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v, const at::Tensor& lo,
-                                                const at::Tensor& hi,
+                                                const at::Tensor& v,
+                                                const std::optional<at::Tensor>& lo,
+                                                const std::optional<at::Tensor>& hi,
                                                 const std::optional<at::Tensor>& slopes,
                                                 const std::optional<at::Tensor>& positions, double scale,
                                                 double softcap, int64_t rows, int64_t keys) {
@@ -323,17 +326,21 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   check(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ");
   check(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1), "heads");
   check(k.size(2) == v.size(2) && k.size(3) == q.size(3), "key sizes differ");
-  check(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong, "int64 spans");
-  check(lo.is_contiguous() && hi.is_contiguous(), "contiguous spans");
-  check(lo.dim() == 2 && lo.size(0) == q.size(0) && lo.size(1) == q.size(2), "spans (B, L)");
-  check(hi.sizes() == lo.sizes(), "spans (B, L)");
+  check(lo.has_value() == hi.has_value(), "spans take lo and hi");
+  if (lo) {
+    check(lo->scalar_type() == at::kLong && hi->scalar_type() == at::kLong, "int64 spans");
+    check(lo->is_contiguous() && hi->is_contiguous(), "contiguous spans");
+    check(lo->dim() == 2 && lo->size(0) == q.size(0) && lo->size(1) == q.size(2), "spans (B, L)");
+    check(hi->sizes() == lo->sizes(), "spans (B, L)");
+  }
   check(slopes.has_value() == positions.has_value(), "ALiBi takes slopes and positions");
   if (slopes) {
     check(slopes->scalar_type() == at::kFloat && slopes->is_contiguous(), "float32 slopes");
     check(slopes->dim() == 3 && slopes->size(0) == q.size(0) && slopes->size(1) == q.size(2) &&
               slopes->size(2) == q.size(1), "slopes (B, L, H)");
     check(positions->scalar_type() == at::kLong && positions->is_contiguous(), "int64 positions");
-    check(positions->sizes() == lo.sizes(), "positions (B, L)");
+    check(positions->dim() == 2 && positions->size(0) == q.size(0) && positions->size(1) == q.size(2),
+          "positions (B, L)");
   }
   check(q.size(2) * q.size(1) * q.size(3) < (int64_t{1} << 31), "sizes within int32 GEMMs");
   check(rows >= 1 && keys >= 1, "blocking");
@@ -360,7 +367,7 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
 }  // namespace attnkit_native
 
 TORCH_LIBRARY(attnkit_native, m) {
-  m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor lo, Tensor hi, Tensor? slopes, "
+  m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
         "Tensor? positions, float scale, "
         "float softcap, int rows, int keys) -> (Tensor, Tensor)");
 }
