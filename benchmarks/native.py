@@ -7,8 +7,9 @@ backend, `native` and `auto`. For each it reports the median time (round-robin),
 native its time per visible pair against dense SDPA's per pair (`per pair`), its ratio
 to the best peer, and its share of the matrix-multiply roofline measured in the same
 run (useful work 4·pairs·D per head). Then the decoding grid (L = 1, H = 8, Hkv = 2,
-float32 and bfloat16; B × S, every sequence full or padded to lengths from S/2 to S): SDPA (a bool
-padding mask where padded) against attnkit's `auto` and `native`; and the time a fresh
+float32 and bfloat16; B × S, every sequence full or padded to lengths from S/2 to S; and
+Hkv = 8, float32, full): SDPA (a bool padding mask where padded) against attnkit's `auto`
+and `native`; and the time a fresh
 process takes to load the built kernels. Results go to
 `results/native_<kind>.{md,json}`: one table per kind of CPU measured.
 
@@ -91,14 +92,18 @@ def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> di
 
 
 def decode_rows(repeats: int) -> list[dict[str, object]]:
-    grid = itertools.product(DTYPES, (False, True), DECODE_B, DECODE_S)
-    return [decode_row(dtype, padded, B, S, repeats) for dtype, padded, B, S in grid]
+    """GQA (Hkv = 2) in both dtypes, full and padded; MHA (Hkv = H) float32, full."""
+    grid = [(*c, 2) for c in itertools.product(DTYPES, (False, True), DECODE_B, DECODE_S)]
+    grid += [("float32", False, B, S, H) for B, S in itertools.product(DECODE_B, DECODE_S)]
+    return [decode_row(dtype, padded, B, S, Hkv, repeats) for dtype, padded, B, S, Hkv in grid]
 
 
-def decode_row(dtype: str, padded: bool, B: int, S: int, repeats: int) -> dict[str, object]:
+def decode_row(
+    dtype: str, padded: bool, B: int, S: int, Hkv: int, repeats: int
+) -> dict[str, object]:
     g = torch.Generator().manual_seed(S + B)
     q = torch.randn(B, H, 1, D, generator=g).to(DTYPES[dtype])
-    k, v = (torch.randn(B, 2, S, D, generator=g).to(DTYPES[dtype]) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(DTYPES[dtype]) for _ in range(2))
     lengths = torch.randint(S // 2, S + 1, (B,), generator=g) if padded else None
     mask = ak.causal(align="bottom_right")
     attn_mask = None
@@ -114,12 +119,12 @@ def decode_row(dtype: str, padded: bool, B: int, S: int, repeats: int) -> dict[s
     }
     with torch.no_grad():
         us = {n: t * 1e6 for n, t in round_robin(fns, 20 * repeats).items()}
-    row = {"dtype": dtype, "padded": padded, "B": B, "S": S}
+    row = {"dtype": dtype, "padded": padded, "B": B, "S": S, "Hkv": Hkv}
     row.update({f"{n}_us": t for n, t in us.items()})
     row["auto_ratio"] = us["sdpa"] / us["auto"]
     row["native_ratio"] = us["sdpa"] / us["native"]
     print(
-        f"decode {dtype} B={B} S={S} padded={padded}: SDPA {us['sdpa']:.0f} µs, auto "
+        f"decode {dtype} B={B} S={S} Hkv={Hkv} padded={padded}: SDPA {us['sdpa']:.0f} µs, auto "
         f"{us['auto']:.0f}, native {us['native']:.0f}",
         file=sys.stderr,
         flush=True,
@@ -169,14 +174,17 @@ def markdown(result: dict[str, object]) -> str:
         )
     lines += [
         "",
-        "Decoding, L = 1, H = 8, Hkv = 2, D = 64: median µs; ratio = SDPA / attnkit.",
+        "Decoding, L = 1, H = 8, D = 64, Hkv = 2 (GQA) or 8 (MHA): median µs; ratio = SDPA "
+        "/ attnkit.",
         "",
-        "| dtype | padded | B | S | SDPA µs | auto µs | native µs | auto ratio | native ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | Hkv | padded | B | S | SDPA µs | auto µs | native µs | auto ratio "
+        "| native ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["decode"]:  # type: ignore[attr-defined]
         lines.append(
-            f"| {r.get('dtype', 'float32')} | {'yes' if r['padded'] else 'no'} | {r['B']} | "
+            f"| {r.get('dtype', 'float32')} | {r.get('Hkv', 2)} | {'yes' if r['padded'] else 'no'}"
+            f" | {r['B']} | "
             f"{r['S']} | {r['sdpa_us']:.0f} | "
             f"{r['auto_us']:.0f} | {r['native_us']:.0f} | {r['auto_ratio']:.2f}× | "
             f"{r['native_ratio']:.2f}× |"
