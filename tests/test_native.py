@@ -196,11 +196,12 @@ def test_auto_takes_native_for_a_window_and_explain_says_why():
     assert "backend 'native'" in text and "native: tiles of 128 query rows" in text
 
 
-def test_training_runs_the_composed_backends():
+def test_training_with_softcap_or_alibi_runs_the_composed_backends():
     q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
-    with pytest.raises(ValueError, match="forward only"):
-        ak.attention(q, k, v, ak.causal(), backend="native")
-    assert "backend 'native'" not in str(ak.explain(q, k, v, ak.sliding_window(8)))
+    with pytest.raises(ValueError, match="no softcap or ALiBi yet"):
+        ak.attention(q, k, v, ak.causal(), backend="native", softcap=5.0)
+    window = ak.sliding_window(8) & ak.alibi(2)
+    assert "backend 'native'" not in str(ak.explain(q, k, v, window))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

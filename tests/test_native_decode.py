@@ -86,3 +86,23 @@ def test_span_kernel_without_spans_sees_every_key(dtype):
     dense = ops.span_forward(q, k, v, None, 0.2)
     spanned = ops.span_forward(q, k, v, every, 0.2)
     assert torch.equal(dense[0], spanned[0]) and torch.equal(dense[1], spanned[1])
+
+
+def test_auto_routes_a_float32_decoding_step_by_its_shared_reads():
+    """A float32 step whose B·G query heads share each key read at least SHARED_READS
+    times (GQA) runs on the kernel, unpriced, at every key length (the exact result); one
+    sequence's step, and MHA, stay with SDPA."""
+    import attnkit as ak
+    from attnkit.backends.native import SHARED_READS
+
+    mask = ak.causal(align="bottom_right")
+    g = torch.Generator().manual_seed(4)
+    for B, H, Hkv, backend in ((4, 8, 2, "native"), (1, 8, 2, "sdpa"), (32, 8, 8, "sdpa")):
+        assert (H > Hkv and B * H // Hkv >= SHARED_READS) == (backend == "native")
+        q = torch.randn(B, H, 1, 32, generator=g)
+        k, v = (torch.randn(B, Hkv, 300, 32, generator=g) for _ in range(2))
+        for S in (40, 300):
+            assert f"backend '{backend}'" in str(ak.explain(q, k[:, :, :S], v[:, :, :S], mask))
+            got = ak.attention(q, k[:, :, :S], v[:, :, :S], mask)
+            want = ak.attention(q, k[:, :, :S], v[:, :, :S], mask, backend="reference")
+            assert (got - want).abs().max() < 1e-5

@@ -7,8 +7,10 @@ become two (B, L) tensors `lo`, `hi`; the kernel walks each query tile's hull of
 intervals in key blocks, full blocks with no mask work, and never reads a key outside it
 (span_attention.cpp says how). A mask's one ALiBi (`& alibi(H)`) becomes each row's
 slopes and aligned position, added in the kernel. Its cost is the pairs of those hulls
-at its per-pair factor, plus a call. It serves the forward pass: a call autograd records runs on the
-composed backends, which have the backward. Where the kernels are not built (no
+at its per-pair factor, plus a call. Its backward (span_backward.cpp: dq, dk, dv from the
+output and log-sum-exp, deterministic) serves a call autograd records, the compiled op's
+backward and context-parallel pieces; softcap and ALiBi have no native gradient yet (the
+composed backends serve such calls). Where the kernels are not built (no
 compiler, a failed build, `ATTNKIT_NATIVE=off`) it refuses with the reason.
 """
 
@@ -28,6 +30,7 @@ from attnkit.masks import causal, sliding_window
 from attnkit.masks.biases import alibi_rows
 from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
+from attnkit.native.backward import span_backward
 from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward, spans
 from attnkit.precision import HALF, kernel_dtype
 
@@ -35,6 +38,7 @@ __all__ = ["NativeBackend"]
 
 BIG = 2**62  # past any key index
 DECODE_ROWS = 16  # a call of at most this many queries is priced as a decoding step
+SHARED_READS = 16  # a float32 decoding step's B·G from which the kernel takes it unpriced
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,13 @@ def _alibi(call: AttentionCall) -> ALiBi | None:
     d = call.dims
     terms = alibi_rows(call.mask, d.B, d.H, d.L, d.S) if call.mask is not None else None
     return None if terms is None else alibi(*terms, d.B, d.L, d.H, d.S)
+
+
+def _no_backward(call: AttentionCall) -> str | None:
+    """Why the native backward cannot give this call's gradients, or None."""
+    if call.softcap is not None or call.has_bias:
+        return "the native backward has no softcap or ALiBi yet (the composed backends do)"
+    return None
 
 
 def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -137,7 +148,7 @@ class _DenseKernel:
 
 
 class NativeBackend(Backend):
-    """attnkit's C++ kernel: one key interval per row, block-sparse, forward only."""
+    """attnkit's C++ kernels: one key interval per row, block-sparse, forward and backward."""
 
     name = "native"
     # against dense SDPA's per pair: `pair` per pair computed (every block's or group's
@@ -163,8 +174,8 @@ class NativeBackend(Backend):
             return f"the native kernels run on the CPU, not {call.q.device.type}"
         if call.q.dtype not in DTYPES:
             return f"the native kernels take float32, bfloat16 or float16 (got {call.q.dtype})"
-        if call.requires_grad:
-            return "forward only: a call autograd records runs where its backward runs"
+        if call.requires_grad and (reason := _no_backward(call)) is not None:
+            return reason
         if call.bias_tensor is not None or call.dropout_p > 0:
             return "no additive bias tensor or dropout in the native kernel (ALiBi it adds)"
         if self._tiles(call) is None:
@@ -202,13 +213,20 @@ class NativeBackend(Backend):
         return self.factors()["step" if call.dims.L <= DECODE_ROWS else "call"]
 
     def takes_dense(self, call: AttentionCall) -> bool:
-        """A decoding step of half inputs that SDPA would compute in float32: converting
-        the whole cache each step costs it 2-13× the kernel's time at every size measured
-        (`python benchmarks/native.py`); float32 steps stay with SDPA's dense rule."""
+        """A decoding step the kernel wins at every key length measured (`python
+        benchmarks/native.py`'s decoding grid): half inputs SDPA would compute in float32
+        (converting the whole cache each step costs it 2-14× the kernel's time), and
+        float32 GQA steps whose B·G query heads share each key read (G = H / Hkv > 1) at
+        least SHARED_READS times (8:2 from B = 4 up: 1.2-1.9× SDPA; a single sequence's
+        step stays with SDPA, 0.7× at S = 512; MHA too, where the two run about even)."""
         q, d = call.q, call.dims
-        if d.L > DECODE_ROWS or call.requires_grad or q.device.type != "cpu" or q.dtype not in HALF:
+        if d.L > DECODE_ROWS or call.requires_grad or q.device.type != "cpu":
             return False
-        return kernel_dtype(q.dtype, q.device) != q.dtype and unavailable() is None
+        if q.dtype not in DTYPES or unavailable() is not None:
+            return False
+        converted = q.dtype in HALF and kernel_dtype(q.dtype, q.device) != q.dtype
+        shared = d.groups > 1 and d.B * d.groups >= SHARED_READS
+        return converted or (q.dtype == torch.float32 and shared)
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""
@@ -239,6 +257,24 @@ class NativeBackend(Backend):
             tiles.bias,
         )
         return out, lse if need_lse else None
+
+    def serves_backward(self, call: AttentionCall) -> bool:
+        return _no_backward(call) is None and self.can_use(call, need_lse=True) is None
+
+    def backward(
+        self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv from the rows' output and log-sum-exp, whichever backend computed them
+        (a context-parallel piece's: the global ones): span_backward.cpp, deterministic."""
+        tiles = self._tiles(call)
+        assert tiles is not None
+        q, k, v = (t.detach() for t in (call.q, call.k, call.v))
+        dtype = q.dtype
+        return span_backward(
+            q, k, v, out.detach().to(dtype), dout.to(dtype), lse.detach().float(),
+            None if call.is_dense else tiles.visible, call.scale,
+            None if dlse is None else dlse.float(),
+        )  # fmt: skip
 
     def notes(self, call: AttentionCall) -> list[str]:
         tiles, d = self._tiles(call), call.dims

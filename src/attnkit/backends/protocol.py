@@ -17,7 +17,7 @@ kernels turning warm), which cached plans carry.
 and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
 in the registry that serves); `dense_fastest` marks the backend cheapest per pair on a
 dense call, which `auto` takes for such a call without pricing (`sdpa`), unless a backend
-`takes_dense` that call (`native`: a decoding step of half inputs); `work` is read
+`takes_dense` that call (`native`: decoding steps it wins at every key length); `work` is read
 by `plot.computed_regions` and the calibration. A backend keeps no cache of its own:
 what it derives lives in the call's `derived`. Nothing outside `backends/` names a
 concrete backend class or looks one up by a literal name; `backends.register(backend)`

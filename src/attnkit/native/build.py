@@ -40,7 +40,7 @@ __all__ = [
     "unavailable",
 ]
 
-SOURCES = ("csrc/span_attention.cpp", "csrc/paged_decode.cpp")
+SOURCES = ("csrc/span_attention.cpp", "csrc/span_backward.cpp", "csrc/paged_decode.cpp")
 HEADERS = ("csrc/common.h", "csrc/micro.h")  # every header: a test checks the list
 NAME = "attnkit_native"
 MODES = ("on", "off", "sanitize")
@@ -203,9 +203,10 @@ def library() -> tuple[Path | None, str | None]:
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError) as error:
         return None, f"the built library does not load: {str(error).splitlines()[0][:300]}"
-    from attnkit.native import ops
+    from attnkit.native import backward, ops
 
     ops.register_fakes()
+    backward.register_autograd()
     return path, None
 
 

@@ -1,0 +1,368 @@
+// attnkit's native kernel: the backward of span_attention.cpp (the gradients of q, k, v).
+//
+// The math. Row i of batch row b sees keys [lo[b,i], hi[b,i]) as in the forward; with its
+// scores s_ij = scale·q_i·k_j, the forward's lse_i and output o_i, and the incoming
+// gradients do_i (of out) and g_i (of lse; 0 where none flows), query head h reading K/V
+// head h / G:
+//
+//   P_ij  = exp(s_ij − lse_i)                    0 where row i does not see key j
+//   Δ_i   = do_i · o_i − g_i
+//   dv_j  = Σ_i P_ij · do_i
+//   ds_ij = P_ij · (do_i · v_j − Δ_i)
+//   dq_i  = scale · Σ_j ds_ij · k_j
+//   dk_j  = scale · Σ_i ds_ij · q_i
+//
+// with dk and dv summed over the G query heads of their K/V head (GQA), all in float32.
+// A row that sees nothing has P = 0: its dq is 0, and it adds nothing to dk or dv.
+//
+// The blocking. Two passes, neither with atomics, so every sum runs in one fixed order and
+// two runs give the same bits. (1) Per K/V head and block of KB keys: the query tiles of
+// R rows (their G heads stacked, as in the forward) whose rows see a key of the block, in
+// order: S = Qs·Kᵀ (Qs = scale·Q), P, dV += Pᵀ·dO, dP = dO·Vᵀ, dS, dK += dSᵀ·Qs. (2) Per
+// K/V head and query tile, as the forward, over the key blocks of its hull: S, P, dP, dS,
+// dQ += dS·K, times scale at the end. P and dS are written only inside each row's
+// interval (0 elsewhere), so a key a row does not see never reaches its gradients through
+// 0·NaN in S or dP; where a block is cut (some row sees part of it) and the other factor
+// of a product holds a non-finite value (Q or dO rows in pass 1, K rows in pass 2), an
+// exact loop over each row's own keys replaces the GEMM.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+
+namespace attnkit_native {
+namespace {
+
+struct Sizes {
+  int64_t B, H, Hkv, G, L, S, D, Dv, R, KB;
+};
+
+// Query rows [r0, r0 + rows) of batch row b, whose intervals' hull is [kmin, kmax).
+struct Tile {
+  int64_t b, r0, rows, kmin, kmax;
+};
+
+// The call's rows in float32, stacked as the tiles read them (B, Hkv, L·G: query row i's
+// G heads side by side): scaled queries, dO, Δ and lse, made once for both passes.
+struct Rows {
+  std::vector<float> q, dout, delta, lse;
+  explicit Rows(const Sizes& z)
+      : q(z.B * z.H * z.L * z.D), dout(z.B * z.H * z.L * z.Dv), delta(z.B * z.H * z.L),
+        lse(z.B * z.H * z.L) {}
+};
+
+// A thread's scratch: a block's P and dS (stacked rows × KB), K and V as float (half
+// dtypes), and the accumulated gradients.
+struct Scratch {
+  Buffer p, ds, k, v, dq, dk, dv;
+  explicit Scratch(const Sizes& z)
+      : p(z.G * z.R * z.KB), ds(z.G * z.R * z.KB), k(z.KB * z.D), v(z.KB * z.Dv),
+        dq(z.G * z.R * z.D), dk(z.KB * z.D), dv(z.KB * z.Dv) {}
+};
+
+// One tile's stacked rows in Rows, and one block's keys and values as float (row strides).
+struct View {
+  const float *q, *dout, *delta, *lse;
+  const float *k, *v;
+  int64_t ldk, ldv;
+};
+
+// Row-major C (m × n) += Aᵀ·B (A is k × m, B is k × n).
+inline void gemm_tn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                        const float* b, int64_t ldb, float* c, int64_t ldc) {
+  const char tb = 'N', ta = 'T';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int lb = static_cast<int>(ldb), la = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const float one = 1.0f;
+  sgemm_(&tb, &ta, &M, &N, &K, &one, b, &lb, a, &la, &one, c, &lc);
+}
+
+template <typename T>
+struct Backward {
+  const Sizes z;
+  const T *q, *k, *v, *out, *dout;
+  const float *lse, *glse;  // (B, H, L) contiguous; glse may be null
+  const int64_t *lo, *hi;   // (B, L) contiguous, or null: every row sees every key
+  int64_t qs[4], ks[4], vs[4], os[4], ds[4];
+  float scale;
+  T *dq, *dk, *dv;  // contiguous
+
+  int64_t first(int64_t row) const { return lo ? lo[row] : 0; }
+  int64_t last(int64_t row) const { return hi ? hi[row] : z.S; }
+
+  // Stacked row r of a tile (query row r0 + r / G, head hkv·G + r % G): its interval in
+  // the block [k0, k0 + n), as [*a, *e) from k0.
+  void local(const Tile& t, int64_t r, int64_t k0, int64_t n, int64_t* a, int64_t* e) const {
+    const int64_t row = t.b * z.L + t.r0 + r / z.G;
+    const int64_t f = first(row), l = last(row);
+    *a = std::clamp<int64_t>(f - k0, 0, n);
+    *e = std::clamp<int64_t>(l - k0, 0, n);
+    if (f >= l) *a = *e = 0;
+  }
+
+  // Rows of (b, h) in stacked order: scaled queries, dO, Δ = dO·O − g and lse.
+  void stack(int64_t b, int64_t h, Rows& rows) const {
+    const int64_t hkv = h / z.G, g = h % z.G;
+    for (int64_t l = 0; l < z.L; ++l) {
+      const int64_t r = ((b * z.Hkv + hkv) * z.L + l) * z.G + g, at = (b * z.H + h) * z.L + l;
+      const T* qi = q + b * qs[0] + h * qs[1] + l * qs[2];
+      const T* oi = out + b * os[0] + h * os[1] + l * os[2];
+      const T* di = dout + b * ds[0] + h * ds[1] + l * ds[2];
+      for (int64_t d = 0; d < z.D; ++d) rows.q[r * z.D + d] = static_cast<float>(qi[d]) * scale;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < z.Dv; ++d) {
+        const float x = static_cast<float>(di[d]);
+        rows.dout[r * z.Dv + d] = x;
+        dot += x * static_cast<float>(oi[d]);
+      }
+      rows.delta[r] = dot - (glse ? glse[at] : 0.0f);
+      rows.lse[r] = lse[at];
+    }
+  }
+
+  // The tile's rows of K/V head hkv, and keys [k0, k0 + n) as float.
+  View view(const Rows& rows, const Tile& t, int64_t hkv, int64_t k0, int64_t n,
+            Scratch& w) const {
+    const int64_t r = ((t.b * z.Hkv + hkv) * z.L + t.r0) * z.G;
+    View x{rows.q.data() + r * z.D, rows.dout.data() + r * z.Dv, rows.delta.data() + r,
+           rows.lse.data() + r, nullptr, nullptr, 0, 0};
+    const T* kh = k + t.b * ks[0] + hkv * ks[1] + k0 * ks[2];
+    const T* vh = v + t.b * vs[0] + hkv * vs[1] + k0 * vs[2];
+    x.k = as_float(kh, n, z.D, ks[2], w.k.data(), &x.ldk);
+    x.v = as_float(vh, n, z.Dv, vs[2], w.v.data(), &x.ldv);
+    return x;
+  }
+
+  // P and dS of the tile's M stacked rows against the block [k0, k0 + n) in w.p, w.ds
+  // (row stride KB), each only inside its row's interval; returns whether every row sees
+  // every key of the block.
+  bool weights(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n) const {
+    const int64_t M = z.G * t.rows;
+    gemm_nt(M, n, z.D, x.q, z.D, x.k, x.ldk, w.p.data(), z.KB, 0.0f);
+    gemm_nt(M, n, z.Dv, x.dout, z.Dv, x.v, x.ldv, w.ds.data(), z.KB, 0.0f);
+    bool full = true;
+    for (int64_t r = 0; r < M; ++r) {
+      int64_t a = 0, e = 0;
+      local(t, r, k0, n, &a, &e);
+      full &= a == 0 && e == n;
+      float *p = w.p.data() + r * z.KB, *s = w.ds.data() + r * z.KB;
+      std::fill(p, p + a, 0.0f), std::fill(s, s + a, 0.0f);
+      std::fill(p + e, p + n, 0.0f), std::fill(s + e, s + n, 0.0f);
+      if (a < e) gradient_weights(p + a, s + a, e - a, x.lse[r], x.delta[r]);
+    }
+    return full;
+  }
+
+  // p = exp(p − m) and s = p · (s − delta) over n entries.
+  static void gradient_weights(float* p, float* s, int64_t n, float m, float delta) {
+    const Vec vm(m), vd(delta);
+    int64_t j = 0;
+    for (; j + Vec::size() <= n; j += Vec::size()) {
+      const Vec x = (Vec::loadu(p + j) - vm).exp_u20();
+      x.store(p + j);
+      (x * (Vec::loadu(s + j) - vd)).store(s + j);
+    }
+    for (; j < n; ++j) {
+      p[j] = std::exp(p[j] - m);
+      s[j] = p[j] * (s[j] - delta);
+    }
+  }
+
+  // Pass 1: dk, dv of key block [k0, k0 + n) of (b, hkv) from every tile that sees it.
+  void keys_pass(const Rows& rows, const std::vector<Tile>& tiles, int64_t b, int64_t hkv,
+                 int64_t k0, int64_t n, Scratch& w) const {
+    std::fill(w.dk.begin(), w.dk.begin() + n * z.D, 0.0f);
+    std::fill(w.dv.begin(), w.dv.begin() + n * z.Dv, 0.0f);
+    for (const Tile& t : tiles) {
+      if (t.b != b || t.kmax <= k0 || t.kmin >= k0 + n || t.kmin >= t.kmax) continue;
+      const View x = view(rows, t, hkv, k0, n, w);
+      const int64_t M = z.G * t.rows;
+      const bool full = weights(t, x, w, k0, n);
+      if (full || all_finite(x.dout, M, z.Dv, z.Dv))
+        gemm_tn_add(n, z.Dv, M, w.p.data(), z.KB, x.dout, z.Dv, w.dv.data(), z.Dv);
+      else
+        exact(t, w.p.data(), x.dout, z.Dv, w.dv.data(), k0, n);
+      if (full || all_finite(x.q, M, z.D, z.D))
+        gemm_tn_add(n, z.D, M, w.ds.data(), z.KB, x.q, z.D, w.dk.data(), z.D);
+      else
+        exact(t, w.ds.data(), x.q, z.D, w.dk.data(), k0, n);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      T* dkj = dk + ((b * z.Hkv + hkv) * z.S + k0 + j) * z.D;
+      T* dvj = dv + ((b * z.Hkv + hkv) * z.S + k0 + j) * z.Dv;
+      for (int64_t d = 0; d < z.D; ++d) dkj[d] = static_cast<T>(w.dk[j * z.D + d]);
+      for (int64_t d = 0; d < z.Dv; ++d) dvj[d] = static_cast<T>(w.dv[j * z.Dv + d]);
+    }
+  }
+
+  // acc[j] += Σ_r x[r, j] · y[r] over each stacked row's own keys j (pass 1's exact loop).
+  void exact(const Tile& t, const float* x, const float* y, int64_t width, float* acc, int64_t k0,
+             int64_t n) const {
+    for (int64_t r = 0; r < z.G * t.rows; ++r) {
+      int64_t a = 0, e = 0;
+      local(t, r, k0, n, &a, &e);
+      for (int64_t j = a; j < e; ++j)
+        for (int64_t d = 0; d < width; ++d) acc[j * width + d] += x[r * z.KB + j] * y[r * width + d];
+    }
+  }
+
+  // Pass 2: dq of a tile over the key blocks of its hull.
+  void queries_pass(const Rows& rows, const Tile& t, int64_t hkv, Scratch& w) const {
+    const int64_t M = z.G * t.rows;
+    std::fill(w.dq.begin(), w.dq.begin() + M * z.D, 0.0f);
+    for (int64_t k0 = t.kmin; k0 < t.kmax; k0 += z.KB) {
+      const int64_t n = std::min(z.KB, t.kmax - k0);
+      const View x = view(rows, t, hkv, k0, n, w);
+      if (weights(t, x, w, k0, n) || all_finite(x.k, n, z.D, x.ldk)) {
+        gemm_nn_add(M, z.D, n, w.ds.data(), z.KB, x.k, x.ldk, w.dq.data(), z.D);
+        continue;
+      }
+      for (int64_t r = 0; r < M; ++r) {  // only the keys each row sees
+        int64_t a = 0, e = 0;
+        local(t, r, k0, n, &a, &e);
+        for (int64_t j = a; j < e; ++j)
+          for (int64_t d = 0; d < z.D; ++d)
+            w.dq[r * z.D + d] += w.ds[r * z.KB + j] * x.k[j * x.ldk + d];
+      }
+    }
+    for (int64_t i = 0; i < t.rows; ++i)
+      for (int64_t g = 0; g < z.G; ++g) {
+        T* dst = dq + (((t.b * z.H + hkv * z.G + g) * z.L) + t.r0 + i) * z.D;
+        const float* src = w.dq.data() + (i * z.G + g) * z.D;
+        for (int64_t d = 0; d < z.D; ++d) dst[d] = static_cast<T>(src[d] * scale);
+      }
+  }
+};
+
+// The tiles of every batch row, each with its rows' hull (0, 0 where no row sees a key).
+std::vector<Tile> tiles_of(const Sizes& z, const int64_t* lo, const int64_t* hi) {
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < z.B; ++b)
+    for (int64_t r0 = 0; r0 < z.L; r0 += z.R) {
+      const int64_t rows = std::min(z.R, z.L - r0);
+      int64_t kmin = z.S, kmax = 0;
+      for (int64_t i = r0; i < r0 + rows; ++i) {
+        const int64_t a = lo ? lo[b * z.L + i] : 0, e = hi ? hi[b * z.L + i] : z.S;
+        if (a < e) kmin = std::min(kmin, a), kmax = std::max(kmax, e);
+      }
+      if (kmin >= kmax) kmin = kmax = 0;
+      tiles.push_back({b, r0, rows, kmin, kmax});
+    }
+  return tiles;
+}
+
+// Items run on at::parallel_for's threads, each taking the next of a list (an atomic
+// counter); an item writes its own rows of the output only.
+template <typename F>
+void run_items(int64_t count, const Sizes& z, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w(z);
+    for (int64_t t = next++; t < count; t = next++) f(t, w);
+  });
+}
+
+template <typename T>
+void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+              const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
+              const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
+              double scale, int64_t rows, int64_t keys, at::Tensor& dq, at::Tensor& dk,
+              at::Tensor& dv) {
+  const Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
+                q.size(3), v.size(3), rows, keys};
+  Backward<T> kern{z,
+                   q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
+                   dout.data_ptr<T>(), lse.data_ptr<float>(),
+                   glse ? glse->data_ptr<float>() : nullptr,
+                   lo ? lo->data_ptr<int64_t>() : nullptr, hi ? hi->data_ptr<int64_t>() : nullptr,
+                   {}, {}, {}, {}, {},
+                   static_cast<float>(scale),
+                   dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>()};
+  for (int d = 0; d < 4; ++d) {
+    kern.qs[d] = q.stride(d);
+    kern.ks[d] = k.stride(d);
+    kern.vs[d] = v.stride(d);
+    kern.os[d] = out.stride(d);
+    kern.ds[d] = dout.stride(d);
+  }
+  Rows stacked(z);
+  at::parallel_for(0, z.B * z.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) kern.stack(bh / z.H, bh % z.H, stacked);
+  });
+  const std::vector<Tile> tiles = tiles_of(z, kern.lo, kern.hi);
+  const int64_t blocks = (z.S + z.KB - 1) / z.KB;
+  run_items(z.B * z.Hkv * blocks, z, [&](int64_t t, Scratch& w) {
+    const int64_t b = t / (z.Hkv * blocks), hkv = t / blocks % z.Hkv, k0 = t % blocks * z.KB;
+    kern.keys_pass(stacked, tiles, b, hkv, k0, std::min(z.KB, z.S - k0), w);
+  });
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  run_items(count * z.Hkv, z, [&](int64_t t, Scratch& w) {
+    kern.queries_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
+  });
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_backward: ", what); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
+    const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi, double scale,
+    int64_t rows, int64_t keys) {
+  // attnkit.native validates every input before it gets here; these guard the memory.
+  for (const at::Tensor* t : {&q, &k, &v, &out, &dout}) {
+    check(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
+          "q, k, v, out, dout: 4-D CPU tensors of one dtype");
+    check(t->size(3) <= 1 || t->stride(3) == 1, "unit last stride");
+  }
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  check(k.size(0) == B && v.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0, "heads");
+  check(v.size(1) == k.size(1) && v.size(2) == k.size(2) && k.size(3) == q.size(3), "k, v");
+  check(out.sizes() == dout.sizes() && out.size(0) == B && out.size(1) == H &&
+            out.size(2) == L && out.size(3) == v.size(3), "out, dout (B, H, L, Dv)");
+  for (const at::Tensor* t : {&lse, glse ? &*glse : &lse})
+    check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+              t->size(0) == B && t->size(1) == H && t->size(2) == L, "lse (B, H, L) float32");
+  check(lo.has_value() == hi.has_value(), "spans take lo and hi");
+  if (lo)
+    for (const at::Tensor* t : {&*lo, &*hi})
+      check(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 2 &&
+                t->size(0) == B && t->size(1) == L, "spans (B, L) int64");
+  check(rows >= 1 && keys >= 1 && rows * keys * H < (int64_t{1} << 31), "blocking");
+  auto dq = at::empty({B, H, L, q.size(3)}, q.options());
+  auto dk = at::empty({B, k.size(1), k.size(2), k.size(3)}, q.options());
+  auto dv = at::empty({B, v.size(1), v.size(2), v.size(3)}, q.options());
+  if (q.numel() == 0 && k.numel() == 0) return {dq, dk, dv};
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      backward<float>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
+      break;
+    case at::kBFloat16:
+      backward<at::BFloat16>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
+      break;
+    case at::kHalf:
+      backward<at::Half>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
+      break;
+    default: TORCH_CHECK(false, "attnkit_native::span_backward: float32, bfloat16 or float16");
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace attnkit_native
+
+TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
+  m.def("span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
+        "Tensor? glse, Tensor? lo, Tensor? hi, float scale, int rows, int keys) "
+        "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
+  m.impl("span_backward", &attnkit_native::span_backward);
+}

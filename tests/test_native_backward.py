@@ -1,0 +1,157 @@
+"""The native backward (span_backward.cpp) against the float64 reference: dq, dk, dv by
+the flash-attention rule on every dtype, MHA/GQA/MQA and every mask the kernel takes
+(training calls run on it), awkward sizes and strides; empty rows and keys no row sees
+give exact zeros, and a non-finite key, value, query or output gradient a row does not
+see never reaches another row's gradients; bitwise-equal gradients across runs and
+across packings; the gradient of the log-sum-exp; the op's contract (`opcheck`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit.native import build, ops, unavailable
+from attnkit.native.backward import span_backward
+from helpers import assert_rule, naive_same_dtype
+from test_reference_matrix import HEADS, MASKS, SIZES, truth_and_reference
+
+pytestmark = pytest.mark.skipif(build.setting() == "off", reason="ATTNKIT_NATIVE=off")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TAKEN = {"none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
+         "sliding_two_sided", "documents_causal", "prefix_lm", "chunked_causal_offset"}  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built() -> None:
+    assert unavailable() is None, unavailable()
+
+
+def _grads(q, k, v, mask, dout, backend="native", **kwargs):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ak.attention(q, k, v, mask, backend=backend, **kwargs)
+    (out * dout).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _matrix():
+    for dtype in DTYPES:
+        for heads in HEADS:
+            for mask_kind in sorted(TAKEN & set(MASKS)):
+                for size in SIZES:
+                    slow = max(size) > 1000 and (dtype != torch.float32 or heads != "GQA")
+                    yield pytest.param(
+                        dtype, heads, mask_kind, size,
+                        marks=[pytest.mark.slow] if slow else [],
+                        id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}",
+                    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("dtype", "heads", "mask_kind", "size"), list(_matrix()))
+def test_native_gradients_match_float64_reference(dtype, heads, mask_kind, size):
+    (q, k, v, mask, dout), truth, ref = truth_and_reference(dtype, heads, mask_kind, size, 64)
+    got = _grads(q, k, v, mask, dout)
+    for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+        assert a.dtype == dtype
+        assert_rule(f"native {mask_kind} {name}", a, r, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("D", "Dv"), [(40, 24), (1, 3)])
+def test_strided_inputs_and_odd_head_dims(dtype, D, Dv):
+    g = torch.Generator().manual_seed(D)
+    q = torch.randn(2, 6, 131, D, generator=g).to(dtype)
+    k = torch.randn(2, 3, 300, D, generator=g).to(dtype)
+    v = torch.randn(2, 3, 300, Dv, generator=g).to(dtype)
+    dout = torch.randn(2, 6, 131, Dv, generator=g).to(dtype)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, L, H, D) underneath
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    mask = ak.sliding_window(37, align="bottom_right") & ak.key_padding(torch.tensor([300, 211]))
+    truth = _grads(q.double(), k.double(), v.double(), mask, dout.double(), "reference")
+    if dtype == torch.float32:
+        ref = _grads(q, k, v, mask, dout, "reference")
+    else:
+        ref = naive_same_dtype(q, k, v, mask, dout, dtype)
+    got = _grads(q, k, v, mask, dout)
+    for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+        assert_rule(f"strided {name}", a, r, w)
+
+
+def test_empty_rows_and_unseen_keys_get_exact_zeros():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    mask = ak.key_padding(torch.tensor([6, 0])) & ak.causal(offset=-3)  # rows 0-2 see none
+    _, dq, dk, dv = _grads(q, k, v, mask, torch.randn(2, 4, 9, 8, generator=g))
+    assert (dq[1] == 0).all() and (dq[0, :, :3] == 0).all()
+    assert (dk[1] == 0).all() and (dv[1] == 0).all()  # batch row 1 sees no key
+    assert (dk[0, :, 6:] == 0).all() and (dv[0, :, 6:] == 0).all()  # padding
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_values_a_row_does_not_see_never_leak(poison):
+    """Three causal documents in one call: NaN (or inf) in one document's keys, values,
+    queries and output gradients; every gradient of the other documents stays exact."""
+    g = torch.Generator().manual_seed(3)
+    L = 400
+    q, k, v, dout = (torch.randn(1, 4, L, 32, generator=g) for _ in range(4))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    ids = (torch.arange(L) >= 150).long() + (torch.arange(L) >= 260).long()
+    mask = ak.document(ids) & ak.causal()
+    want = _grads(q.double(), k.double(), v.double(), mask, dout.double(), "reference")
+    bad = [t.clone() for t in (q, k, v, dout)]
+    for t, at in zip(bad, (170, 180, 190, 200), strict=True):
+        t[:, :, at] = poison  # all in document 1 (rows and keys 150..259)
+    got = _grads(*bad[:3], mask, bad[3])
+    others = torch.cat([torch.arange(150), torch.arange(260, L)])
+    for name, a, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        part = a[:, :, others]
+        assert torch.isfinite(part).all(), name
+        assert (part.double() - w[:, :, others]).abs().max() < 1e-5, name
+
+
+def test_gradients_are_bitwise_repeatable_and_pack_invariant():
+    """Two runs give the same bits; a sequence's gradients are the same alone and packed
+    with another (document mask), whatever the other holds."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(1, 8, 500, 64, generator=g) for _ in range(4))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    ids = (torch.arange(500) >= 300).long()
+    mask = ak.document(ids) & ak.causal()
+    first, second = _grads(q, k, v, mask, dout), _grads(q, k, v, mask, dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    alone = _grads(q[:, :, :300], k[:, :, :300], v[:, :, :300], ak.causal(), dout[:, :, :300])
+    for a, b in zip(alone, first, strict=True):
+        assert torch.equal(a, b[:, :, :300])
+
+
+def test_the_log_sum_exp_gradient_flows():
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 50, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    mask = ak.sliding_window(9)
+    dout, dlse = torch.randn(1, 4, 50, 16, generator=g), torch.randn(1, 4, 50, generator=g)
+    grads = []
+    for backend, dtype in (("reference", torch.float64), ("native", torch.float32)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = ak.attention_with_lse(*leaves, mask, backend=backend)
+        ((out * dout.to(dtype)).sum() + (lse * dlse.to(dtype)).sum()).backward()
+        grads.append([t.grad.double() for t in leaves])
+    for want, got in zip(*grads, strict=True):
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_opcheck_of_the_backward_op():
+    q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 8)
+    lo = torch.arange(33).clamp(max=40)[None].expand(2, 33).contiguous()
+    hi = (lo + 10).clamp(max=50)
+    for dtype in DTYPES:
+        qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+        out, lse = ops.span_forward(qd, kd, vd, ops.spans(lo, hi, 2, 33, 50), 0.25)
+        dout = torch.randn_like(out)
+        for glse, spans in ((None, (lo, hi)), (torch.randn_like(lse), (None, None))):
+            args = (qd, kd, vd, out, dout, lse, glse, *spans, 0.25, 16, 32)
+            torch.library.opcheck(torch.ops.attnkit_native.span_backward, args)
+        grads = span_backward(qd, kd, vd, out, dout, lse, None, 0.25)
+        assert [t.shape for t in grads] == [qd.shape, kd.shape, vd.shape]
