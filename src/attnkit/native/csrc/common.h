@@ -11,6 +11,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 // BLAS's single-precision GEMM (column-major), as PyTorch links it (MKL or OpenBLAS).
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
@@ -36,12 +37,15 @@ class Buffer {
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// A leading dimension for BLAS, which asks at least 1 even of an empty matrix (D = 0).
+inline int ld(int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); }
+
 // Row-major C (m × n) = A (m × k) · Bᵀ (B is n × k) + beta · C.
 inline void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
              int64_t ldb, float* c, int64_t ldc, float beta) {
   const char ta = 'T', tb = 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const int la = ld(ldb), lb = ld(lda), lc = ld(ldc);
   const float alpha = 1.0f;
   sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
 }
@@ -51,7 +55,7 @@ inline void gemm_nn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t
                  int64_t ldb, float* c, int64_t ldc) {
   const char t = 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const int la = ld(ldb), lb = ld(lda), lc = ld(ldc);
   const float one = 1.0f;
   sgemm_(&t, &t, &M, &N, &K, &one, b, &la, a, &lb, &one, c, &lc);
 }
@@ -116,6 +120,18 @@ inline bool all_finite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
   acc.store(lanes);
   for (float lane : lanes) tail += lane;
   return tail == 0.0f;
+}
+
+// The hull [kmin, kmax) of the key intervals of query rows [r0, r0 + rows) of batch row b
+// (lo, hi: (B, L), or null for [0, S) every row); (0, 0) where no row sees a key.
+inline std::pair<int64_t, int64_t> hull(const int64_t* lo, const int64_t* hi, int64_t b,
+                                        int64_t L, int64_t S, int64_t r0, int64_t rows) {
+  int64_t kmin = S, kmax = 0;
+  for (int64_t i = r0; i < r0 + rows; ++i) {
+    const int64_t a = lo ? lo[b * L + i] : 0, e = hi ? hi[b * L + i] : S;
+    if (a < e) kmin = std::min(kmin, a), kmax = std::max(kmax, e);
+  }
+  return kmin < kmax ? std::pair{kmin, kmax} : std::pair<int64_t, int64_t>{0, 0};
 }
 
 // n <= Vec::size() entries at p as float32 (the rest zero): one vector load, converted

@@ -260,15 +260,7 @@ std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
   for (int64_t b = 0; b < z.B; ++b)
     for (int64_t r0 = 0; r0 < z.L; r0 += z.R) {
       const int64_t rows = std::min(z.R, z.L - r0);
-      int64_t kmin = z.S, kmax = 0;
-      for (int64_t i = r0; i < r0 + rows; ++i) {
-        const int64_t a = lo ? lo[b * z.L + i] : 0, e = hi ? hi[b * z.L + i] : z.S;
-        if (a < e) {
-          kmin = std::min(kmin, a);
-          kmax = std::max(kmax, e);
-        }
-      }
-      if (kmin >= kmax) kmin = kmax = 0;
+      const auto [kmin, kmax] = hull(lo, hi, b, z.L, z.S, r0, rows);
       for (int64_t hkv = 0; hkv < z.Hkv; ++hkv) items.push_back({b, hkv, r0, rows, kmin, kmax});
     }
   std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {

@@ -24,7 +24,8 @@
 // interval (0 elsewhere), so a key a row does not see never reaches its gradients through
 // 0·NaN in S or dP; where a block is cut (some row sees part of it) and the other factor
 // of a product holds a non-finite value (Q or dO rows in pass 1, K rows in pass 2), an
-// exact loop over each row's own keys replaces the GEMM.
+// exact loop over each row's own keys replaces the GEMM. Half inputs take Δ_i as
+// Σ_j P_ij·dP_ij in a first pass (their output, rounded to its dtype, would move dP − Δ).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -78,7 +79,7 @@ inline void gemm_tn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t
                         const float* b, int64_t ldb, float* c, int64_t ldc) {
   const char tb = 'N', ta = 'T';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int lb = static_cast<int>(ldb), la = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const int lb = ld(ldb), la = ld(lda), lc = ld(ldc);
   const float one = 1.0f;
   sgemm_(&tb, &ta, &M, &N, &K, &one, b, &lb, a, &la, &one, c, &lc);
 }
@@ -121,7 +122,7 @@ struct Backward {
         rows.dout[r * z.Dv + d] = x;
         dot += x * static_cast<float>(oi[d]);
       }
-      rows.delta[r] = dot - (glse ? glse[at] : 0.0f);
+      rows.delta[r] = (std::is_same_v<T, float> ? dot : 0.0f) - (glse ? glse[at] : 0.0f);
       rows.lse[r] = lse[at];
     }
   }
@@ -172,6 +173,24 @@ struct Backward {
       p[j] = std::exp(p[j] - m);
       s[j] = p[j] * (s[j] - delta);
     }
+  }
+
+  // Half inputs: Δ_i = Σ_j P_ij·dP_ij over the row's keys, in float32 (the same number as
+  // dO·O, without the output's rounding to its dtype, which cancellation in dP − Δ would
+  // magnify), added to the −g that stack() left there.
+  void delta_pass(Rows& rows, const Tile& t, int64_t hkv, Scratch& w) const {
+    const int64_t M = z.G * t.rows, r0 = ((t.b * z.Hkv + hkv) * z.L + t.r0) * z.G;
+    std::vector<float> sum(M, 0.0f);
+    for (int64_t k0 = t.kmin; k0 < t.kmax; k0 += z.KB) {
+      const int64_t n = std::min(z.KB, t.kmax - k0);
+      View x = view(rows, t, hkv, k0, n, w);
+      std::vector<float> zero(M, 0.0f);
+      x.delta = zero.data();  // dS = P·(dP − 0) = P·dP
+      weights(t, x, w, k0, n);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t j = 0; j < n; ++j) sum[r] += w.ds[r * z.KB + j];
+    }
+    for (int64_t r = 0; r < M; ++r) rows.delta[r0 + r] += sum[r];
   }
 
   // Pass 1: dk, dv of key block [k0, k0 + n) of (b, hkv) from every tile that sees it.
@@ -246,12 +265,7 @@ std::vector<Tile> tiles_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
   for (int64_t b = 0; b < z.B; ++b)
     for (int64_t r0 = 0; r0 < z.L; r0 += z.R) {
       const int64_t rows = std::min(z.R, z.L - r0);
-      int64_t kmin = z.S, kmax = 0;
-      for (int64_t i = r0; i < r0 + rows; ++i) {
-        const int64_t a = lo ? lo[b * z.L + i] : 0, e = hi ? hi[b * z.L + i] : z.S;
-        if (a < e) kmin = std::min(kmin, a), kmax = std::max(kmax, e);
-      }
-      if (kmin >= kmax) kmin = kmax = 0;
+      const auto [kmin, kmax] = hull(lo, hi, b, z.L, z.S, r0, rows);
       tiles.push_back({b, r0, rows, kmin, kmax});
     }
   return tiles;
@@ -297,12 +311,16 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     for (int64_t bh = begin; bh < end; ++bh) kern.stack(bh / z.H, bh % z.H, stacked);
   });
   const std::vector<Tile> tiles = tiles_of(z, kern.lo, kern.hi);
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  if (!std::is_same_v<T, float>)
+    run_items(count * z.Hkv, z, [&](int64_t t, Scratch& w) {
+      kern.delta_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
+    });
   const int64_t blocks = (z.S + z.KB - 1) / z.KB;
   run_items(z.B * z.Hkv * blocks, z, [&](int64_t t, Scratch& w) {
     const int64_t b = t / (z.Hkv * blocks), hkv = t / blocks % z.Hkv, k0 = t % blocks * z.KB;
     kern.keys_pass(stacked, tiles, b, hkv, k0, std::min(z.KB, z.S - k0), w);
   });
-  const int64_t count = static_cast<int64_t>(tiles.size());
   run_items(count * z.Hkv, z, [&](int64_t t, Scratch& w) {
     kern.queries_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
   });
@@ -338,7 +356,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   auto dq = at::empty({B, H, L, q.size(3)}, q.options());
   auto dk = at::empty({B, k.size(1), k.size(2), k.size(3)}, q.options());
   auto dv = at::empty({B, v.size(1), v.size(2), v.size(3)}, q.options());
-  if (q.numel() == 0 && k.numel() == 0) return {dq, dk, dv};
+  if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
   switch (q.scalar_type()) {
     case at::kFloat:
       backward<float>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
