@@ -172,6 +172,8 @@ def markdown(result: dict[str, object]) -> str:
             f"{r['tiled_ms']:.1f} | {r['native_ms']:.1f} | {r['auto_ms']:.1f} ({r['auto']}) | "
             f"{r['per_pair']:.2f} | {r['vs_best_peer']:.2f}× | {r['gflops'] / roof:.0%} |"
         )
+    if not result["decode"]:  # a run with --no-decode
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "Decoding, L = 1, H = 8, D = 64, Hkv = 2 (GQA) or 8 (MHA): median µs; ratio = SDPA "
