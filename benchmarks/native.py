@@ -6,15 +6,20 @@ the dense bool mask), FlexAttention compiled (compile time apart), the composed 
 backend, `native` and `auto`. For each it reports the median time (round-robin), and for
 native its time per visible pair against dense SDPA's per pair (`per pair`), its ratio
 to the best peer, and its share of the matrix-multiply roofline measured in the same
-run (useful work 4·pairs·D per head). Then the decoding grid (L = 1, H = 8, Hkv = 2,
-float32 and bfloat16; B × S, every sequence full or padded to lengths from S/2 to S; and
-Hkv = 8, float32, full): SDPA (a bool padding mask where padded) against attnkit's `auto`
-and `native`; and the time a fresh
-process takes to load the built kernels. Results go to
+run (useful work 4·pairs·D per head). Then forward+backward of the same patterns (the
+output's gradient all ones): SDPA, tiled, native and auto against dense SDPA's
+forward+backward per pair (useful work 3.5× the forward's, flash-attention's
+convention; FlexAttention has no backward on the CPU). Then the decoding grid (L = 1,
+H = 8, Hkv = 2, float32 and bfloat16; B × S, every sequence full or padded to lengths
+from S/2 to S; and Hkv = 8, float32, full): SDPA (a bool padding mask where padded)
+against attnkit's `auto` and `native`; and the time a fresh process takes to load the
+built kernels. Results go to
 `results/native_<kind>.{md,json}`: one table per kind of CPU measured.
 
     python benchmarks/native.py                        # S = 1024 4096
     python benchmarks/native.py --sizes 1024 --no-flex --repeats 3   # a quick look
+    python benchmarks/native.py --sizes 16384 --patterns causal sliding documents \
+        --no-decode --out results/s16384
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from bench import (  # beside this file
     inputs,
     make_case,
     peer_recompile_limit,
+    repeats_for,
     roofline_gflops,
+    time_peers,
 )
 
 import attnkit as ak
@@ -84,6 +91,37 @@ def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> di
     }  # fmt: skip
     print(
         f"{dtype} {pattern} S={S}: native {native * 1e3:.1f} ms, per pair "
+        f"{row['per_pair']:.2f} of dense SDPA, {row['vs_best_peer']:.2f}× the best peer",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def train_row(pattern: str, S: int, dtype: str, repeats: int) -> dict[str, object]:
+    """Forward+backward of one pattern: SDPA, tiled, native, auto and dense SDPA."""
+    case = make_case(pattern, S, DTYPES[dtype])
+    sdpa = Peers(case).call("sdpa", grad=True)
+    assert not isinstance(sdpa, str)
+    fns: dict[str, Callable[..., torch.Tensor]] = {"sdpa": sdpa}
+    fns["dense sdpa"] = F.scaled_dot_product_attention
+    for backend in ("tiled", "native", "auto"):
+        fns[backend] = lambda q, k, v, b=backend: ak.attention(q, k, v, case.mask, backend=b)
+    long = S >= 16384  # calls of seconds: no warm-up round, fewer runs
+    medians = time_peers(fns, case, True, repeats_for(S, repeats), warmup=not long)
+    dense_pair = medians.pop("dense sdpa") / (case.B * S * S)
+    native = medians["native"]
+    best_peer = min(medians["sdpa"], medians["tiled"])
+    row: dict[str, object] = {
+        "pattern": pattern, "S": S, "dtype": dtype, "pairs": case.pairs,
+        **{f"{n}_ms": t * 1e3 for n, t in medians.items()},
+        "per_pair": dense_pair * case.pairs / native,
+        "vs_best_peer": best_peer / native,
+        "gflops": 3.5 * 4 * case.pairs * H * D / native / 1e9,
+        "auto": ak.explain(*inputs(case, grad=True), case.mask).backend,
+    }  # fmt: skip
+    print(
+        f"{dtype} {pattern} S={S} fwd+bwd: native {native * 1e3:.1f} ms, per pair "
         f"{row['per_pair']:.2f} of dense SDPA, {row['vs_best_peer']:.2f}× the best peer",
         file=sys.stderr,
         flush=True,
@@ -172,6 +210,7 @@ def markdown(result: dict[str, object]) -> str:
             f"{r['tiled_ms']:.1f} | {r['native_ms']:.1f} | {r['auto_ms']:.1f} ({r['auto']}) | "
             f"{r['per_pair']:.2f} | {r['vs_best_peer']:.2f}× | {r['gflops'] / roof:.0%} |"
         )
+    lines += train_markdown(result)
     if not result["decode"]:  # a run with --no-decode
         return "\n".join(lines) + "\n"
     lines += [
@@ -194,6 +233,31 @@ def markdown(result: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def train_markdown(result: dict[str, object]) -> list[str]:
+    rows = result.get("train") or []
+    if not rows:  # a run with --no-train
+        return []
+    lines = [
+        "",
+        "Forward+backward, the same calls (the output's gradient all ones): median ms; per "
+        "pair = native's time per visible pair against dense SDPA's forward+backward; vs "
+        "best = the better of SDPA and tiled over native; roofline = useful work (3.5× the "
+        "forward's) over the fp32 roofline.",
+        "",
+        "| dtype | pattern | S | SDPA | tiled | native | auto (picks) | per pair | vs best "
+        "| roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    roof = result["roofline_fp32"]
+    for r in rows:  # type: ignore[attr-defined]
+        lines.append(
+            f"| {r['dtype']} | {r['pattern']} | {r['S']} | {r['sdpa_ms']:.1f} | "
+            f"{r['tiled_ms']:.1f} | {r['native_ms']:.1f} | {r['auto_ms']:.1f} ({r['auto']}) | "
+            f"{r['per_pair']:.2f} | {r['vs_best_peer']:.2f}× | {r['gflops'] / roof:.0%} |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
@@ -201,6 +265,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--no-train", action="store_true", help="skip forward+backward")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the tables go")
     parser.add_argument("--table", type=Path, help="only write the table of a kept JSON")
     args = parser.parse_args()
@@ -226,6 +291,14 @@ def main() -> None:
         "roofline_bf16": roofline_gflops(args.repeats, torch.bfloat16),
         "load_s": load_seconds(),
         "kernels": kernels,
+        "train": []
+        if args.no_train
+        else [
+            train_row(p, S, dtype, args.repeats)
+            for dtype in DTYPES
+            for S in args.sizes
+            for p in args.patterns
+        ],
         "decode": [] if args.no_decode else decode_rows(args.repeats),
     }
     args.out.mkdir(parents=True, exist_ok=True)

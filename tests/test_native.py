@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.flash_attn import flash_attn_func
 from attnkit.native import build, ops
 from fuzz_paged import World
 from helpers import assert_rule
@@ -196,12 +197,16 @@ def test_auto_takes_native_for_a_window_and_explain_says_why():
     assert "backend 'native'" in text and "native: tiles of 128 query rows" in text
 
 
-def test_training_with_softcap_or_alibi_runs_the_composed_backends():
+def test_training_with_alibi_slopes_that_require_grad_runs_the_composed_backends():
+    """The kernel's backward takes ALiBi's slopes as constants: slopes that want their
+    own gradient go to a composed backend, which gives it."""
     q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
-    with pytest.raises(ValueError, match="no softcap or ALiBi yet"):
-        ak.attention(q, k, v, ak.causal(), backend="native", softcap=5.0)
-    window = ak.sliding_window(8) & ak.alibi(2)
-    assert "backend 'native'" not in str(ak.explain(q, k, v, window))
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), alibi_slopes=slopes)
+    out.sum().backward()
+    assert slopes.grad is not None and bool(slopes.grad.abs().sum() > 0)
+    plain = ak.sliding_window(8) & ak.alibi(2)  # constant slopes: the kernel trains it
+    assert "backend 'native'" in str(ak.explain(q, k, v, plain, backend="native"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -58,6 +58,80 @@ def test_native_gradients_match_float64_reference(dtype, heads, mask_kind, size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", ["MHA", "GQA"])
+@pytest.mark.parametrize(("L", "S"), [(300, 300), (70, 300), (1, 257)])
+@pytest.mark.parametrize("terms", ["softcap", "alibi", "both"])
+def test_softcap_and_alibi_gradients(dtype, heads, L, S, terms):
+    """softcap's derivative 1 − tanh² and ALiBi's bias inside the kernel's backward, with
+    a window and causal (bottom-right when L != S): by the rule against float64, the
+    comparand the reference in the same dtype (as the forward's test)."""
+    H, Hkv = (4, 4) if heads == "MHA" else (8, 2)
+    g = torch.Generator().manual_seed(L + S)
+    q = torch.randn(2, H, L, 32, generator=g).to(dtype)
+    k, v = (torch.randn(2, Hkv, S, 32, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(2, H, L, 32, generator=g).to(dtype)
+    align = "bottom_right" if L != S else None
+    mask = ak.sliding_window(100, align=align) & ak.causal(align=align)
+    if terms != "softcap":
+        mask = mask & ak.alibi(H, align=align)
+    softcap = 2.0 if terms != "alibi" else None
+    got = _grads(q, k, v, mask, dout, softcap=softcap)
+    truth = _grads(q.double(), k.double(), v.double(), mask, dout.double(), "reference",
+                   softcap=softcap)  # fmt: skip
+    ref = _grads(q, k, v, mask, dout, "reference", softcap=softcap)
+    for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+        assert_rule(f"native {terms} {name}", a, r, w)
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_kind", ["causal", "sliding", "documents_causal", "padding"])
+@pytest.mark.parametrize("size", [(97, 1025), (1025, 1025)])
+def test_one_pass_and_two_pass_backwards_both_keep_the_rule(threads, dtype, mask_kind, size):
+    """MQA with B = 2 is two (batch row, K/V head) items: one thread takes all of an item
+    in one pass on 1 or 2 threads; on 3 a second pass per query tile gives dq."""
+    (q, k, v, mask, dout), truth, ref = truth_and_reference(dtype, "MQA", mask_kind, size, 64)
+    results = []
+    for n in (2, 3):
+        threads(n)
+        results.append(got := _grads(q, k, v, mask, dout))
+        for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+            assert_rule(f"native {n} threads {mask_kind} {name}", a, r, w)
+    assert torch.equal(results[0][2], results[1][2])  # dk, dv: the same blocks either way
+    assert torch.equal(results[0][3], results[1][3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinks_gradients_flow_through_the_log_sum_exp(dtype):
+    """Sinks merge in by the kernel's lse: q, k, v and the sinks' own gradients by the
+    rule against float64 (rows that see nothing included: their output is 0)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 8, 90, 32, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, 90, 32, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(2, 8, 90, 32, generator=g).to(dtype)
+    sinks = torch.randn(8, generator=g)
+    mask = ak.sliding_window(20) & ak.key_padding(torch.tensor([90, 0]))
+
+    def grads(backend, dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v, sinks)]
+        out = ak.attention(*leaves[:3], mask, sinks=leaves[3], backend=backend)
+        (out * dout.to(dt)).sum().backward()
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    got, truth = grads("native", dtype), grads("reference", torch.float64)
+    ref = grads("reference", dtype)
+    for name, a, r, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref, truth, strict=True):
+        assert_rule(f"native sinks {name}", a, r, w)
+    assert torch.equal(got[0][1], torch.zeros_like(got[0][1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("D", "Dv"), [(40, 24), (1, 3)])
 def test_strided_inputs_and_odd_head_dims(dtype, D, Dv):
     g = torch.Generator().manual_seed(D)
@@ -156,8 +230,13 @@ def test_opcheck_of_the_backward_op():
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
         out, lse = ops.span_forward(qd, kd, vd, ops.spans(lo, hi, 2, 33, 50), 0.25)
         dout = torch.randn_like(out)
-        for glse, spans in ((None, (lo, hi)), (torch.randn_like(lse), (None, None))):
-            args = (qd, kd, vd, out, dout, lse, glse, *spans, 0.25, 16, 32)
+        slopes, positions = torch.rand(2, 33, 4), torch.arange(33)[None].repeat(2, 1)
+        for glse, spans, bias, softcap in (
+            (None, (lo, hi), (None, None), 0.0),
+            (torch.randn_like(lse), (None, None), (None, None), 0.0),
+            (None, (lo, hi), (slopes, positions), 3.0),
+        ):
+            args = (qd, kd, vd, out, dout, lse, glse, *spans, *bias, 0.25, softcap, 16, 32)
             torch.library.opcheck(torch.ops.attnkit_native.span_backward, args)
         grads = span_backward(qd, kd, vd, out, dout, lse, None, 0.25)
         assert [t.shape for t in grads] == [qd.shape, kd.shape, vd.shape]

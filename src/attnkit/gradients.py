@@ -22,8 +22,8 @@ __all__ = ["fused_gradients", "serves"]
 
 def serves(call: AttentionCall, scale: float | None) -> bool:
     """True if `fused_gradients` can take `call` (`scale` as the caller gave it: a sign
-    folded into q would need the chain rule outside): where tiled's blockwise backward
-    runs (CPU, no softcap, D == Dv, ...)."""
+    folded into q would need the chain rule outside) and a backend's fused backward
+    takes it (`serves_backward`: sdpa, native or tiled, each saying which calls)."""
     if call.is_empty or (scale is not None and scale <= 0):
         return False
     return any(b.serves_backward(call) for b in BACKENDS.values())

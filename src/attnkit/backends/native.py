@@ -8,9 +8,10 @@ intervals in key blocks, full blocks with no mask work, and never reads a key ou
 (span_attention.cpp says how). A mask's one ALiBi (`& alibi(H)`) becomes each row's
 slopes and aligned position, added in the kernel. Its cost is the pairs of those hulls
 at its per-pair factor, plus a call. Its backward (span_backward.cpp: dq, dk, dv from the
-output and log-sum-exp, deterministic) serves a call autograd records, the compiled op's
-backward and context-parallel pieces; softcap and ALiBi have no native gradient yet (the
-composed backends serve such calls). Where the kernels are not built (no
+output and log-sum-exp, deterministic, softcap's derivative included) serves a call
+autograd records, the compiled op's backward and context-parallel pieces (ALiBi's slopes
+taken as constants: slopes that require grad go to a composed backend). Where the
+kernels are not built (no
 compiler, a failed build, `ATTNKIT_NATIVE=off`) it refuses with the reason.
 """
 
@@ -86,13 +87,6 @@ def _alibi(call: AttentionCall) -> ALiBi | None:
     d = call.dims
     terms = alibi_rows(call.mask, d.B, d.H, d.L, d.S) if call.mask is not None else None
     return None if terms is None else alibi(*terms, d.B, d.L, d.H, d.S)
-
-
-def _no_backward(call: AttentionCall) -> str | None:
-    """Why the native backward cannot give this call's gradients, or None."""
-    if call.softcap is not None or call.has_bias:
-        return "the native backward has no softcap or ALiBi yet (the composed backends do)"
-    return None
 
 
 def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -174,14 +168,14 @@ class NativeBackend(Backend):
             return f"the native kernels run on the CPU, not {call.q.device.type}"
         if call.q.dtype not in DTYPES:
             return f"the native kernels take float32, bfloat16 or float16 (got {call.q.dtype})"
-        if call.requires_grad and (reason := _no_backward(call)) is not None:
-            return reason
         if call.bias_tensor is not None or call.dropout_p > 0:
             return "no additive bias tensor or dropout in the native kernel (ALiBi it adds)"
-        if self._tiles(call) is None:
+        if (tiles := self._tiles(call)) is None:
             if call.has_bias and _alibi(call) is None:
                 return "the only bias the native kernel adds is one ALiBi (alibi(H) with `&`)"
             return "the mask is not one interval of keys per row (or differs between heads)"
+        if call.requires_grad and tiles.bias is not None and tiles.bias.slopes.requires_grad:
+            return "the native backward takes ALiBi's slopes as constants (these require grad)"
         return None
 
     def _tiles(self, call: AttentionCall) -> Tiles | None:
@@ -259,7 +253,7 @@ class NativeBackend(Backend):
         return out, lse if need_lse else None
 
     def serves_backward(self, call: AttentionCall) -> bool:
-        return _no_backward(call) is None and self.can_use(call, need_lse=True) is None
+        return self.can_use(call, need_lse=True) is None
 
     def backward(
         self, call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
@@ -273,7 +267,7 @@ class NativeBackend(Backend):
         return span_backward(
             q, k, v, out.detach().to(dtype), dout.to(dtype), lse.detach().float(),
             None if call.is_dense else tiles.visible, call.scale,
-            None if dlse is None else dlse.float(),
+            None if dlse is None else dlse.float(), call.softcap or 0.0, tiles.bias,
         )  # fmt: skip
 
     def notes(self, call: AttentionCall) -> list[str]:

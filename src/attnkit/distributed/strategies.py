@@ -10,16 +10,16 @@ to their owners.
 `ulysses` moves queries instead: an all-to-all turns sequence shards into head shards
 (every rank then attends over the whole sequence for H/P heads) and back.
 
-The fused backward (CPU, D == Dv, no softcap, a positive scale; `attnkit.gradients`):
-the weights of any shard of keys are `P = exp(s − lse)` with the global lse and `dS = P
-⊙ (dP − rowsum(dO ⊙ O))` with the global O (plus `P·dlse`), which is what one fused
-backward per rectangle computes (SDPA's flash backward for unmasked and causal
-rectangles, `tiled`'s elsewhere): no piece is recomputed, no graph kept, and the slower
-lse-gradient path is not taken; the forward keeps only the shards (its own; every one
-under allgather) and the ring fetches the others again. Elsewhere each piece gets
-`w_s·dout` and `w_s·(⟨dout, out_s − out⟩ + dlse)` (`w_s = exp(lse_s − lse)`) through its
-own graph (kept from the forward for the rank's own keys, all of them under allgather;
-the ring's others recomputed).
+The fused backward (CPU, a positive scale, a backend whose backward takes the piece;
+`attnkit.gradients`): the weights of any shard of keys are `P = exp(s − lse)` with the
+global lse and `dS = P ⊙ (dP − rowsum(dO ⊙ O))` with the global O (plus `P·dlse`), which
+is what one fused backward per rectangle computes (SDPA's flash backward for unmasked
+and causal rectangles, the native kernel's or `tiled`'s elsewhere): no piece is
+recomputed, no graph kept, and the slower lse-gradient path is not taken; the forward
+keeps only the shards (its own; every one under allgather) and the ring fetches the
+others again. Elsewhere each piece gets `w_s·dout` and `w_s·(⟨dout, out_s − out⟩ +
+dlse)` (`w_s = exp(lse_s − lse)`) through its own graph (kept from the forward for the
+rank's own keys, all of them under allgather; the ring's others recomputed).
 
 `ulysses` needs Hkv % P == 0 (else a `ValueError` saying why), windows the mask to its
 head shard, and has autograd through the exchanges.

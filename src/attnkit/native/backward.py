@@ -1,12 +1,12 @@
 """The span kernel's backward as a Python call, and the forward op's gradient.
 
-`span_backward(q, k, v, out, dout, lse, visible, scale)` is
+`span_backward(q, k, v, out, dout, lse, visible, scale, ...)` is
 `torch.ops.attnkit_native.span_backward` (span_backward.cpp): dq, dk, dv of the span
 call from its saved output and log-sum-exp, with no forward recomputed as a graph; `glse`
 the gradient reaching lse, if any. Deterministic: two passes with no atomics (the same
 inputs give the same bits), dk and dv summed over a K/V head's G query heads in a fixed
-order. `register_autograd` gives `span_forward` this gradient (softcap and ALiBi have
-none here yet: their gradient raises).
+order; softcap's derivative included, ALiBi's slopes constants. `register_autograd` gives
+`span_forward` this gradient.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.native.ops import Spans, _check, _unit_last
+from attnkit.native.ops import ALiBi, Spans, _check, _unit_last
 
 __all__ = ["backward_blocking", "register_autograd", "span_backward"]
 
@@ -41,11 +41,14 @@ def span_backward(
     visible: Spans | None,
     scale: float,
     glse: Tensor | None = None,
+    softcap: float = 0.0,
+    bias: ALiBi | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (q's, k's, v's shapes, in q's dtype) of the span call whose output is
     `out` (B, H, L, Dv) and log-sum-exp `lse` (B, H, L) float32, given `dout` (out's
-    shape) and `glse` (lse's, or None); `visible` None: every row saw every key."""
-    _check(q, k, v, float(scale), 0.0)
+    shape) and `glse` (lse's, or None); `visible` None: every row saw every key; `softcap`
+    and `bias` (`ops.alibi`'s terms) as the forward had them."""
+    _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     shape = (B, H, L, v.shape[3])
     if out.shape != shape or dout.shape != shape or out.dtype != q.dtype or dout.dtype != q.dtype:
@@ -55,12 +58,15 @@ def span_backward(
             raise ValueError(f"{name} must be ({B}, {H}, {L}) float32 (got {tuple(t.shape)}).")
     if visible is not None and (visible.lo.shape != (B, L) or visible.S != k.shape[2]):
         raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={k.shape[2]}).")
+    if bias is not None and (bias.slopes.shape != (B, L, H) or bias.positions.shape != (B, L)):
+        raise ValueError(f"bias must be ops.alibi(slopes, positions, B={B}, L={L}, H={H}, S).")
     rows, keys = backward_blocking(L, H // k.shape[1])
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
+    slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
     grads: tuple[Tensor, Tensor, Tensor] = torch.ops.attnkit_native.span_backward(
         _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out), _unit_last(dout),
         lse.contiguous(), None if glse is None else glse.contiguous(), lo, hi,
-        float(scale), rows, keys,
+        slopes, positions, float(scale), float(softcap), rows, keys,
     )  # fmt: skip
     return grads
 
@@ -70,24 +76,17 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, lo, hi, slopes, _, scale, softcap, _, _ = inputs
-    ctx.no_gradient = None
-    if slopes is not None or softcap > 0:
-        ctx.no_gradient = "softcap" if softcap > 0 else "ALiBi"
-    ctx.scale = scale
-    ctx.save_for_backward(q, k, v, lo, hi, *output)
+    q, k, v, lo, hi, slopes, positions, scale, softcap, _, _ = inputs
+    ctx.scale, ctx.softcap = scale, softcap
+    ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
 
 def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
-    if ctx.no_gradient is not None:
-        raise NotImplementedError(
-            f"the native kernel has no gradient with {ctx.no_gradient} yet: run the call on "
-            "a composed backend (attnkit.attention picks one when autograd records it)."
-        )
-    q, k, v, lo, hi, out, lse = ctx.saved_tensors
+    q, k, v, lo, hi, slopes, positions, out, lse = ctx.saved_tensors
     visible = None if lo is None else Spans(lo, hi, k.shape[2])
-    dq, dk, dv = span_backward(q, k, v, out, dout, lse, visible, ctx.scale, glse)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    bias = None if slopes is None else ALiBi(slopes, positions)
+    grads = span_backward(q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias)
+    return *grads, None, None, None, None, None, None, None, None
 
 
 def register_autograd() -> None:

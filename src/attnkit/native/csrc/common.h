@@ -97,6 +97,19 @@ inline void softcap_inplace(float* s, int64_t n, float cap) {
   for (; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
 }
 
+// s[j] −= a·|p − j| for j in [ra, re): ALiBi's bias on a row of a block's scores, p the
+// row's aligned position less the block's first key (float32 holds every distance exactly
+// below 2**24, which ops.py checks).
+inline void alibi_inplace(float* s, int64_t ra, int64_t re, float a, float p) {
+  const Vec va(a), vp(p);
+  int64_t j = ra;
+  for (; j + Vec::size() <= re; j += Vec::size()) {
+    const Vec dist = (vp - Vec::arange(static_cast<float>(j), 1.0f)).abs();
+    (Vec::loadu(s + j) - va * dist).store(s + j);
+  }
+  for (; j < re; ++j) s[j] -= a * std::abs(p - static_cast<float>(j));
+}
+
 inline void scale_inplace(float* x, int64_t n, float a) {
   const Vec va(a);
   int64_t j = 0;

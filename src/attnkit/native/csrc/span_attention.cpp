@@ -99,19 +99,11 @@ struct Kernel {
     if (first >= last) *a = *e = 0;
   }
 
-  // s[j] −= a·|p − (k0 + j)| for j in [ra, re): ALiBi of stacked row r (float32 holds the
-  // distance exactly below 2**24, which ops.py checks).
+  // ALiBi on stacked row r's scores s[ra, re) of the block from k0.
   void alibi(const Item& it, int64_t r, int64_t k0, float* s, int64_t ra, int64_t re) const {
     const int64_t row = it.b * z.L + it.r0 + r / z.G;
     const float a = slopes[row * z.H + it.hkv * z.G + r % z.G];
-    const float p = static_cast<float>(positions[row] - k0);
-    const Vec va(a), vp(p);
-    int64_t j = ra;
-    for (; j + Vec::size() <= re; j += Vec::size()) {
-      const Vec dist = (vp - Vec::arange(static_cast<float>(j), 1.0f)).abs();
-      (Vec::loadu(s + j) - va * dist).store(s + j);
-    }
-    for (; j < re; ++j) s[j] -= a * std::abs(p - static_cast<float>(j));
+    alibi_inplace(s, ra, re, a, static_cast<float>(positions[row] - k0));
   }
 
   // Stacked rows [r0, r1) have their scores against keys [a, e) of the block in w.s:

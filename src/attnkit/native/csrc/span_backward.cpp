@@ -1,26 +1,31 @@
 // attnkit's native kernel: the backward of span_attention.cpp (the gradients of q, k, v).
 //
 // The math. Row i of batch row b sees keys [lo[b,i], hi[b,i]) as in the forward; with its
-// scores s_ij = scale·q_i·k_j, the forward's lse_i and output o_i, and the incoming
-// gradients do_i (of out) and g_i (of lse; 0 where none flows), query head h reading K/V
-// head h / G:
+// scores s_ij = scale·q_i·k_j, their softcap and ALiBi t_ij = c·tanh(s_ij/c) − a_i·|p_i − j|
+// (t = s without them), the forward's lse_i and output o_i, and the incoming gradients do_i
+// (of out) and g_i (of lse; 0 where none flows), query head h reading K/V head h / G:
 //
-//   P_ij  = exp(s_ij − lse_i)                    0 where row i does not see key j
+//   P_ij  = exp(t_ij − lse_i)                    0 where row i does not see key j
 //   Δ_i   = do_i · o_i − g_i
 //   dv_j  = Σ_i P_ij · do_i
-//   ds_ij = P_ij · (do_i · v_j − Δ_i)
+//   ds_ij = P_ij · (do_i · v_j − Δ_i) · t'_ij    t' = 1 − tanh²(s_ij/c), 1 without softcap
 //   dq_i  = scale · Σ_j ds_ij · k_j
 //   dk_j  = scale · Σ_i ds_ij · q_i
+//
+// (ALiBi's slopes are constants: the bias has no gradient to take.)
 //
 // with dk and dv summed over the G query heads of their K/V head (GQA), all in float32.
 // A row that sees nothing has P = 0: its dq is 0, and it adds nothing to dk or dv.
 //
-// The blocking. Two passes, neither with atomics, so every sum runs in one fixed order and
-// two runs give the same bits. (1) Per K/V head and block of KB keys: the query tiles of
-// R rows (their G heads stacked, as in the forward) whose rows see a key of the block, in
-// order: S = Qs·Kᵀ (Qs = scale·Q), P, dV += Pᵀ·dO, dP = dO·Vᵀ, dS, dK += dSᵀ·Qs. (2) Per
-// K/V head and query tile, as the forward, over the key blocks of its hull: S, P, dP, dS,
-// dQ += dS·K, times scale at the end. P and dS are written only inside each row's
+// The blocking. No atomics, so every sum runs in one fixed order and two runs give the
+// same bits. Per K/V head and block of KB keys, the query tiles of R rows (their G heads
+// stacked, as in the forward) whose rows see a key of the block, in order: S = Qs·Kᵀ
+// (Qs = scale·Q), P, dV += Pᵀ·dO, dP = dO·Vᵀ, dS, dK += dSᵀ·Qs. Where the call has
+// enough (batch row, K/V head) items for the threads, one thread takes all the blocks
+// of an item in order and adds dQ += dS·K of each tile there too (five products a
+// block and tile: `head_pass`); else a second pass per K/V head and query tile, as the
+// forward, over the key blocks of its hull recomputes S, P, dP, dS for dQ += dS·K (seven:
+// `queries_pass`). dQ is times scale at the end. P and dS are written only inside each row's
 // interval (0 elsewhere), so a key a row does not see never reaches its gradients through
 // 0·NaN in S or dP; where a block is cut (some row sees part of it) and the other factor
 // of a product holds a non-finite value (Q or dO rows in pass 1, K rows in pass 2), an
@@ -58,20 +63,21 @@ struct Rows {
         lse(z.B * z.H * z.L) {}
 };
 
-// A thread's scratch: a block's P and dS (stacked rows × KB), K and V as float (half
-// dtypes), and the accumulated gradients.
+// A thread's scratch: a block's P and dS (stacked rows × KB), a row's softcap derivative
+// t', K and V as float (half dtypes), and the accumulated gradients.
 struct Scratch {
-  Buffer p, ds, k, v, dq, dk, dv;
+  Buffer p, ds, cap, k, v, dq, dk, dv;
   explicit Scratch(const Sizes& z)
-      : p(z.G * z.R * z.KB), ds(z.G * z.R * z.KB), k(z.KB * z.D), v(z.KB * z.Dv),
+      : p(z.G * z.R * z.KB), ds(z.G * z.R * z.KB), cap(z.KB), k(z.KB * z.D), v(z.KB * z.Dv),
         dq(z.G * z.R * z.D), dk(z.KB * z.D), dv(z.KB * z.Dv) {}
 };
 
-// One tile's stacked rows in Rows, and one block's keys and values as float (row strides).
+// One tile's stacked rows (of K/V head hkv) in Rows, and one block's keys and values as
+// float (row strides).
 struct View {
   const float *q, *dout, *delta, *lse;
   const float *k, *v;
-  int64_t ldk, ldv;
+  int64_t ldk, ldv, hkv;
 };
 
 // Row-major C (m × n) += Aᵀ·B (A is k × m, B is k × n).
@@ -90,8 +96,10 @@ struct Backward {
   const T *q, *k, *v, *out, *dout;
   const float *lse, *glse;  // (B, H, L) contiguous; glse may be null
   const int64_t *lo, *hi;   // (B, L) contiguous, or null: every row sees every key
+  const float* slopes;      // ALiBi (B, L, H) contiguous, or null
+  const int64_t* positions;  // ALiBi's aligned positions (B, L) contiguous
   int64_t qs[4], ks[4], vs[4], os[4], ds[4];
-  float scale;
+  float scale, softcap;
   T *dq, *dk, *dv;  // contiguous
 
   int64_t first(int64_t row) const { return lo ? lo[row] : 0; }
@@ -127,23 +135,51 @@ struct Backward {
     }
   }
 
-  // The tile's rows of K/V head hkv, and keys [k0, k0 + n) as float.
-  View view(const Rows& rows, const Tile& t, int64_t hkv, int64_t k0, int64_t n,
-            Scratch& w) const {
-    const int64_t r = ((t.b * z.Hkv + hkv) * z.L + t.r0) * z.G;
-    View x{rows.q.data() + r * z.D, rows.dout.data() + r * z.Dv, rows.delta.data() + r,
-           rows.lse.data() + r, nullptr, nullptr, 0, 0};
-    const T* kh = k + t.b * ks[0] + hkv * ks[1] + k0 * ks[2];
-    const T* vh = v + t.b * vs[0] + hkv * vs[1] + k0 * vs[2];
+  // Keys [k0, k0 + n) of batch row b, K/V head hkv, as float.
+  View block(int64_t b, int64_t hkv, int64_t k0, int64_t n, Scratch& w) const {
+    View x{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, hkv};
+    const T* kh = k + b * ks[0] + hkv * ks[1] + k0 * ks[2];
+    const T* vh = v + b * vs[0] + hkv * vs[1] + k0 * vs[2];
     x.k = as_float(kh, n, z.D, ks[2], w.k.data(), &x.ldk);
     x.v = as_float(vh, n, z.Dv, vs[2], w.v.data(), &x.ldv);
     return x;
   }
 
+  // A block's view with tile t's stacked rows.
+  View with_rows(View x, const Rows& rows, const Tile& t) const {
+    const int64_t r = ((t.b * z.Hkv + x.hkv) * z.L + t.r0) * z.G;
+    x.q = rows.q.data() + r * z.D, x.dout = rows.dout.data() + r * z.Dv;
+    x.delta = rows.delta.data() + r, x.lse = rows.lse.data() + r;
+    return x;
+  }
+
+  // Stacked row r's scores p[a, e) of the block from k0 as the forward turns them into t:
+  // softcap (its derivative t' = 1 − (t/c)² kept in w.cap[a, e)), then ALiBi.
+  void transform(const Tile& t, const View& x, int64_t r, int64_t k0, float* p, int64_t a,
+                 int64_t e, Scratch& w) const {
+    if (softcap > 0) {
+      softcap_inplace(p + a, e - a, softcap);
+      const Vec one(1.0f), inv(1.0f / softcap);
+      int64_t j = a;
+      for (; j + Vec::size() <= e; j += Vec::size()) {
+        const Vec u = Vec::loadu(p + j) * inv;
+        (one - u * u).store(w.cap.data() + j);
+      }
+      for (; j < e; ++j) w.cap[j] = 1.0f - (p[j] / softcap) * (p[j] / softcap);
+    }
+    if (slopes != nullptr) {
+      const int64_t row = t.b * z.L + t.r0 + r / z.G;
+      const float slope = slopes[row * z.H + x.hkv * z.G + r % z.G];
+      alibi_inplace(p, a, e, slope, static_cast<float>(positions[row] - k0));
+    }
+  }
+
   // P and dS of the tile's M stacked rows against the block [k0, k0 + n) in w.p, w.ds
-  // (row stride KB), each only inside its row's interval; returns whether every row sees
-  // every key of the block.
-  bool weights(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n) const {
+  // (row stride KB), each only inside its row's interval; dS without softcap's t' where
+  // `chain` is false (delta_pass's P·dP); returns whether every row sees every key of the
+  // block.
+  bool weights(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n,
+               bool chain = true) const {
     const int64_t M = z.G * t.rows;
     gemm_nt(M, n, z.D, x.q, z.D, x.k, x.ldk, w.p.data(), z.KB, 0.0f);
     gemm_nt(M, n, z.Dv, x.dout, z.Dv, x.v, x.ldv, w.ds.data(), z.KB, 0.0f);
@@ -155,7 +191,12 @@ struct Backward {
       float *p = w.p.data() + r * z.KB, *s = w.ds.data() + r * z.KB;
       std::fill(p, p + a, 0.0f), std::fill(s, s + a, 0.0f);
       std::fill(p + e, p + n, 0.0f), std::fill(s + e, s + n, 0.0f);
-      if (a < e) gradient_weights(p + a, s + a, e - a, x.lse[r], x.delta[r]);
+      if (a >= e) continue;
+      transform(t, x, r, k0, p, a, e, w);
+      gradient_weights(p + a, s + a, e - a, x.lse[r], x.delta[r]);
+      if (chain && softcap > 0)
+        at::vec::map2<float>([](Vec d, Vec c) { return d * c; }, s + a, s + a,
+                             w.cap.data() + a, e - a);
     }
     return full;
   }
@@ -183,26 +224,29 @@ struct Backward {
     std::vector<float> sum(M, 0.0f);
     for (int64_t k0 = t.kmin; k0 < t.kmax; k0 += z.KB) {
       const int64_t n = std::min(z.KB, t.kmax - k0);
-      View x = view(rows, t, hkv, k0, n, w);
+      View x = with_rows(block(t.b, hkv, k0, n, w), rows, t);
       std::vector<float> zero(M, 0.0f);
       x.delta = zero.data();  // dS = P·(dP − 0) = P·dP
-      weights(t, x, w, k0, n);
+      weights(t, x, w, k0, n, false);
       for (int64_t r = 0; r < M; ++r)
         for (int64_t j = 0; j < n; ++j) sum[r] += w.ds[r * z.KB + j];
     }
     for (int64_t r = 0; r < M; ++r) rows.delta[r0 + r] += sum[r];
   }
 
-  // Pass 1: dk, dv of key block [k0, k0 + n) of (b, hkv) from every tile that sees it.
+  // dk, dv of key block [k0, k0 + n) of (b, hkv) from every tile that sees it; with
+  // `dq_rows` (the item's stacked rows × D), each tile's dq from the same dS too.
   void keys_pass(const Rows& rows, const std::vector<Tile>& tiles, int64_t b, int64_t hkv,
-                 int64_t k0, int64_t n, Scratch& w) const {
+                 int64_t k0, int64_t n, Scratch& w, float* dq_rows = nullptr) const {
     std::fill(w.dk.begin(), w.dk.begin() + n * z.D, 0.0f);
     std::fill(w.dv.begin(), w.dv.begin() + n * z.Dv, 0.0f);
+    const View keys = block(b, hkv, k0, n, w);
     for (const Tile& t : tiles) {
       if (t.b != b || t.kmax <= k0 || t.kmin >= k0 + n || t.kmin >= t.kmax) continue;
-      const View x = view(rows, t, hkv, k0, n, w);
+      const View x = with_rows(keys, rows, t);
       const int64_t M = z.G * t.rows;
       const bool full = weights(t, x, w, k0, n);
+      if (dq_rows != nullptr) queries(t, x, w, k0, n, full, dq_rows + t.r0 * z.G * z.D);
       if (full || all_finite(x.dout, M, z.Dv, z.Dv))
         gemm_tn_add(n, z.Dv, M, w.p.data(), z.KB, x.dout, z.Dv, w.dv.data(), z.Dv);
       else
@@ -231,31 +275,52 @@ struct Backward {
     }
   }
 
-  // Pass 2: dq of a tile over the key blocks of its hull.
-  void queries_pass(const Rows& rows, const Tile& t, int64_t hkv, Scratch& w) const {
+  // acc (the tile's stacked rows × D) += dS·K of the block in w.ds; an exact loop over
+  // each row's own keys where the block is cut and holds a non-finite key.
+  void queries(const Tile& t, const View& x, const Scratch& w, int64_t k0, int64_t n,
+               bool full, float* acc) const {
     const int64_t M = z.G * t.rows;
-    std::fill(w.dq.begin(), w.dq.begin() + M * z.D, 0.0f);
-    for (int64_t k0 = t.kmin; k0 < t.kmax; k0 += z.KB) {
-      const int64_t n = std::min(z.KB, t.kmax - k0);
-      const View x = view(rows, t, hkv, k0, n, w);
-      if (weights(t, x, w, k0, n) || all_finite(x.k, n, z.D, x.ldk)) {
-        gemm_nn_add(M, z.D, n, w.ds.data(), z.KB, x.k, x.ldk, w.dq.data(), z.D);
-        continue;
-      }
-      for (int64_t r = 0; r < M; ++r) {  // only the keys each row sees
-        int64_t a = 0, e = 0;
-        local(t, r, k0, n, &a, &e);
-        for (int64_t j = a; j < e; ++j)
-          for (int64_t d = 0; d < z.D; ++d)
-            w.dq[r * z.D + d] += w.ds[r * z.KB + j] * x.k[j * x.ldk + d];
-      }
+    if (full || all_finite(x.k, n, z.D, x.ldk)) {
+      gemm_nn_add(M, z.D, n, w.ds.data(), z.KB, x.k, x.ldk, acc, z.D);
+      return;
     }
-    for (int64_t i = 0; i < t.rows; ++i)
+    for (int64_t r = 0; r < M; ++r) {
+      int64_t a = 0, e = 0;
+      local(t, r, k0, n, &a, &e);
+      for (int64_t j = a; j < e; ++j)
+        for (int64_t d = 0; d < z.D; ++d) acc[r * z.D + d] += w.ds[r * z.KB + j] * x.k[j * x.ldk + d];
+    }
+  }
+
+  // dq of query rows [r0, r0 + rows) of (b, hkv) from their stacked rows' sums, times scale.
+  void write_dq(const float* acc, int64_t b, int64_t hkv, int64_t r0, int64_t rows) const {
+    for (int64_t i = 0; i < rows; ++i)
       for (int64_t g = 0; g < z.G; ++g) {
-        T* dst = dq + (((t.b * z.H + hkv * z.G + g) * z.L) + t.r0 + i) * z.D;
-        const float* src = w.dq.data() + (i * z.G + g) * z.D;
+        T* dst = dq + (((b * z.H + hkv * z.G + g) * z.L) + r0 + i) * z.D;
+        const float* src = acc + (i * z.G + g) * z.D;
         for (int64_t d = 0; d < z.D; ++d) dst[d] = static_cast<T>(src[d] * scale);
       }
+  }
+
+  // One item (b, hkv) whole: its key blocks in order, dk and dv of each, and dq of every
+  // tile summed over the blocks in the same order.
+  void head_pass(const Rows& rows, const std::vector<Tile>& tiles, int64_t b, int64_t hkv,
+                 Scratch& w) const {
+    std::vector<float> acc(z.L * z.G * z.D, 0.0f);
+    for (int64_t k0 = 0; k0 < z.S; k0 += z.KB)
+      keys_pass(rows, tiles, b, hkv, k0, std::min(z.KB, z.S - k0), w, acc.data());
+    write_dq(acc.data(), b, hkv, 0, z.L);
+  }
+
+  // The second pass: dq of a tile over the key blocks of its hull.
+  void queries_pass(const Rows& rows, const Tile& t, int64_t hkv, Scratch& w) const {
+    std::fill(w.dq.begin(), w.dq.begin() + z.G * t.rows * z.D, 0.0f);
+    for (int64_t k0 = t.kmin; k0 < t.kmax; k0 += z.KB) {
+      const int64_t n = std::min(z.KB, t.kmax - k0);
+      const View x = with_rows(block(t.b, hkv, k0, n, w), rows, t);
+      queries(t, x, w, k0, n, weights(t, x, w, k0, n), w.dq.data());
+    }
+    write_dq(w.dq.data(), t.b, hkv, t.r0, t.rows);
   }
 };
 
@@ -269,6 +334,14 @@ std::vector<Tile> tiles_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
       tiles.push_back({b, r0, rows, kmin, kmax});
     }
   return tiles;
+}
+
+// Whether `items` (batch row, K/V head) pairs keep the threads busy taken one a thread:
+// every thread as many, or at least four each (the last round's idle threads then cost
+// at most a fifth).
+bool one_pass(int64_t items) {
+  const int64_t threads = at::get_num_threads();
+  return items >= threads && (items % threads == 0 || items >= 4 * threads);
 }
 
 // Items run on at::parallel_for's threads, each taking the next of a list (an atomic
@@ -287,8 +360,9 @@ template <typename T>
 void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
               const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
               const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
-              double scale, int64_t rows, int64_t keys, at::Tensor& dq, at::Tensor& dk,
-              at::Tensor& dv) {
+              const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
+              double scale, double softcap, int64_t rows, int64_t keys, at::Tensor& dq,
+              at::Tensor& dk, at::Tensor& dv) {
   const Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
                 q.size(3), v.size(3), rows, keys};
   Backward<T> kern{z,
@@ -296,8 +370,10 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
                    dout.data_ptr<T>(), lse.data_ptr<float>(),
                    glse ? glse->data_ptr<float>() : nullptr,
                    lo ? lo->data_ptr<int64_t>() : nullptr, hi ? hi->data_ptr<int64_t>() : nullptr,
+                   slopes ? slopes->data_ptr<float>() : nullptr,
+                   positions ? positions->data_ptr<int64_t>() : nullptr,
                    {}, {}, {}, {}, {},
-                   static_cast<float>(scale),
+                   static_cast<float>(scale), static_cast<float>(softcap),
                    dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>()};
   for (int d = 0; d < 4; ++d) {
     kern.qs[d] = q.stride(d);
@@ -316,6 +392,12 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     run_items(count * z.Hkv, z, [&](int64_t t, Scratch& w) {
       kern.delta_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
     });
+  if (one_pass(z.B * z.Hkv)) {
+    run_items(z.B * z.Hkv, z, [&](int64_t t, Scratch& w) {
+      kern.head_pass(stacked, tiles, t / z.Hkv, t % z.Hkv, w);
+    });
+    return;
+  }
   const int64_t blocks = (z.S + z.KB - 1) / z.KB;
   run_items(z.B * z.Hkv * blocks, z, [&](int64_t t, Scratch& w) {
     const int64_t b = t / (z.Hkv * blocks), hkv = t / blocks % z.Hkv, k0 = t % blocks * z.KB;
@@ -331,8 +413,9 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_ba
 std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
-    const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi, double scale,
-    int64_t rows, int64_t keys) {
+    const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
+    const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
+    double scale, double softcap, int64_t rows, int64_t keys) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   for (const at::Tensor* t : {&q, &k, &v, &out, &dout}) {
     check(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
@@ -352,21 +435,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     for (const at::Tensor* t : {&*lo, &*hi})
       check(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 2 &&
                 t->size(0) == B && t->size(1) == L, "spans (B, L) int64");
+  check(slopes.has_value() == positions.has_value(), "ALiBi takes slopes and positions");
+  if (slopes) {
+    check(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->dim() == 3 &&
+              slopes->size(0) == B && slopes->size(1) == L && slopes->size(2) == H,
+          "slopes (B, L, H) float32");
+    check(positions->scalar_type() == at::kLong && positions->is_contiguous() &&
+              positions->dim() == 2 && positions->size(0) == B && positions->size(1) == L,
+          "positions (B, L) int64");
+  }
+  check(softcap >= 0, "softcap >= 0");
   check(rows >= 1 && keys >= 1 && rows * keys * H < (int64_t{1} << 31), "blocking");
   auto dq = at::empty({B, H, L, q.size(3)}, q.options());
   auto dk = at::empty({B, k.size(1), k.size(2), k.size(3)}, q.options());
   auto dv = at::empty({B, v.size(1), v.size(2), v.size(3)}, q.options());
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
+  const auto run = [&](auto zero) {
+    backward<decltype(zero)>(q, k, v, out, dout, lse, glse, lo, hi, slopes, positions, scale,
+                             softcap, rows, keys, dq, dk, dv);
+  };
   switch (q.scalar_type()) {
-    case at::kFloat:
-      backward<float>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
-      break;
-    case at::kBFloat16:
-      backward<at::BFloat16>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
-      break;
-    case at::kHalf:
-      backward<at::Half>(q, k, v, out, dout, lse, glse, lo, hi, scale, rows, keys, dq, dk, dv);
-      break;
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(at::BFloat16{}); break;
+    case at::kHalf: run(at::Half{}); break;
     default: TORCH_CHECK(false, "attnkit_native::span_backward: float32, bfloat16 or float16");
   }
   return {dq, dk, dv};
@@ -377,7 +468,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
 
 TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
   m.def("span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
-        "Tensor? glse, Tensor? lo, Tensor? hi, float scale, int rows, int keys) "
+        "Tensor? glse, Tensor? lo, Tensor? hi, Tensor? slopes, Tensor? positions, float scale, "
+        "float softcap, int rows, int keys) "
         "-> (Tensor, Tensor, Tensor)");
 }
 
