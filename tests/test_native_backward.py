@@ -270,3 +270,27 @@ def test_empty_dimensions(D, Dv, L, S):
         assert a.shape == w.shape
         assert a.numel() == 0 or (a.double() - w.double()).abs().max() < 1e-5
     assert want[0].shape == out.shape
+
+
+@pytest.mark.parametrize(
+    ("mask", "softcap"),
+    [
+        (ak.sliding_window(4, align="top_left") & ak.causal(align="top_left"), None),
+        (ak.causal(align="bottom_right") & ak.alibi(2, align="bottom_right"), 1.5),
+    ],
+    ids=["window", "alibi-softcap"],
+)
+def test_gradcheck(mask, softcap):
+    """Finite differences against the kernel's backward, the lse's gradient included. The
+    kernel computes in float32 (float64 is the reference's), so the differences run in
+    float32 with a step and tolerances to match (a wrong term misses by far more)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 7, 4, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 1, 9, 4, generator=g, requires_grad=True) for _ in range(2))
+
+    def f(q, k, v):
+        out, lse = ak.attention_with_lse(q, k, v, mask, softcap=softcap, backend="native")
+        return out, lse
+
+    with pytest.warns(UserWarning, match="double precision"):
+        assert torch.autograd.gradcheck(f, (q, k, v), eps=2e-3, atol=3e-3, rtol=3e-3)
