@@ -33,7 +33,7 @@ from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
 from attnkit.native.backward import span_backward
 from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward, spans
-from attnkit.precision import HALF, kernel_dtype
+from attnkit.precision import HALF
 
 __all__ = ["NativeBackend"]
 
@@ -208,9 +208,9 @@ class NativeBackend(Backend):
 
     def takes_dense(self, call: AttentionCall) -> bool:
         """A decoding step the kernel wins at every key length measured (`python
-        benchmarks/native.py`'s decoding grid): half inputs SDPA would compute in float32
-        (converting the whole cache each step costs it 2-14× the kernel's time), and
-        float32 GQA steps whose B·G query heads share each key read (G = H / Hkv > 1) at
+        benchmarks/native.py`'s decoding grid): half inputs (SDPA's step takes 2-14× the
+        kernel's time on AVX2, converting the whole cache to float32 each step, and 1.9-8.5×
+        on AVX512-BF16, where it computes bfloat16 as it is), and float32 GQA steps whose B·G query heads share each key read (G = H / Hkv > 1) at
         least SHARED_READS times (8:2 from B = 4 up: 1.2-1.9× SDPA; a single sequence's
         step stays with SDPA, 0.7× at S = 512; MHA too, where the two run about even)."""
         q, d = call.q, call.dims
@@ -218,9 +218,8 @@ class NativeBackend(Backend):
             return False
         if q.dtype not in DTYPES or unavailable() is not None:
             return False
-        converted = q.dtype in HALF and kernel_dtype(q.dtype, q.device) != q.dtype
         shared = d.groups > 1 and d.B * d.groups >= SHARED_READS
-        return converted or (q.dtype == torch.float32 and shared)
+        return q.dtype in HALF or (q.dtype == torch.float32 and shared)
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""
