@@ -18,6 +18,7 @@ built kernels. Results go to
 
     python benchmarks/native.py                        # S = 1024 4096
     python benchmarks/native.py --sizes 1024 --no-flex --repeats 3   # a quick look
+    python benchmarks/native.py --decode-only     # the decoding grid again, same table
     python benchmarks/native.py --sizes 16384 --patterns causal sliding documents \
         --no-decode --out results/s16384
 """
@@ -268,6 +269,9 @@ def main() -> None:
     parser.add_argument("--no-train", action="store_true", help="skip forward+backward")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the tables go")
     parser.add_argument("--table", type=Path, help="only write the table of a kept JSON")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="rerun the decoding grid of this kind's JSON"
+    )
     args = parser.parse_args()
     if args.table is not None:
         return rewrite(args.table)
@@ -275,6 +279,8 @@ def main() -> None:
         sys.exit(f"the native kernels are unavailable: {reason}")
     peer_recompile_limit()
     kind = cpu_kind()
+    if args.decode_only:
+        return redecode(args.out / f"native_{kind}.json", args.repeats)
     kernels = [
         kernel_row(p, S, dtype, args.repeats, not args.no_flex)
         for dtype in DTYPES
@@ -306,6 +312,14 @@ def main() -> None:
     text = markdown(result)
     (args.out / f"native_{kind}.md").write_text(text)
     print(text)
+
+
+def redecode(path: Path, repeats: int) -> None:
+    """The decoding grid again into a kept JSON of this kind, and its table."""
+    result = json.loads(path.read_text())
+    result["decode"] = decode_rows(repeats)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    rewrite(path)
 
 
 def rewrite(path: Path) -> None:
