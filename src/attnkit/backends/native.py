@@ -209,10 +209,11 @@ class NativeBackend(Backend):
     def takes_dense(self, call: AttentionCall) -> bool:
         """A decoding step the kernel wins at every key length measured (`python
         benchmarks/native.py`'s decoding grid): half inputs (SDPA's step takes 2-14× the
-        kernel's time on AVX2, converting the whole cache to float32 each step, and 1.9-8.5×
-        on AVX512-BF16, where it computes bfloat16 as it is), and float32 GQA steps whose B·G query heads share each key read (G = H / Hkv > 1) at
-        least SHARED_READS times (8:2 from B = 4 up: 1.2-1.9× SDPA; a single sequence's
-        step stays with SDPA, 0.7× at S = 512; MHA too, where the two run about even)."""
+        kernel's time on AVX2, converting the whole cache to float32 each step, and
+        1.9-8.5× on AVX512-BF16, where it computes bfloat16 as it is), and float32 GQA
+        steps whose B·G query heads share each key read (G = H / Hkv > 1) at least
+        SHARED_READS times (8:2 from B = 4 up: 1.2-1.9× SDPA; a single sequence's step
+        stays with SDPA, 0.7× at S = 512; MHA too, where the two run about even)."""
         q, d = call.q, call.dims
         if d.L > DECODE_ROWS or call.requires_grad or q.device.type != "cpu":
             return False
