@@ -552,3 +552,13 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
     for got, window in ((whole, (-1, -1)), (windowed, (100, 0))):
         assert (got.float() - run([0, 1, 2], window).float()).abs().max() < tol
     assert len(calls) == 5
+
+
+def test_calibration_without_the_kernels_times_nothing(monkeypatch):
+    """`attnkit calibrate` on a machine where the kernels are not built (ATTNKIT_NATIVE=off,
+    no compiler) keeps native's built-in factors instead of failing on its probe."""
+    from attnkit.backends import get_backend
+    from attnkit.backends import native as backend_module
+
+    monkeypatch.setattr(backend_module, "unavailable", lambda: "disabled by a test")
+    assert get_backend("native").calibrate(None) == {}  # type: ignore[arg-type]
