@@ -1,6 +1,9 @@
 """One training step of `examples/tiny_gpt.py`'s model, eager and compiled, with attnkit's
 attention and with `F.scaled_dot_product_attention` in its place (is_causal, GQA):
-the compiled-vs-eager rows of `bench.py`."""
+the compiled-vs-eager rows of `bench.py`; alone, one table per CPU kind:
+
+    python benchmarks/compiled.py     # results/tiny_gpt_<kind>.md
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit.attender
+from attnkit._compat import cpu_kind
 from attnkit.benchmark import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -71,8 +75,9 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
 def compiled_markdown(rows: list[dict[str, Any]]) -> str:
     ms = {(r["attention"], r["mode"]): r["ms"] for r in rows}
     lines = [
-        f"tiny_gpt training step (B={BATCH}, L={BLOCK}, 4 layers, GQA 4:2, RoPE, float32): "
-        "median ms; ratio = SDPA's time / attnkit's (1.0 = as fast).",
+        f"CPU kind: **{cpu_kind()}** ({torch.get_num_threads()} threads; torch "
+        f"{torch.__version__}). tiny_gpt training step (B={BATCH}, L={BLOCK}, 4 layers, "
+        "GQA 4:2, RoPE, float32): median ms; ratio = SDPA's time / attnkit's (1.0 = as fast).",
         "",
         "| mode | attnkit ms | SDPA ms | ratio |",
         "|---|---|---|---|",
@@ -84,4 +89,6 @@ def compiled_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 if __name__ == "__main__":
-    print(compiled_markdown(training_steps(5)))
+    text = compiled_markdown(training_steps(7))
+    (Path(__file__).parent / "results" / f"tiny_gpt_{cpu_kind()}.md").write_text(text)
+    print(text)

@@ -11,10 +11,13 @@ median of 20, part of the call's time), the speed-up over
 `attnkit.attention` in one process (`single`), the bytes each rank sends (the plan's
 forward figure; the backward sends K/V again and their gradients back), the peak extra
 resident memory of the busiest rank, and the share of the float32 matrix-multiply
-roofline (measured in the same run, per core, times the cores in use).
+roofline (measured in the same run, per core, times the cores in use). Results go to
+`results/context_parallel_<kind>.{md,json}`: one table per kind of CPU measured.
 
     python benchmarks/context_parallel.py                              # about an hour on 2 cores
     python benchmarks/context_parallel.py --sizes 16384 --worlds 1 2   # a quick look
+    python benchmarks/context_parallel.py --sizes 16384 --worlds 1 2 --patterns \
+        causal sliding --repeats 1 --out benchmarks/results/s16384
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from bench import _vm, cpu_description, roofline_gflops  # beside this file
 
 import attnkit as ak
 import attnkit.distributed as akd
+from attnkit._compat import cpu_kind
 from attnkit.distributed import comm
 from attnkit.distributed.api import agreed
 
@@ -173,7 +177,8 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         if r["world"] == 1 and r["strategy"] == "single"  # attnkit.attention, one process
     }
     lines = [
-        f"CPU: {meta['cpu']['model']}, {meta['cores']} cores; float32 matmul roofline "
+        f"CPU kind: **{meta.get('kind', 'avx2')}** ({meta['cpu']['model']}, {meta['cores']} "
+        "cores); float32 matmul roofline "
         f"{meta['roofline_gflops_per_core']:.1f} GFLOP/s per core; B={B}, H={H}, Hkv={HKV}, "
         f"D={D}, float32, causal on the zigzag layout, the others contiguous; median of "
         f"{meta['repeats']} runs (calls over {LONG_CALL:.0f} s: one).",
@@ -211,7 +216,7 @@ def main() -> None:
     cpu = cpu_description()
     torch.set_num_threads(1)
     meta = {
-        "cpu": cpu, "cores": os.cpu_count() or 1, "repeats": args.repeats,
+        "cpu": cpu, "kind": cpu_kind(), "cores": os.cpu_count() or 1, "repeats": args.repeats,
         "roofline_gflops_per_core": roofline_gflops(3), "torch": torch.__version__,
     }  # fmt: skip
     units = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())  # type: ignore[attr-defined]
@@ -223,11 +228,10 @@ def main() -> None:
     for world in args.worlds:
         rows.extend(run_world(world, args))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "context_parallel.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1)
-    )
+    kept = args.out / f"context_parallel_{meta['kind']}"
+    kept.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(meta, rows)
-    (args.out / "context_parallel.md").write_text(table)
+    kept.with_suffix(".md").write_text(table)
     print(table)
 
 

@@ -19,6 +19,7 @@ built kernels. Results go to
     python benchmarks/native.py                        # S = 1024 4096
     python benchmarks/native.py --sizes 1024 --no-flex --repeats 3   # a quick look
     python benchmarks/native.py --decode-only     # the decoding grid again, same table
+    python benchmarks/native.py --train-only      # forward+backward again, same table
     python benchmarks/native.py --sizes 16384 --patterns causal sliding documents \
         --no-decode --out results/s16384
 """
@@ -259,6 +260,16 @@ def train_markdown(result: dict[str, object]) -> list[str]:
     return lines
 
 
+def train_rows(args: argparse.Namespace) -> list[dict[str, object]]:
+    """Forward+backward of every pattern, size and dtype asked for."""
+    return [
+        train_row(p, S, dtype, args.repeats)
+        for dtype in DTYPES
+        for S in args.sizes
+        for p in args.patterns
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
@@ -272,6 +283,9 @@ def main() -> None:
     parser.add_argument(
         "--decode-only", action="store_true", help="rerun the decoding grid of this kind's JSON"
     )
+    parser.add_argument(
+        "--train-only", action="store_true", help="rerun forward+backward into this kind's JSON"
+    )
     args = parser.parse_args()
     if args.table is not None:
         return rewrite(args.table)
@@ -279,8 +293,11 @@ def main() -> None:
         sys.exit(f"the native kernels are unavailable: {reason}")
     peer_recompile_limit()
     kind = cpu_kind()
+    kept = args.out / f"native_{kind}.json"
     if args.decode_only:
-        return redecode(args.out / f"native_{kind}.json", args.repeats)
+        return rerun(kept, "decode", lambda: decode_rows(args.repeats))
+    if args.train_only:
+        return rerun(kept, "train", lambda: train_rows(args))
     kernels = [
         kernel_row(p, S, dtype, args.repeats, not args.no_flex)
         for dtype in DTYPES
@@ -297,27 +314,20 @@ def main() -> None:
         "roofline_bf16": roofline_gflops(args.repeats, torch.bfloat16),
         "load_s": load_seconds(),
         "kernels": kernels,
-        "train": []
-        if args.no_train
-        else [
-            train_row(p, S, dtype, args.repeats)
-            for dtype in DTYPES
-            for S in args.sizes
-            for p in args.patterns
-        ],
+        "train": [] if args.no_train else train_rows(args),
         "decode": [] if args.no_decode else decode_rows(args.repeats),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"native_{kind}.json").write_text(json.dumps(result, indent=1, default=str))
+    kept.write_text(json.dumps(result, indent=1, default=str))
     text = markdown(result)
     (args.out / f"native_{kind}.md").write_text(text)
     print(text)
 
 
-def redecode(path: Path, repeats: int) -> None:
-    """The decoding grid again into a kept JSON of this kind, and its table."""
+def rerun(path: Path, part: str, rows: Callable[[], list[dict[str, object]]]) -> None:
+    """One part of a kept JSON of this kind again (`decode`, `train`), and its table."""
     result = json.loads(path.read_text())
-    result["decode"] = decode_rows(repeats)
+    result[part] = rows()
     path.write_text(json.dumps(result, indent=1, default=str))
     rewrite(path)
 

@@ -5,11 +5,14 @@ and what was measured here; tiled's short blocks cost more per pair."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from attnkit import cost
+import attnkit as ak
+from attnkit import cost, precision
 from attnkit._compat import CPU_KINDS
 from attnkit.backends import BACKENDS, get_backend
 from attnkit.backends.tilecost import pair_cost
+from attnkit.contracts import AttentionCall, normalize_call
 
 
 def test_every_cpu_kind_has_a_table_that_names_its_source():
@@ -73,3 +76,38 @@ def test_short_blocks_cost_more_per_pair_and_256_rows_cost_the_base():
     costs = [pair_cost(rows, priced) for rows in (1, 16, 64, 128, 256)]
     assert costs == sorted(costs, reverse=True)
     assert pair_cost(0, priced) == pair_cost(1, priced)  # no block has fewer than a row
+
+
+def _call(dtype: torch.dtype, grad: bool, mask: ak.Mask | None) -> AttentionCall:
+    q, k, v = (torch.randn(1, 2, 64, 16, dtype=dtype, requires_grad=grad) for _ in range(3))
+    return normalize_call(q, k, v, mask, scale=None, softcap=None, dropout_p=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_autograd_records_is_priced_at_its_forward_and_backward(dtype):
+    """Every backend that can serve a training call declares what its backward adds."""
+    trained, plain = _call(dtype, True, ak.causal()), _call(dtype, False, ak.causal())
+    for backend in BACKENDS.values():
+        assert backend.training_factor(plain) == 1.0
+        factor = backend.training_factor(trained)
+        assert factor > 1.0, backend.name
+    with torch.no_grad():  # nothing records: the forward alone
+        assert all(b.training_factor(trained) == 1.0 for b in BACKENDS.values())
+
+
+def test_sdpa_prices_half_training_as_half_only_where_its_kernel_computes_half():
+    call = _call(torch.bfloat16, True, None)
+    sdpa = get_backend("sdpa")
+    half = precision.kernel_dtype(torch.bfloat16, call.q.device, bias=False) in precision.HALF
+    expected = sdpa.factors()["backward_half" if half else "backward"]
+    assert sdpa.training_factor(call) == expected
+
+
+def test_explain_says_a_training_call_was_priced_forward_and_backward():
+    q, k, v = (torch.randn(1, 2, 256, 16, requires_grad=True) for _ in range(3))
+    plan = ak.explain(q, k, v, ak.sliding_window(31))
+    priced = [r for r in plan.reasons.values() if r and r.startswith("slower here")]
+    assert priced and all(r.endswith("(forward+backward)") for r in priced)
+    with torch.no_grad():
+        plain = ak.explain(q, k, v, ak.sliding_window(31))
+    assert not any(r and "backward" in r for r in plain.reasons.values())

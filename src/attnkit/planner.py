@@ -3,7 +3,8 @@
 `plan_call` never runs attention: it asks every backend whether it can serve the call
 (`can_use`), prices those that can with the cost model (`cost`, with `attnkit.cost`'s
 table: built in for this CPU's kind, or measured here by `attnkit calibrate`, never by the
-call; a backend whose cheap `cost_floor` is no better than the best priced so far is not
+call; a call autograd records at its forward and backward, `Backend.training_factor`; a
+backend whose cheap `cost_floor` is no better than the best priced so far is not
 priced) and picks the cheapest, ties to the earlier in `AUTO_ORDER` (or the one asked
 for), and counts the work: `flops = 2·B·H·(allowed query-key pairs)·(D + Dv)`
 (flash-attention's convention for the forward pass).
@@ -128,12 +129,13 @@ def _pick(
     floored: set[str] = set()
     for n in (n for n in AUTO_ORDER if refusals[n] is None):
         backend = BACKENDS[n]
-        floor = backend.cost_floor(call)
+        training = backend.training_factor(call)  # 1 without gradient
+        floor = backend.cost_floor(call) * training
         if floor >= min(costs.values(), default=math.inf):
             costs[n] = floor  # never cheaper: not priced (tiled's plan costs ms)
             floored.add(n)
         else:
-            costs[n] = backend.cost(call, need_lse=need_lse)
+            costs[n] = backend.cost(call, need_lse=need_lse) * training
     chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
     return BACKENDS[chosen], refusals, costs, floored
 
@@ -158,6 +160,7 @@ def choose_backend(
             reasons[n] = None if n == name else reasons[n] or f"not asked for (backend={name!r})"
         return backend, reasons
     chosen = backend.name
+    passes = " (forward+backward)" if call.requires_grad else ""
     for n, estimate in costs.items():
         if n == chosen:
             continue
@@ -166,7 +169,7 @@ def choose_backend(
             f"backend={n!r}, then auto considers it"
             if math.isinf(estimate)
             else f"slower here: estimated {estimate / max(costs[chosen], 1.0):.1f}× the cost "
-            f"of '{chosen}'{' or more' if n in floored else ''}"
+            f"of '{chosen}'{' or more' if n in floored else ''}{passes}"
         )
     reasons[chosen] = None
     return backend, reasons

@@ -40,9 +40,10 @@ class BlockwiseBackend(Backend):
 
     name = "blockwise"
     # per pair: the reference's math over key spans; per block: a call of Python and ops
-    # (what a tiled group's costs: `attnkit calibrate` takes tiled's measurement)
+    # (what a tiled group's costs: `attnkit calibrate` takes tiled's measurement);
+    # `backward`: forward+backward over forward, taken as tiled's (the same autograd ops)
     cost_factors = cost.Factors(
-        {"pair": 4.0, "call": 50_000.0}, {"amx": {"pair": 4.36, "call": 176_600.0}}
+        {"pair": 4.0, "call": 50_000.0, "backward": 3.7}, {"amx": {"pair": 4.36, "call": 176_600.0}}
     )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:

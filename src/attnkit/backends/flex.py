@@ -65,8 +65,9 @@ class FlexBackend(Backend):
     """FlexAttention: block-sparse compiled kernels; forward only on CPU (PyTorch 2.13)."""
 
     name = "flex"
-    # per pair in its 128×128 blocks, warm (not calibrated: measuring it compiles)
-    cost_factors = cost.Factors({"pair": 2.4})
+    # per pair in its 128×128 blocks, warm (not calibrated: measuring it compiles);
+    # `backward` (a GPU's: no backward on CPU) taken as tiled's
+    cost_factors = cost.Factors({"pair": 2.4, "backward": 3.7})
 
     def __init__(self) -> None:
         self._compiled: Any = None

@@ -152,14 +152,18 @@ class NativeBackend(Backend):
     # prefix-LM and no mask at L = 256..4096, all within ±10%); `attnkit calibrate` times
     # them on this machine
     cost_factors = cost.Factors(
-        {"pair": 1.05, "piece": 300.0, "call": 68_000.0, "kv": 0.36, "head": 0.57, "step": 5_000.0}
-    )
+        {"pair": 1.05, "piece": 300.0, "call": 68_000.0, "kv": 0.36, "head": 0.57,
+         "step": 5_000.0, "backward": 3.6, "backward_half": 4.5}
+    )  # fmt: skip
     # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
     # key of each K/V head (read once for its G query heads), `head` per key of each query
     # head, `step` per call, in units of SDPA's decoding pair (its cost counts B·H·L·S);
     # fitted by hand on the same CPU to float32 steps of B = 1..32, S = 512..8192, GQA
     # (`python benchmarks/native.py`'s decoding grid) and MHA alike (SDPA then is the
-    # faster at B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without)
+    # faster at B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without).
+    # `backward`, `backward_half`: forward+backward over forward (`training_factor`), the
+    # medians over every pattern at S = 1024 and 4096 on a 2-core AVX512-BF16 CPU (float32
+    # 2.2-4.8, half 2.4-6.2: half inputs convert in the backward's every block)
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if (reason := unavailable()) is not None:

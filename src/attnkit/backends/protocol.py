@@ -37,6 +37,7 @@ from torch import Tensor
 from attnkit import cost
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.masks import Mask
+from attnkit.precision import HALF
 
 __all__ = ["Backend", "Block", "Inputs", "Kernel", "Probe", "Work"]
 
@@ -108,6 +109,11 @@ class Work:
     tile: int
 
 
+# forward+backward work over the forward's (flash-attention's count: the backward does
+# 2.5× the forward's multiplies): a backend's training factor where it declares none
+WORK_WITH_BACKWARD = 3.5
+
+
 class Backend:
     """The base of every backend: the four calls it must answer, and defaults."""
 
@@ -150,6 +156,17 @@ class Backend:
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         raise NotImplementedError
+
+    def training_factor(self, call: AttentionCall) -> float:
+        """What a call autograd records costs over its forward's `cost`: the factor
+        `backward` (forward+backward time over forward time), `backward_half` for half
+        inputs where the backend has one, `WORK_WITH_BACKWARD` where it declares neither;
+        1 for a call without gradient."""
+        if not call.requires_grad:
+            return 1.0
+        factors = self.factors()
+        half = call.q.dtype in HALF and "backward_half" in factors
+        return factors.get("backward_half" if half else "backward", WORK_WITH_BACKWARD)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError

@@ -194,13 +194,15 @@ class SdpaBackend(Backend):
     # per pair over its dense kernel's (the unit): `is_causal`, per pair it computes
     # (about half of L×S); with a mask tensor, which it reads, skipping no block
     cost_factors = cost.Factors(
-        {"causal": 1.0, "masked": 1.25, "convert": 0.9},
+        {"causal": 1.0, "masked": 1.25, "convert": 0.9, "backward": 3.9, "backward_half": 3.0},
         {"amx": {"causal": 1.13, "masked": 1.88}},
     )
     # `convert`: per element of q, k, v and out cast to the kernel's dtype and back where
     # it computes half inputs in float32 (a decoding step of a bfloat16 cache on an AVX2
     # CPU spends most of its time there: 8 sequences of 2,048 tokens, 37 ms against
-    # 9 ms for the same call in bfloat16)
+    # 9 ms for the same call in bfloat16). `backward`: forward+backward over forward, the
+    # `training_factor` (float32 3.9 at S = 4096 on a 2-core AVX512-BF16 CPU, none and
+    # causal alike); `backward_half` where the kernel computes half as it is (2.9-3.1)
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.softcap is not None:
@@ -227,6 +229,15 @@ class SdpaBackend(Backend):
         if self._is_causal(call):
             return factors["causal"] * pairs / 2 + converted
         return (pairs if call.is_dense else factors["masked"] * pairs) + converted
+
+    def training_factor(self, call: AttentionCall) -> float:
+        """`Backend.training_factor`, `backward_half` only where the kernel computes half
+        inputs as they are (where it converts them, its backward is float32's)."""
+        if not call.requires_grad:
+            return 1.0
+        q = call.q
+        half = precision.kernel_dtype(q.dtype, q.device, bias=call.has_bias) in HALF
+        return self.factors()["backward_half" if half else "backward"]
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Its kernel with a mask tensor and with `is_causal`, at L = 4096, where large
