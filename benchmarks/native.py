@@ -325,11 +325,20 @@ def main() -> None:
 
 
 def rerun(path: Path, part: str, rows: Callable[[], list[dict[str, object]]]) -> None:
-    """One part of a kept JSON of this kind again (`decode`, `train`), and its table."""
+    """Rows of one part of a kept JSON of this kind again (`decode`, `train`), each in
+    the place of the kept row that measured the same cell (new cells at the end), and
+    its table."""
     result = json.loads(path.read_text())
-    result[part] = rows()
+    fresh = {_cell(r): r for r in rows()}
+    kept = [fresh.pop(_cell(r), r) for r in result.get(part, [])]
+    result[part] = kept + list(fresh.values())
     path.write_text(json.dumps(result, indent=1, default=str))
     rewrite(path)
+
+
+def _cell(row: dict[str, object]) -> tuple[object, ...]:
+    """What a row measures: its pattern, S and dtype (train), its grid point (decode)."""
+    return tuple(row.get(k) for k in ("pattern", "S", "dtype", "Hkv", "padded", "B"))
 
 
 def rewrite(path: Path) -> None:
