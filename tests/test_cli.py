@@ -129,6 +129,40 @@ def test_bench_prints_a_row_per_pattern_and_pass(capsys):
         ["sliding", "forward"], ["sliding", "forward+backward"],
     ]  # fmt: skip
     assert all(row.count("ms") == 2 and "×" in row for row in rows)
+    header = out.splitlines()[0]
+    assert "B=1, H=8, L=S=64, D=64, float32" in header  # what was measured
+    assert "sliding_window(left=4, right=0)" in out  # and each pattern's mask
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["mask", "causal", "--window", "3"], "causal does not read --window"),
+        (["mask", "padding", "--offset", "1"], "padding does not read --offset"),
+        (["explain", "sliding", "-L", "64", "--chunk", "4"], "sliding does not read --chunk"),
+        (["mask", "documents", "--documents", "10", "-L", "4"], "--documents 10 is more than"),
+    ],
+)
+def test_an_option_the_kind_does_not_read_is_an_error_not_ignored(args, said, capsys):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and said in captured.err
+
+
+def test_a_large_mask_is_drawn_in_blocks_one_mark_each(capsys):
+    assert main(["mask", "causal", "-L", "500"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "one mark per 8×8 block" in lines[0]
+    drawing = lines[1:]
+    assert len(drawing) == 63 and max(len(line) for line in drawing) == 2 * 63 - 1
+    assert drawing[0].startswith("▪ ·") and drawing[-1].endswith("■ ▪")
+
+
+def test_size_options_scale_with_the_call_when_left_out(capsys):
+    assert main(["explain", "padding", "-L", "512"]) == 0
+    assert "density 50.0%" in capsys.readouterr().out  # half the keys, not 5 of them
+    assert main(["mask", "sliding"]) == 0
+    assert "sliding_window(left=2, right=0)" in capsys.readouterr().out  # a quarter of L = 8
 
 
 def test_calibrate_command_keeps_the_table_and_prints_it(monkeypatch, tmp_path, capsys):

@@ -21,7 +21,7 @@ def test_docstring_drawings_are_the_real_masks():
     assert result.attempted >= 8 and result.failed == 0
     result = doctest.testmod(attnkit.masks.tokens, optionflags=flags, extraglobs=names)
     assert result.attempted >= 4 and result.failed == 0
-    result = doctest.testmod(attnkit.masks.base, optionflags=flags)
+    result = doctest.testmod(attnkit.masks.base, optionflags=flags, extraglobs={"ak": ak})
     assert result.attempted >= 1 and result.failed == 0
 
 

@@ -136,11 +136,15 @@ def run_bench(
     return rows
 
 
-def table(rows: list[Row], S: int, dtype: torch.dtype) -> str:
-    """The rows as a text table, with what was measured and how to read it."""
+def table(rows: list[Row], S: int, dtype: torch.dtype, *, heads: int, dim: int) -> str:
+    """The rows as a text table, with what was measured and how to read it: the sizes,
+    each pattern's mask, the medians, their ratio and the backend `auto` chose."""
+    patterns = dict.fromkeys(r.pattern for r in rows)
     lines = [
         f"attnkit {ak.__version__}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, S={S}, {str(dtype).removeprefix('torch.')}",
+        f"{torch.get_num_threads()} threads; B=1, H={heads}, L=S={S}, D={dim}, "
+        f"{str(dtype).removeprefix('torch.')}",
+        *(f"  {p:<10} {PATTERNS[p](S)}" for p in patterns),
         f"{'pattern':<10} {'pass':<17} {'attnkit':>10} {'SDPA':>10} {'speedup':>8}  backend",
     ]
     for r in rows:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -14,6 +14,50 @@ import attnkit as ak
 from attnkit.console import prepare, quiet_on_closed_pipe
 
 KINDS = ["causal", "sliding", "chunked", "prefix", "documents", "padding"]
+# the options each kind reads besides -L and -S (any other one given is an error)
+OWN: dict[str, tuple[str, ...]] = {
+    "causal": ("align", "offset"),
+    "sliding": ("align", "offset", "window", "right"),
+    "chunked": ("align", "offset", "chunk"),
+    "prefix": ("align", "offset", "prefix"),
+    "documents": ("align", "offset", "documents"),
+    "padding": ("length",),
+}
+# a kind's size options left out: scaled to the call, so any -L draws a readable mask
+SIZED: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "window": ("a quarter of L", lambda L, S: max(L // 4, 1)),
+    "right": ("0", lambda L, S: 0),
+    "chunk": ("a third of L, rounded up", lambda L, S: -(-L // 3)),
+    "prefix": ("a third of L, rounded up", lambda L, S: -(-L // 3)),
+    "documents": ("2", lambda L, S: 2),
+    "length": ("half of S, rounded up", lambda L, S: -(-S // 2)),
+}
+DRAWN = 64  # the most characters a side `attnkit mask` prints; larger masks draw blocks
+
+
+class OptionError(ValueError):
+    """An option the chosen kind does not read, or a value it cannot take."""
+
+
+def _sized(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with S and the kind's size options filled in; an option given that the
+    kind does not read, or more documents than keys, raise `OptionError`."""
+    args.S = args.L if args.S is None else args.S
+    stray = [n for n in ("align", "offset", *SIZED) if getattr(args, n) is not None
+             and n not in OWN[args.kind]]  # fmt: skip
+    if stray:
+        given = ", ".join(f"--{n}" for n in stray)
+        reads = ", ".join(f"--{n}" for n in OWN[args.kind])
+        raise OptionError(f"{args.kind} does not read {given}; it reads -L, -S, {reads}")
+    for name, (_, default) in SIZED.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default(args.L, args.S))
+    if args.kind == "documents" and args.documents > args.S:
+        raise OptionError(
+            f"--documents {args.documents} is more than the S={args.S} keys: each document "
+            "holds at least one key (give at most S documents, or a larger -S)"
+        )
+    return args
 
 
 def _mask_from_args(args: argparse.Namespace) -> ak.Mask:
@@ -41,15 +85,18 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 
 
 def _cmd_mask(args: argparse.Namespace) -> int:
-    args.S = args.L if args.S is None else args.S
-    mask = _mask_from_args(args)
-    drawing = mask.draw(args.L, args.S)  # before any output: an error comes alone
-    print(f"{mask}   L={args.L}, S={args.S}   ■ may attend  · hidden\n{drawing}")
+    mask = _mask_from_args(_sized(args))
+    drawing = mask.draw(args.L, args.S, cells=DRAWN)  # before any output: an error comes alone
+    legend = "■ may attend  · hidden"
+    if max(args.L, args.S) > DRAWN:
+        rows, keys = -(-args.L // DRAWN), -(-args.S // DRAWN)
+        legend = f"one mark per {rows}×{keys} block of pairs: ■ all may attend  ▪ some  · none"
+    print(f"{mask}   L={args.L}, S={args.S}   {legend}\n{drawing}")
     return 0
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    args.S = args.L if args.S is None else args.S
+    _sized(args)
     q = torch.empty(args.batch, args.heads, args.L, args.dim)
     kv = torch.empty(args.batch, args.kv_heads or args.heads, args.S, args.dim)
     print(ak.explain(q, kv, kv, _mask_from_args(args), need_lse=args.lse))
@@ -64,7 +111,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         args.S, heads=args.heads, dim=args.dim, dtype=dtype, patterns=tuple(args.patterns),
         backward=args.backward, runs=args.runs,
     )  # fmt: skip
-    print(table(rows, args.S, dtype))
+    print(table(rows, args.S, dtype, heads=args.heads, dim=args.dim))
     return 0
 
 
@@ -95,6 +142,15 @@ def _count(minimum: int) -> type[int]:
     return parse  # type: ignore[return-value]
 
 
+KIND_HELP = (
+    "Kinds: causal (key j visible iff j <= i), sliding (a window of keys around the "
+    "diagonal, --window left, --right right), chunked (causal inside chunks of --chunk "
+    "positions), prefix (a prefix of --prefix keys every query sees, causal after it), "
+    "documents (--documents packed documents, causal inside each), padding (the first "
+    "--length keys are real). An option another kind reads is an error."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description=__doc__)
     parser.add_argument(
@@ -105,35 +161,46 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("tour", help="walk the attention mechanism step by step, with live checks")
     for name, helptext in (("mask", "draw a mask"), ("explain", "show the plan for a call")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("kind", choices=KINDS)
-        p.add_argument("-L", type=_count(1), default=8 if name == "mask" else 4096, help="queries")
-        p.add_argument("-S", type=_count(1), default=None, help="keys (default: L)")
-        p.add_argument("--align", choices=["top_left", "bottom_right"], default=None)
-        p.add_argument("--offset", type=int, default=None, help="key j visible iff j <= i + N")
+        p = sub.add_parser(name, help=helptext, description=KIND_HELP)
+        p.add_argument("kind", choices=KINDS, help="the mask (its options below name it)")
+        default_L = 8 if name == "mask" else 4096
         p.add_argument(
-            "--window", type=_count(0), default=2, help="sliding: keys left of the diagonal"
+            "-L", type=_count(1), default=default_L, help=f"queries (default: {default_L})"
         )
-        p.add_argument("--right", type=_count(0), default=0, help="sliding: keys right of it")
-        p.add_argument("--chunk", type=_count(1), default=3, help="chunked: positions per chunk")
-        p.add_argument("--prefix", type=_count(0), default=3, help="prefix: prefix length")
-        p.add_argument("--documents", type=_count(1), default=2, help="documents: how many")
-        p.add_argument("--length", type=_count(0), default=5, help="padding: real keys")
+        p.add_argument("-S", type=_count(1), default=None, help="keys (default: L)")
+        p.add_argument("--align", choices=["top_left", "bottom_right"], default=None,
+                       help="all but padding: where the diagonal sits when L != S")  # fmt: skip
+        p.add_argument("--offset", type=int, default=None,
+                       help="all but padding: key j visible iff j <= i + N")  # fmt: skip
+        for option, kind, least, what in (
+            ("window", "sliding", 0, "keys left of the diagonal"),
+            ("right", "sliding", 0, "keys right of it"),
+            ("chunk", "chunked", 1, "positions per chunk"),
+            ("prefix", "prefix", 0, "prefix length every query sees"),
+            ("documents", "documents", 1, "how many, of equal length"),
+            ("length", "padding", 0, "real keys, the rest padding"),
+        ):
+            helptext = f"{kind}: {what} (default: {SIZED[option][0]})"
+            p.add_argument(f"--{option}", type=_count(least), default=None, help=helptext)
         if name == "explain":
-            p.add_argument("--batch", type=_count(1), default=1)
-            p.add_argument("--heads", type=_count(1), default=8)
-            p.add_argument("--kv-heads", type=_count(1), default=None)
-            p.add_argument("--dim", type=_count(1), default=64)
+            p.add_argument("--batch", type=_count(1), default=1, help="B (default: 1)")
+            p.add_argument("--heads", type=_count(1), default=8, help="query heads H (default: 8)")
+            p.add_argument("--kv-heads", type=_count(1), default=None,
+                           help="key/value heads Hkv, dividing H (default: H)")  # fmt: skip
+            p.add_argument(
+                "--dim", type=_count(1), default=64, help="head size D = Dv (default: 64)"
+            )
             p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
     p = sub.add_parser("bench", help="time attention() against PyTorch's SDPA on this machine")
     p.add_argument("-S", type=_count(1), default=2048, help="queries = keys (default: 2048)")
-    p.add_argument("--heads", type=_count(1), default=8)
-    p.add_argument("--dim", type=_count(1), default=64)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--heads", type=_count(1), default=8, help="heads H (default: 8)")
+    p.add_argument("--dim", type=_count(1), default=64, help="head size D (default: 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="(default: float32)")  # fmt: skip
     p.add_argument("--patterns", nargs="+", choices=["causal", "sliding", "documents", "padding"],
                    default=["causal", "sliding", "documents", "padding"])  # fmt: skip
     p.add_argument("--backward", action="store_true", help="also time forward+backward")
-    p.add_argument("--runs", type=_count(1), default=5, help="timed rounds (median)")
+    p.add_argument("--runs", type=_count(1), default=5, help="timed rounds, median (default: 5)")
     sub.add_parser(
         "calibrate",
         help="measure auto's cost model on this CPU (seconds; on a quiet machine) and keep it",
@@ -151,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }  # fmt: skip
     try:
         return quiet_on_closed_pipe(lambda: commands[args.command](args))
-    except (ak.ShapeContractError, ak.MaskError) as err:
+    except (ak.ShapeContractError, ak.MaskError, OptionError) as err:
         print(f"attnkit {args.command}: {in_cli_terms(str(err))}", file=sys.stderr)
         return 2
 

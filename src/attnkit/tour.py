@@ -7,6 +7,7 @@ and values, and checks the result against an independent computation (✓ / ✗)
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 
 import torch
@@ -45,23 +46,23 @@ def _indent(text: str, pad: str = "      ") -> str:
 
 def closed_loop(t: Tour) -> None:
     t.section(1, "The closed loop: scores → mask → softmax → weighted sum of V")
-    # tensors small enough to check by hand: one batch, L = S = 2, D = 3, Dv = 2
-    q = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]])  # (B, L, D)
-    k = torch.tensor([[[1.0, 2.0, 0.0], [3.0, 0.0, 1.0]]])  # (B, S, D)
+    # small enough to check by hand: one batch, L = S = 2, D = 2, Dv = 2
+    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # (B, L, D)
+    k = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])  # (B, S, D)
     v = torch.tensor([[[10.0, 0.0], [0.0, 20.0]]])  # (B, S, Dv)
     for name, x in (("Q", q), ("K", k), ("V", v)):
         t.show(name, x[0])
-    t.show("scores = QKᵀ/√D", (q @ k.mT / math.sqrt(3))[0])
+    t.show("scores = QKᵀ/√D", (q @ k.mT / math.sqrt(2))[0])
     mask = ak.build_causal_mask(2).unsqueeze(0)  # (1, L, S)
-    t.echo(f"   causal mask (L, L) = (2, 2), True = may attend\n{_indent(ak.causal().draw(2))}")
+    t.echo(f"   causal mask (L, S) = (2, 2), True = may attend\n{_indent(ak.causal().draw(2))}")
     out, weights = ak.scaled_dot_product_attention(q, k, v, mask=mask)
     t.show("weights = softmax(masked scores)", weights[0])
     t.show("output = weights · V", out[0])
-    t.echo("   worked by hand: q = [[1, 0], [0, 1]], k = [[1, 2], [3, 4]], the same V")
-    q = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
-    k = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])
-    out, weights = ak.scaled_dot_product_attention(q, k, v, mask=mask)
-    t.show("weights", weights[0])
+    t.echo(
+        "   by hand: row 0 sees key 0 alone, so its weights are [1, 0];\n"
+        "   row 1 scores [2, 4]/√2 = [1.414, 2.828], softmax → [1, e^1.414] / (1 + e^1.414)"
+        " = [0.1956, 0.8044]"
+    )
     expected = torch.tensor([[[1.0, 0.0], [0.19557033, 0.80442965]]])
     t.check(
         torch.allclose(weights, expected, atol=1e-5, rtol=1e-5),
@@ -91,7 +92,10 @@ def masks(t: Tour) -> None:
     )
     seed = ak.build_attention_mask(torch.arange(4) < lengths[:, None], 4, causal=True)
     t.check(bool((seed == dense).all()), "build_attention_mask gives the same (B, 1, L, S) mask")
-    t.echo("   self-attention: q, k from one sequence (L = S); cross: L != S, e.g. L=2, S=5")
+    t.echo(
+        "   L != S in causal attention: 2 new queries against 5 keys (3 cached tokens and the\n"
+        "   2 new ones, as in decoding with a KV cache). Where does query 0 sit? `align` says"
+    )
     t.echo(
         f"   causal(align='top_left'), L=2, S=5\n{_indent(ak.causal(align='top_left').draw(2, 5))}"
     )
@@ -103,7 +107,9 @@ def masks(t: Tour) -> None:
         ak.causal().draw(2, 5)
         t.check(False, "causal() with L != S refuses to guess")
     except ak.ShapeContractError as err:
-        t.check(True, f"causal() with L != S refuses to guess: {str(err)[:60]}…")
+        said = textwrap.fill(str(err), 84, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                             break_on_hyphens=False)  # fmt: skip
+        t.check(True, f"causal() with L != S refuses to guess, and says why:\n{said}")
     q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     empty = ak.key_padding(torch.tensor([0]))
     naive = torch.softmax((q @ k.mT).masked_fill(~empty.materialize(1, 1, 3, 3), -math.inf), -1)
@@ -193,9 +199,13 @@ def cost(t: Tour) -> None:
         "doubling L multiplies the score elements by 4",
     )
     q = torch.empty(1, 8, 8192, 64)
-    plan = ak.explain(q, q, q, ak.causal() & ak.sliding_window(255))
-    t.echo("   explain(q, k, v, causal() & sliding_window(255)) with L = S = 8192, H = 8:")
-    t.echo(_indent(str(plan)))
+    plan = ak.explain(q, q, q, ak.sliding_window(255))
+    t.echo("   explain(q, k, v, sliding_window(255)) with L = S = 8192, H = 8, D = 64:")
+    dense = 2 * 8 * 8192 * 8192 * (64 + 64)
+    t.echo(
+        f"      mask {plan.mask}: {plan.density:.1%} of the L×S pairs, "
+        f"{plan.flops / 1e9:.1f} GFLOP of {dense / 1e9:.0f} dense; runs on '{plan.backend}'"
+    )
     t.check(plan.density < 0.05, f"a 256-key window keeps {plan.density:.1%} of the L×S pairs")
 
 

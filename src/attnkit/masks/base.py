@@ -192,9 +192,36 @@ class Mask:
         H = (self.num_heads or 1) if H is None else H
         return block_mask(self, B, H, L, S, block_size=block_size, device=device)
 
-    def draw(self, L: int, S: int | None = None, *, batch: int = 0, head: int = 0) -> str:
-        """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden."""
+    def draw(
+        self,
+        L: int,
+        S: int | None = None,
+        *,
+        batch: int = 0,
+        head: int = 0,
+        cells: int | None = None,
+    ) -> str:
+        """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden.
+
+        `cells`: at most this many characters a side; where L or S is larger, each
+        character stands for a block of pairs: ■ every pair may attend, ▪ some, · none
+        (`masks.picture.block_text`).
+
+        >>> print(ak.causal().draw(3))
+        ■ · ·
+        ■ ■ ·
+        ■ ■ ■
+        >>> print(ak.causal().draw(8, cells=4))
+        ▪ · · ·
+        ■ ▪ · ·
+        ■ ■ ▪ ·
+        ■ ■ ■ ▪
+        """
         S = L if S is None else S
+        if cells is not None and max(L, S) > cells:
+            from attnkit.masks.picture import block_text
+
+            return block_text(self, L, S, batch=batch, head=head, cells=cells)
         B = self.batch_size or 1
         grid = self.materialize(B, self.num_heads or head + 1, L, S)[batch, head]  # (L, S)
         return "\n".join(" ".join(ALLOWED if x else HIDDEN for x in row) for row in grid.tolist())

@@ -1,4 +1,5 @@
-"""A mask as a notebook shows it: an SVG drawing with its description, no plotting library.
+"""A mask as a notebook shows it: an SVG drawing with its description, no plotting library;
+and as text too large to draw pair by pair (`block_text`: one character a block).
 
 `Mask._repr_html_` draws the mask at `PREVIEW`×`PREVIEW` (masks that hold tensors of a
 fixed length at that length, at most `LARGEST` a side), one square a pair, runs of
@@ -11,13 +12,16 @@ import html
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from attnkit.errors import MaskError, ShapeContractError
 
 if TYPE_CHECKING:  # called by Mask._repr_html_: the mask's own methods only
     from attnkit.masks.base import Mask
 
-__all__ = ["LARGEST", "PREVIEW", "mask_html", "preview_size"]
+__all__ = ["LARGEST", "PREVIEW", "block_text", "mask_html", "preview_size"]
+
+ALL, SOME, NONE = "■", "▪", "·"  # a block whose pairs may all attend, some, none
 
 PREVIEW = 16  # L = S of a mask that fits any size
 LARGEST = 64  # the largest side drawn; a mask bound to more keys shows its corner
@@ -83,3 +87,21 @@ def mask_html(mask: Mask) -> str:
         f'viewBox="0 0 {C * cell} {R * cell}"><rect width="100%" height="100%" fill="#edf2f7"/>'
         f"{''.join(shapes)}</svg></div>"
     )
+
+
+def block_text(mask: Mask, L: int, S: int, *, batch: int, head: int, cells: int) -> str:
+    """The L×S matrix of one batch row and head as at most `cells` characters a side,
+    each a block of ceil(L / cells) rows by ceil(S / cells) keys: ■ every pair may attend,
+    ▪ some, · none. Evaluated one block row at a time (memory rows·S, never L·S)."""
+    R, C = -(-L // cells), -(-S // cells)  # pairs a character stands for
+    B, H = mask.batch_size or 1, mask.num_heads or head + 1
+    lines = []
+    for r0 in range(0, L, R):
+        rows = torch.arange(r0, min(r0 + R, L))
+        band = mask.dense(B, H, L, S, rows=rows).expand(B, H, len(rows), S)[batch, head]
+        pad = (0, -S % C)  # the last block's keys past S: neither hide nor show a pair
+        full = F.pad(band, pad, value=True).view(len(rows), -1, C).all(2).all(0)  # (blocks,)
+        some = F.pad(band, pad, value=False).view(len(rows), -1, C).any(2).any(0)
+        marks = (ALL if f else SOME if s else NONE for f, s in zip(full, some, strict=True))
+        lines.append(" ".join(marks))
+    return "\n".join(lines)
