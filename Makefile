@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow fuzz lint format bench docs clean native sanitize
+.PHONY: demo notebooks test test-slow fuzz lint format bench docs docs-check clean native sanitize
 
 CASES ?= 10000
 SEED ?= 0
@@ -32,6 +32,14 @@ native: $(RUNTIME)
 
 demo: $(RUNTIME) native
 	$(VENV)/bin/attnkit tour
+	@echo "Next: the notebooks, from the closed loop to flash attention, with interactive"
+	@echo "pictures: 'make notebooks' (installs attnkit[notebooks]: JupyterLab, ipywidgets,"
+	@echo "matplotlib) opens examples/notebooks in JupyterLab."
+
+# the notebooks in JupyterLab (the `notebooks` extra: JupyterLab, the explorers' widgets)
+notebooks: $(RUNTIME) native
+	$(PY) -m pip install --quiet -e '.[notebooks]'
+	$(VENV)/bin/jupyter lab examples/notebooks
 
 test: $(STAMP) lint native
 	$(PY) -m pytest -q
@@ -58,13 +66,13 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks.py
-	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks.py
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
 	$(VENV)/bin/mypy
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests benchmarks examples docs/hooks.py
-	$(VENV)/bin/ruff check --fix src tests benchmarks examples docs/hooks.py
+	$(VENV)/bin/ruff format src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site docs/images/generated
@@ -72,3 +80,12 @@ clean:
 # the docs site, with the API reference from the docstrings, into site/ (warnings are errors)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# the built site in a real browser (docs/check_site.py: Debian's Chromium, headless, over
+# the DevTools protocol): every page loads without a console error or a failed request,
+# links and images resolve, the search finds, no code block scrolls sideways at 1280 px;
+# installs chromium from Debian's packages where it is missing (as root, as CI runs)
+docs-check: native docs
+	command -v chromium >/dev/null || \
+		(apt-get update && apt-get install -y --no-install-recommends chromium)
+	$(PY) docs/check_site.py site

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PEER_NAMES = {"naive": "naive", "sdpa": "SDPA", "flex": "Flex (compiled)", "auto": "attnkit auto"}
 
@@ -43,7 +46,8 @@ def _mib(record: dict[str, Any] | None) -> str:
 
 
 def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> str:
-    """One row per (S, pattern, pass): median ms of each peer, auto's share of the roofline."""
+    """One row per (S, pattern, pass): auto against the best peer, median ms of each peer,
+    auto's share of the roofline."""
     index = {(_dtype(r), r["S"], r["pattern"], r["pass"], r["peer"]): r for r in records}
     keys = sorted(
         {(_dtype(r), r["S"], r["pattern"], r["pass"]) for r in records},
@@ -69,8 +73,8 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
         "costs what a dense one does); "
         "memory = peak extra MiB of one call in a fresh process (float32).",
         "",
-        "| dtype | S | pattern | pass | naive | SDPA | Flex | auto (backend) | auto GFLOP/s | "
-        "% roofline | per pair | auto vs best peer | MiB SDPA | MiB auto |",
+        "| dtype | S | pattern | pass | auto vs best peer | auto (backend) | naive | SDPA | "
+        "Flex | per pair | auto GFLOP/s | % roofline | MiB SDPA | MiB auto |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype, S, pattern, pass_ in keys:
@@ -86,12 +90,12 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
         per_pair = (
             f"{auto['gflops'] / max(dense):.2f}" if auto and "gflops" in auto and dense else "–"
         )
-        lines.append(
-            f"| {dtype} | {S} | {pattern} | {pass_} | {_cell(row['naive'])} | "
-            f"{_cell(row['sdpa'])} | "
-            f"{flex} | {_cell(auto)} ({auto.get('backend', '?') if auto else '?'})"
+        lines.append(  # the row's verdict first: auto against the best peer, auto's time
+            f"| {dtype} | {S} | {pattern} | {pass_} | {speedup} | "
+            f"{_cell(auto)} ({auto.get('backend', '?') if auto else '?'})"
             f"{_compile(auto) if auto and auto.get('backend') == 'flex' else ''} | "
-            f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | {per_pair} | {speedup} | "
+            f"{_cell(row['naive'])} | {_cell(row['sdpa'])} | {flex} | {per_pair} | "
+            f"{auto['gflops']:.0f} | {auto['roofline_pct']:.0f}% | "
             f"{_mib(row['sdpa'])} | {_mib(auto)} |"
             if auto and "ms" in auto
             else f"| {dtype} | {S} | {pattern} | {pass_} |" + " – |" * 10
@@ -108,48 +112,85 @@ def _dtype(record: dict[str, Any]) -> str:
     return str(record.get("dtype", "float32"))  # results written before the dtype axis
 
 
-def write_plot(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> None:
-    """Share of the roofline per pattern and peer: one panel per (pass, S)."""
-    try:
-        import matplotlib
+def _bar_label(record: dict[str, Any] | None) -> str:
+    """What a bar without a time says in its place: skip (over the call budget) or n/a."""
+    return "skip" if _cell(record) == "skip" else "n/a"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+
+def draw_plot(meta: dict[str, Any], records: list[dict[str, Any]]) -> Figure:
+    """Share of the roofline per pattern and peer, float32: one panel per (S, pass); a
+    peer without a time gets a labelled empty bar ('skip' or 'n/a'), never a zero."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no window
+
     sizes = sorted({r["S"] for r in records})
     passes = ("fwd", "fwd+bwd")
-    fig, axes = plt.subplots(
-        len(passes), len(sizes), figsize=(5 * len(sizes), 7), squeeze=False, sharey=True
-    )
+    patterns = [p for p in PATTERN_ORDER if any(r["pattern"] == p for r in records)]
+    index = {
+        (r["S"], r["pattern"], r["pass"], r["peer"]): r for r in records if _dtype(r) == "float32"
+    }
+    fig = Figure(figsize=(10, 1.0 + 3.0 * len(sizes)))
+    axes = fig.subplots(len(sizes), len(passes), squeeze=False, sharey=True)
     width = 0.2
-    for row, pass_ in enumerate(passes):
-        for col, S in enumerate(sizes):
+    top = max([r.get("roofline_pct", 0.0) for r in index.values()] + [1.0])
+    for row, S in enumerate(sizes):
+        for col, pass_ in enumerate(passes):
             ax = axes[row][col]
             for n, peer in enumerate(PEER_NAMES):
-                values = []
-                for pattern in PATTERN_ORDER:
-                    match = [
-                        r
-                        for r in records
-                        if (r["S"], r["pattern"], r["pass"], r["peer"]) == (S, pattern, pass_, peer)
-                        and _dtype(r) == "float32"
-                        and "ms" in r
-                    ]
-                    values.append(match[0]["roofline_pct"] if match else 0.0)
-                ax.bar(
-                    [i + (n - 1.5) * width for i in range(len(PATTERN_ORDER))],
-                    values,
-                    width,
-                    label=PEER_NAMES[peer],
-                )
-            ax.set_title(f"{pass_}, S={S}")
-            ax.set_xticks(range(len(PATTERN_ORDER)), PATTERN_ORDER, rotation=30)
+                xs = [i + (n - 1.5) * width for i in range(len(patterns))]
+                found = [index.get((S, pattern, pass_, peer)) for pattern in patterns]
+                values = [r["roofline_pct"] if r and "ms" in r else 0.0 for r in found]
+                ax.bar(xs, values, width, label=PEER_NAMES[peer], color=f"C{n}")
+                for x, pattern, record in zip(xs, patterns, found, strict=True):
+                    ran = any(index.get((S, pattern, pass_, p)) for p in PEER_NAMES)
+                    if ran and (record is None or "ms" not in record):
+                        ax.text(
+                            x, top * 0.02, _bar_label(record), rotation=90, ha="center",
+                            va="bottom", fontsize=8, color=f"C{n}",
+                        )  # fmt: skip
+            ax.set_title(f"{pass_}, S={S}", fontsize=12)
+            ax.set_xticks(range(len(patterns)), patterns, rotation=30, fontsize=10)
+            ax.tick_params(axis="y", labelsize=10)
             if col == 0:
-                ax.set_ylabel("% of fp32 matmul roofline (useful FLOPs)")
-    axes[0][0].legend(fontsize=8)
+                ax.set_ylabel("% of fp32 roofline", fontsize=10)
+    axes[0][0].legend(fontsize=9, ncols=2)
     fig.suptitle(
-        f"attention on CPU: roofline {meta['roofline_gflops']:.0f} GFLOP/s, torch {meta['torch']}"
+        f"attention on CPU, float32: share of the {meta['roofline_gflops']:.0f} GFLOP/s "
+        f"matmul roofline (useful FLOPs), torch {meta['torch']}",
+        fontsize=12,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.text(
+        0.5, 0.005, "skip: a call predicted over the call budget, not run;  n/a: not run "
+        "(Flex has no backward on CPU; naive: its S limits)", ha="center", va="bottom",
+        fontsize=9,
+    )  # fmt: skip
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    return fig
+
+
+def write_plot(meta: dict[str, Any], records: list[dict[str, Any]], path: Path) -> None:
+    """`draw_plot` as a PNG at `path` (nothing without matplotlib)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    draw_plot(meta, records).savefig(path, dpi=110)
+
+
+def main() -> None:
+    """Redraw the table and the plot of a kept run: `python benchmarks/report.py
+    benchmarks/results/bench.json` writes bench.md and bench.png beside it."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("results", type=Path, help="a bench.json that benchmarks/bench.py wrote")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG only")
+    args = parser.parse_args()
+    run = json.loads(args.results.read_text())
+    if not args.plot_only:
+        write_markdown(run["meta"], run["records"], args.results.with_suffix(".md"))
+    write_plot(run["meta"], run["records"], args.results.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,18 @@ def test_mask_figure_shows_the_mask_and_names_it():
     assert str(m) in fig.axes[0].get_title()
 
 
+def test_mask_figure_names_the_batch_row_and_head_and_centres_cells_on_positions():
+    m = ak.key_padding(torch.tensor([6, 4]))  # differs by batch row
+    title = akplot.mask(m, 6, batch=1).axes[0].get_title()
+    assert "batch row 1" in title and "head" not in title
+    assert "head 2" in akplot.mask(ak.causal(), 6, head=2).axes[0].get_title()
+    assert "batch row" not in akplot.mask(ak.causal(), 6).axes[0].get_title()
+    ax = akplot.mask(ak.causal(), 7).axes[0]
+    assert ax.images[0].get_extent() == [-0.5, 6.5, 6.5, -0.5]  # as attention's imshow
+    shown = [t for t in ax.get_xticks() if -0.5 <= t <= 6.5]
+    assert shown and all(float(t).is_integer() for t in shown)  # ticks on cell centres
+
+
 def test_large_masks_are_drawn_in_cells_whose_mean_is_the_density():
     L = S = 1024
     m = ak.sliding_window(100) & ak.causal()

@@ -123,6 +123,20 @@ class AuxRequest(NamedTuple):
     The same NamedTuple as torch's `torch.nn.attention.varlen.AuxRequest` (2.9+), and
     either works: the drop-in reads `.lse`. It is not imported from torch, because that
     module loads the compiler (about 3 s) and `import attnkit` should not.
+
+    Attributes:
+        lse: also return the log-sum-exp, (T_q, H) float32 (float64 for float64 inputs)
+            (default False).
+
+    Examples:
+        >>> from attnkit.dropins import AuxRequest
+        >>> q = torch.randn(5, 2, 8)  # (T, H, D): one sequence of 5
+        >>> cu = torch.tensor([0, 5])
+        >>> out, lse = ak.varlen_attn(q, q, q, cu, cu, 5, 5, return_aux=AuxRequest(lse=True))
+        >>> lse.shape  # (T_q, H)
+        torch.Size([5, 2])
+        >>> AuxRequest()  # the default asks for nothing extra: out alone
+        AuxRequest(lse=False)
     """
 
     lse: bool = False

@@ -22,10 +22,27 @@ def _shape(t: object) -> object:
 
 
 class KVCache(Attender):
-    """Empty until the first forward that is given it; `length` cached positions after.
+    """The keys and values of one layer's past positions, for incremental decoding.
 
-    A module that gets a cache appends its new keys/values and attends over all of them:
-    decode steps (L=1 query, S=length keys) therefore pass `causal(align="bottom_right")`.
+    Empty until the first forward that is given it (`MultiHeadAttention(x, cache=...)`);
+    then `length` counts the cached positions. A module given a cache appends its new
+    keys/values (B, Hkv, L, D) and attends its L queries over all `length` keys, rotating
+    them (RoPE) from position `length`: so a decoding step (L=1 query, S=length keys)
+    passes `causal(align="bottom_right")`. Storage doubles as it fills (O(1) amortized
+    copies a token); `crop` rolls back, `reset` starts the next sequence. Use one cache
+    per layer.
+
+    Examples:
+        >>> mha = ak.MultiHeadAttention(16, 4, rope=True)
+        >>> x = torch.randn(1, 6, 16)  # (B, L, E): a prompt of 4 tokens, then 2 more
+        >>> cache = ak.KVCache()
+        >>> outs = [mha(x[:, :4], mask=ak.causal(), cache=cache)]  # prefill
+        >>> for t in (4, 5):  # one token a step: its query sees every cached key
+        ...     outs.append(mha(x[:, t : t + 1], mask=ak.causal(align="bottom_right"), cache=cache))
+        >>> cache.length
+        6
+        >>> torch.allclose(torch.cat(outs, dim=1), mha(x, mask=ak.causal()), atol=1e-5)
+        True
     """
 
     def __init__(self) -> None:
@@ -53,10 +70,25 @@ class KVCache(Attender):
 
     @property
     def capacity(self) -> int:
+        """Positions the storage holds before it grows again."""
         return 0 if self._k is None else self._k.shape[2]
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k (B, Hkv, n, D) and v (B, Hkv, n, Dv); return all cached keys and values."""
+        """Store n new positions after the cached ones and return all of them.
+
+        Args:
+            k: (B, Hkv, n, D) keys of the new positions.
+            v: (B, Hkv, n, Dv) values, k's dtype and device.
+
+        Returns:
+            `(keys, values)`: (B, Hkv, length, D) and (B, Hkv, length, Dv) views of the
+            storage, every cached position in order (valid until the next append).
+
+        Raises:
+            ShapeContractError: k or v not 4-D, disagreeing on (B, Hkv, n), or with
+                other B, Hkv, D or Dv than the cache holds.
+            TypeError: k and v of different dtypes or devices.
+        """
         if not (isinstance(k, Tensor) and isinstance(v, Tensor)) or k.dim() != 4 or v.dim() != 4:
             raise ShapeContractError(
                 f"KVCache.append takes k (B, Hkv, n, D) and v (B, Hkv, n, Dv), got "
@@ -99,7 +131,11 @@ class KVCache(Attender):
         self._k, self._v = new_k, new_v
 
     def crop(self, length: int) -> None:
-        """Keep only the first `length` positions (e.g. to roll back rejected draft tokens)."""
+        """Keep only the first `length` positions (e.g. to roll back rejected draft tokens).
+
+        Raises:
+            ValueError: `length` not an int in [0, self.length].
+        """
         if (
             isinstance(length, bool)
             or not isinstance(length, int)

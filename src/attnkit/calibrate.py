@@ -69,7 +69,17 @@ _log = logging.getLogger("attnkit")
 
 def active_table() -> CostTable:
     """The table `cost.table()` prices with, as `ATTNKIT_CALIBRATION` says (it measures
-    only when that says `measure`)."""
+    only when that says `measure`).
+
+    Returns:
+        A `CostTable`: the CPU `kind` (`amx`, `avx512_bf16`, `avx512`, `avx2`, `other`),
+        its `source` in words and the factors `attnkit calibrate` measured, if any.
+
+    Examples:
+        >>> table = ak.calibrate.active_table()
+        >>> table.kind in ("amx", "avx512_bf16", "avx512", "avx2", "other")
+        True
+    """
     setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
     word = setting.lower()
     if word in OFF:
@@ -125,7 +135,17 @@ def machine_key() -> dict[str, object]:
 
 
 def cache_path() -> Path:
-    """This machine's table in the user's cache directory."""
+    """This machine's table in the user's cache directory.
+
+    Returns:
+        A `Path`: `$XDG_CACHE_HOME/attnkit/cost-<key>.json` (else `~/.cache/attnkit`),
+        the key a digest of the CPU, its units, the threads, torch and attnkit.
+
+    Examples:
+        >>> path = ak.calibrate.cache_path()
+        >>> path.parent.name, path.name.startswith("cost-"), path.suffix
+        ('attnkit', True, '.json')
+    """
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     digest = hashlib.sha1(json.dumps(machine_key(), sort_keys=True).encode()).hexdigest()
     return Path(base) / "attnkit" / f"cost-{digest[:16]}.json"
@@ -141,7 +161,20 @@ def _cpu_model() -> str:
 
 
 def factors(table: CostTable) -> dict[str, dict[str, float]]:
-    """Every registered backend's factors in `table`, by backend name (those with any)."""
+    """Every registered backend's factors in `table`, by backend name (those with any).
+
+    Args:
+        table: a `CostTable` (`active_table()`, `measure()`, `cost.built_in(kind)`).
+
+    Returns:
+        A dict of backend name to its factors (name to float, in units of dense SDPA's
+        time per pair), built in for the table's kind where it measured none.
+
+    Examples:
+        >>> table = ak.cost.built_in("avx2")
+        >>> sorted(ak.calibrate.factors(table)["sdpa"])
+        ['backward', 'backward_half', 'causal', 'convert', 'masked']
+    """
     return {
         b.name: table.of(b.name, b.cost_factors)
         for b in BACKENDS.values()
@@ -209,6 +242,15 @@ def measure() -> CostTable:
     is watched while the calls run; on a busy CPU the measurement is repeated once after
     a pause, and if it never ran quiet the table's source says so (`main` and
     `ATTNKIT_CALIBRATION=measure` keep it all the same, with a warning).
+
+    Returns:
+        A `CostTable` of this CPU's kind holding the measured factors; nothing is kept
+        on disk and the planner's table is left as it was.
+
+    Examples:
+        >>> table = ak.calibrate.measure()  # one to two seconds on a quiet CPU
+        >>> table.source.startswith("measured on this CPU"), "sdpa" in table.measured
+        (True, True)
     """
     previous = cost._ACTIVE
     cost.use(BUILT_IN)  # the backends plan with the defaults while they are timed
@@ -299,7 +341,26 @@ def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[flo
 def main() -> int:
     """`attnkit calibrate`: measure now, keep the table where `cost.table()` reads it
     (`ATTNKIT_CALIBRATION`'s file if it names one, else this machine's in the cache
-    directory), print it; a busy CPU gets a warning, and its table is kept all the same."""
+    directory), print it; a busy CPU gets a warning, and its table is kept all the same.
+
+    Returns:
+        The exit status: 0, or 1 where the table cannot be written (the reason on
+        stderr). The process then prices with the table measured.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from unittest import mock
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "cost.json")
+        >>> with mock.patch.dict(os.environ, ATTNKIT_CALIBRATION=path):
+        ...     status = ak.calibrate.main()
+        {...}
+        measured on this CPU ...; kept in .../cost.json
+        >>> status, os.path.exists(path)
+        (0, True)
+        >>> ak.cost.use(None)  # from the next call, price as the environment says again
+        >>> folder.cleanup()
+    """
     setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
     keyword = setting.lower() in (*OFF, *CPU_KINDS, MEASURE)
     path = Path(setting).expanduser() if setting and not keyword else cache_path()

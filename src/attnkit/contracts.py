@@ -1,7 +1,7 @@
 """Shape contracts: validate and normalize the arguments of an attention call.
 
 Everything a user passes is checked here, once, at the public boundary; backends never
-re-validate. Letters follow DESIGN.md §1: q is (B, H, L, D), k is (B, Hkv, S, D),
+re-validate. Letters follow the Design page, §1: q is (B, H, L, D), k is (B, Hkv, S, D),
 v is (B, Hkv, S, Dv), and H % Hkv == 0 (GQA: query head h reads K/V head h // (H/Hkv)).
 
 `normalize_call` makes layouts, scale and empty sizes safe for every kernel: an input
@@ -38,6 +38,7 @@ __all__ = [
     "check_attention_contract",
     "normalize_call",
     "normalize_inputs",
+    "row_index",
     "unit_last_stride",
 ]
 
@@ -132,11 +133,28 @@ class AttentionCall:
 def check_attention_contract(
     q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], mode: str
 ) -> Dims:
-    """Raise `ShapeContractError` naming the offending dimension, else return the `Dims`.
+    """Check the shapes of an attention call, naming the offending dimension.
 
-    Shapes are (B, H, L, D), (B, Hkv, S, D), (B, Hkv, S, Dv) of positive ints (the seed's
-    contract). `mode='self'` also needs L == S (queries and keys come from the same
-    sequence); `'cross'` lets them differ. An unknown `mode` raises `ValueError`.
+    Args:
+        q_shape: (B, H, L, D) of positive ints.
+        k_shape: (B, Hkv, S, D), with H % Hkv == 0 (GQA).
+        v_shape: (B, Hkv, S, Dv).
+        mode: `"self"` (queries and keys from one sequence: L == S) or `"cross"`.
+
+    Returns:
+        The `Dims` (B, H, Hkv, L, S, D, Dv) of the call.
+
+    Raises:
+        ShapeContractError: a dimension breaks the contract; the message names it.
+        ValueError: an unknown `mode`.
+
+    Examples:
+        >>> ak.check_attention_contract((2, 8, 16, 64), (2, 2, 16, 64), (2, 2, 16, 32), "self")
+        Dims(B=2, H=8, Hkv=2, L=16, S=16, D=64, Dv=32)
+        >>> ak.check_attention_contract((1, 4, 8, 64), (1, 4, 6, 64), (1, 4, 6, 64), "self")
+        Traceback (most recent call last):
+            ...
+        attnkit.errors.ShapeContractError: self-attention needs L == S, got L=8 ...
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -200,7 +218,23 @@ def _check_shapes(
 def attention_contract_ok(
     q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], mode: str
 ) -> bool:
-    """True when `check_attention_contract` would pass; False for an unknown `mode` too."""
+    """True when `check_attention_contract` would pass; False for an unknown `mode` too.
+
+    Args:
+        q_shape: (B, H, L, D).
+        k_shape: (B, Hkv, S, D).
+        v_shape: (B, Hkv, S, Dv).
+        mode: `"self"` (L == S) or `"cross"`.
+
+    Returns:
+        A bool; it never raises.
+
+    Examples:
+        >>> ak.attention_contract_ok((2, 8, 16, 64), (2, 2, 16, 64), (2, 2, 16, 64), "self")
+        True
+        >>> ak.attention_contract_ok((2, 8, 16, 64), (2, 3, 16, 64), (2, 3, 16, 64), "self")
+        False
+    """
     try:
         check_attention_contract(q_shape, k_shape, v_shape, mode)
     except ValueError:  # ShapeContractError, or an unknown mode (the seed returns False)
@@ -211,7 +245,24 @@ def attention_contract_ok(
 def attention_score_elements(
     batch_size: int, num_heads: int, seq_len: int, key_len: int | None = None
 ) -> int:
-    """Entries of the score matrix QKᵀ: B·H·L·S. It grows with the square of the length."""
+    """Entries of the score matrix QKᵀ: B·H·L·S. It grows with the square of the length.
+
+    Args:
+        batch_size: B.
+        num_heads: H, query heads.
+        seq_len: L, query length.
+        key_len: S, key length (default None: L, self-attention).
+
+    Returns:
+        The int B·H·L·S.
+
+    Raises:
+        ValueError: a size that is not an int >= 0.
+
+    Examples:
+        >>> ak.attention_score_elements(1, 8, 1, 4096)  # a decoding step: 8·4096
+        32768
+    """
     key_len = seq_len if key_len is None else key_len
     sizes = {"batch_size": batch_size, "num_heads": num_heads, "seq_len": seq_len}
     for name, value in {**sizes, "key_len": key_len}.items():
@@ -274,6 +325,26 @@ def normalize_mask(
     checked = as_mask(mask)
     checked.check(*target)
     return checked, None
+
+
+def row_index(
+    rows: int | Sequence[int] | slice | Tensor | None, L: int, device: torch.device
+) -> Tensor:
+    """`attention_probs`' `rows=` as a 1-D index of query positions in [0, L)."""
+    if rows is None:
+        return torch.arange(L, device=device)
+    if isinstance(rows, slice):
+        return torch.arange(L, device=device)[rows]
+    index = torch.as_tensor(rows, device=device).reshape(-1)
+    if index.numel() == 0:  # `rows=[]`: no rows (torch reads an empty list as float)
+        return index.long()
+    if index.is_floating_point() or index.dtype == torch.bool:
+        raise TypeError(f"rows must be integer query positions, got dtype {index.dtype}.")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= L):
+        raise ShapeContractError(
+            f"rows {index.tolist()[:8]} fall outside the L={L} query positions [0, {L - 1}]."
+        )
+    return index
 
 
 def check_sinks(sinks: object, q: Tensor) -> Tensor:

@@ -10,29 +10,27 @@ the call is then `attention`'s (planner, fused and block-sparse paths,
 `torch.compile(fullgraph=True)`). `varlen_attn` runs each sequence on its own
 (`packed.attend_packed`); `max_q`, `max_k` and `num_splits` are accepted and not needed.
 Under `torch.compile` its paged keys are gathered once by the table (each sequence's
-used pages in order, one index) into the packed form. `window_spans` turns
-flash-attention's window into `row_spans`. Every `block_table` is checked first in eager
+used pages in order, one index) into the packed form. `packed.window_spans`
+turns flash-attention's window into `row_spans`. Every `block_table` is checked first in eager
 calls (`check_block_table`: lengths against max_pages · page_size, the used entries, the
 first ceil(length / page_size) of a row, against the pool; entries past them are never
 read), and `flash_attn_with_kvcache` without one by `check_cache_room`, both before any
-write.
+write (both in `flash_cache`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from attnkit._compat import AuxRequest
-from attnkit.errors import BlockTableError, ShapeContractError
-from attnkit.flash_cache import decode_pages
+from attnkit.flash_cache import check_block_table, decode_pages
 from attnkit.functional import attend, attention_with_lse
 from attnkit.masks import causal, row_spans
 from attnkit.masks.convert import from_torch_mask
-from attnkit.packed import attend_packed, window_mask
+from attnkit.packed import KeySpans, attend_packed, window_mask, window_spans
 
 __all__ = ["AuxRequest", "sdpa", "varlen_attn"]
 
@@ -50,22 +48,46 @@ def sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """`F.scaled_dot_product_attention`, on attnkit.
+    """`F.scaled_dot_product_attention`, on attnkit: swap the import, keep the call.
 
     Args:
-        query: (N, ..., Hq, L, E); key: (N, ..., H, S, E); value: (N, ..., H, S, Ev):
-            leading dims broadcast as torch's; H == Hq, or with `enable_gqa` Hq % H == 0.
+        query: (B, ..., H, L, D): any leading dims, broadcast as torch's.
+        key: (B, ..., Hkv, S, D), query's dtype; Hkv == H, or with `enable_gqa` H % Hkv == 0.
+        value: (B, ..., Hkv, S, Dv), query's dtype.
         attn_mask: bool (True = may attend) or float (added to the scores), broadcastable
-            to (N, ..., Hq, L, S).
-        dropout_p: dropout on the weights (applied whenever > 0, as torch's).
-        is_causal: query i sees keys j <= i (top-left); refused together with attn_mask.
-        scale: default 1/sqrt(E).
-        enable_gqa: key and value may have fewer heads than query.
+            to (B, ..., H, L, S), or torch's `CausalBias` (default None).
+        dropout_p: dropout on the weights, applied whenever > 0, as torch's (default 0.0).
+        is_causal: query i sees keys j <= i (top-left), without attn_mask (default False).
+        scale: multiplies q·kᵀ (default None: 1/√D).
+        enable_gqa: key and value may have fewer heads than query (default False).
+
     Returns:
-        (N, ..., Hq, L, Ev) in query's dtype.
+        (B, ..., H, L, Dv) in query's dtype.
+
+    Raises:
+        RuntimeError: torch's: inputs of fewer than 2 dims, `is_causal` with
+            attn_mask, fewer key heads without `enable_gqa` (naming it), leading dims
+            that do not broadcast.
+        ValueError: a `CausalBias` with `is_causal=True` (torch's).
+        DtypeMismatchError: query, key, value of different dtypes.
 
     Differs from torch: a query row that sees no key gives 0 (torch's CPU kernels do
     too; some of its GPU kernels give NaN), and its gradients are 0.
+
+    Examples:
+        >>> q = torch.randn(2, 4, 6, 8)  # (B, H, L, D)
+        >>> k, v = torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)  # Hkv = 2
+        >>> out = ak.sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        >>> out.shape  # (B, H, L, Dv)
+        torch.Size([2, 4, 6, 8])
+        >>> F = torch.nn.functional
+        >>> torch.allclose(out, F.scaled_dot_product_attention(
+        ...     q, k, v, is_causal=True, enable_gqa=True), atol=1e-5)
+        True
+        >>> mask = torch.ones(6, 6, dtype=torch.bool).tril()
+        >>> mask[0] = False  # query 0 may see no key
+        >>> ak.sdpa(q, k, v, mask, enable_gqa=True)[:, :, 0].abs().max()  # 0, not NaN
+        tensor(0.)
     """
     _check_ranks(query, key, value)
     given = from_torch_mask(attn_mask, query.shape[-2], key.shape[-2])
@@ -182,26 +204,40 @@ def varlen_attn(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`torch.nn.attention.varlen.varlen_attn`, on attnkit (CPU included, with backward).
 
+    Sequences of different lengths packed along one dim: sequence n is query rows
+    cu_seq_q[n] .. cu_seq_q[n+1]-1 and attends only to its own keys.
+
     Args:
         query: (T_q, H, D) packed sequences.
-        key: (T_k, Hkv, D), or with `block_table` pages (total_pages, page_size, Hkv, D).
-        value: laid out as `key`.
-        cu_seq_q: (N + 1,) cumulative query lengths (sequence n is rows cu[n]..cu[n+1]-1).
-        cu_seq_k: (N + 1,) cumulative key lengths; may be None with `block_table`.
+        key: (T_k, Hkv, D), query's dtype; or with `block_table` pages
+            (total_pages, page_size, Hkv, D).
+        value: (T_k, Hkv, Dv), laid out as `key`.
+        cu_seq_q: (N + 1,) int cumulative query lengths, from 0 to T_q.
+        cu_seq_k: (N + 1,) int cumulative key lengths; may be None with `block_table`.
         max_q: the longest query sequence (accepted; attnkit reads the lengths).
         max_k: the longest key sequence (accepted likewise).
-        return_aux: `AuxRequest(lse=True)` also returns the log-sum-exp (T_q, H).
+        return_aux: `AuxRequest(lse=True)` also returns the log-sum-exp (default None).
+        scale: multiplies q·kᵀ (default None: 1/√D).
         window_size: (left, right), flash-attention's convention: query i of a sequence
             sees its keys j with i' - left <= j <= i' + right, i' = i + (len_k - len_q)
-            (bottom-right aligned); -1 is unlimited; (-1, 0) is causal.
-        enable_gqa: key and value may have fewer heads than query (H % Hkv == 0).
-        seqused_k: (N,) keys used per sequence (the first seqused_k[n] of its keys).
+            (bottom-right aligned); -1 is unlimited; (-1, 0) is causal (default (-1, -1)).
+        enable_gqa: key and value may have fewer heads than query (default False).
+        seqused_k: (N,) int keys used per sequence: its first seqused_k[n] (default None).
         block_table: (N, max_pages) int32 page ids of each sequence's keys, in order;
-            needs `seqused_k`; a length past max_pages · page_size, or a used entry
-            that is no page of `key`, raises `BlockTableError`.
+            needs `seqused_k` (default None).
         num_splits: accepted and not used (a hint for CUDA kernels' key splitting).
+
     Returns:
-        (T_q, H, Dv) contiguous, and lse (T_q, H) contiguous with `return_aux.lse`.
+        out (T_q, H, Dv) in query's dtype, contiguous; with `return_aux.lse`,
+        `(out, lse)`, lse (T_q, H) float32 (float64 for float64), contiguous, -inf where
+        a query sees nothing.
+
+    Raises:
+        ValueError: head counts as torch's (naming `enable_gqa=True`), a window_size not
+            of 2, cu offsets or seqused_k that do not fit, `block_table` without
+            `seqused_k`.
+        BlockTableError: a length past max_pages · page_size, or a used page id outside
+            the pool, before anything is read.
 
     Differs from torch: runs on any device attnkit serves; a query that sees no key
     gives 0 (lse -inf); backward works with `seqused_k` and `block_table` too. Each
@@ -209,6 +245,19 @@ def varlen_attn(
     bitwise the same whatever else is packed with it, in any order (under
     `torch.compile` the pack is one call over each query's key interval: exact, not
     order-invariant).
+
+    Examples:
+        >>> from attnkit.dropins import AuxRequest
+        >>> q, k, v = torch.randn(7, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+        >>> cu = torch.tensor([0, 3, 7])  # two sequences: rows 0..2 and 3..6
+        >>> out, lse = ak.varlen_attn(q, k, v, cu, cu, 4, 4, window_size=(-1, 0),
+        ...                           return_aux=AuxRequest(lse=True))  # causal
+        >>> out.shape, lse.shape  # (T_q, H, Dv), (T_q, H)
+        (torch.Size([7, 2, 8]), torch.Size([7, 2]))
+        >>> heads = lambda t: t.transpose(0, 1)[None]  # (n, H, D) -> (1, H, n, D)
+        >>> second = ak.attention(heads(q[3:]), heads(k[3:]), heads(v[3:]), ak.causal())
+        >>> torch.allclose(out[3:], second[0].transpose(0, 1), atol=1e-6)  # as if alone
+        True
     """
     _check_heads(query.shape[1], key.shape[2 if block_table is not None else 1], enable_gqa)
     if len(window_size) != 2:
@@ -255,33 +304,6 @@ def _check_heads(Hq: int, Hkv: int, enable_gqa: bool) -> None:
             "Expect number of query heads to be a multiple of kv heads for GQA but got "
             f"Hq={Hq} and Hkv={Hkv}."
         )
-
-
-@dataclass(frozen=True)
-class KeySpans:
-    """Per query row: its keys [lo, hi) and its aligned key position `at` (the i' of
-    flash-attention's convention, for ALiBi), integer tensors of one shape."""
-
-    lo: Tensor
-    hi: Tensor
-    at: Tensor
-
-    def one_batch_row(self) -> KeySpans:
-        """Spans of packed rows (T,) as one batch row (1, T)."""
-        return KeySpans(self.lo[None], self.hi[None], self.at[None])
-
-
-def window_spans(
-    first_key: Tensor, len_k: Tensor, len_q: Tensor | int, row: Tensor, window: tuple[int, int]
-) -> KeySpans:
-    """The keys of query `row` of a sequence of `len_q` queries whose keys are
-    first_key .. first_key + len_k - 1: those within (left, right) of its bottom-right
-    aligned position i' = row + len_k - len_q (-1: unlimited), flash-attention's window."""
-    at = row + len_k - len_q
-    left, right = window
-    lo = torch.zeros_like(at) if left < 0 else (at - left).clamp(min=0)
-    hi = len_k + torch.zeros_like(at) if right < 0 else torch.minimum(at + right + 1, len_k)
-    return KeySpans(first_key + lo, first_key + torch.maximum(hi, lo), first_key + at)
 
 
 def decode_packed(
@@ -351,78 +373,3 @@ def gather_pages(
     cu_k = torch.nn.functional.pad((count * page_size).cumsum(0), (1, 0))
     k, v = (t[pages].flatten(0, 1) for t in (key, value))  # (pages·page_size, Hkv, D)
     return k, v, cu_k
-
-
-def check_block_table(
-    call: str, block_table: Tensor, lengths: Tensor, pool: tuple[int, int], named: str
-) -> None:
-    """Refuse, before anything is read or written, a sequence longer than its row of
-    `block_table` holds (max_pages · page_size), or a used entry (one of the first
-    ceil(length / page_size) of its row) that is no page of the pool.
-
-    Args:
-        call: the public function, for the message.
-        block_table: (N, max_pages) page ids.
-        lengths: (N,) positions each sequence reads or writes, from position 0.
-        pool: (pages, page_size) of the paged keys.
-        named: where the lengths come from, `{n}` standing for the sequence and
-            `{next}` for n + 1 ("seqused_k[{n}]").
-    Raises:
-        BlockTableError: naming `block_table`, the sequence, its length, the capacity
-            and the fix.
-    """
-    if torch.compiler.is_compiling():  # data-dependent: eager calls only
-        return
-    N, (pages, page_size) = lengths.shape[0], pool
-    if block_table.dim() != 2 or block_table.shape[0] < N:
-        raise BlockTableError(
-            f"{call}: block_table must be (N, max_pages) with a row per sequence ({N}), got "
-            f"{tuple(block_table.shape)}; give one row of page ids per sequence"
-        )
-    lengths = lengths.long().cpu()  # (N,)
-    _check_capacity(call, block_table.shape[1], page_size, lengths, named)
-    count = (lengths + page_size - 1) // page_size  # (N,) entries in use
-    ids = block_table[:N].long().cpu()  # (N, max_pages)
-    used = torch.arange(ids.shape[1]) < count[:, None]  # (N, max_pages)
-    bad = (used & ((ids < 0) | (ids >= pages))).nonzero()
-    if bad.numel():
-        n, p = int(bad[0, 0]), int(bad[0, 1])
-        raise BlockTableError(
-            f"{call}: block_table[{n}, {p}] = {int(ids[n, p])} is no page of the pool (ids 0 "
-            f"to {pages - 1}: {_counted(pages, 'page')}), and sequence {n} uses the first "
-            f"{_counted(int(count[n]), 'entry')} of its row for its {int(lengths[n])} positions "
-            f"({named.format(n=n, next=n + 1)}); give ids of the pool's pages"
-        )
-
-
-def _check_capacity(call: str, width: int, page_size: int, lengths: Tensor, named: str) -> None:
-    """Each length (N,) within the width · page_size positions a row of the table holds."""
-    too_long = (lengths > width * page_size).nonzero()
-    if too_long.numel():
-        n = int(too_long[0, 0])
-        length, name = int(lengths[n]), named.format(n=n, next=n + 1)
-        raise BlockTableError(
-            f"{call}: sequence {n} has {length} positions ({name}), but block_table lists "
-            f"{_counted(width, 'page')} of {page_size} slots per row ({width * page_size} "
-            f"positions); give block_table at least {-(-length // page_size)} pages per row "
-            f"(more pages for sequence {n})"
-        )
-
-
-def check_cache_room(ends: Tensor, S_cache: int, new: int) -> None:
-    """`flash_attn_with_kvcache` without `block_table`: each sequence's keys must fit the
-    cache's S_cache positions (checked before any write; eager calls: lengths are data)."""
-    if torch.compiler.is_compiling() or not bool((ends > S_cache).any()):
-        return
-    b = int((ends > S_cache).nonzero()[0, 0])
-    raise ShapeContractError(
-        f"flash_attn_with_kvcache: sequence {b} needs {int(ends[b])} cache positions "
-        f"(cache_seqlens[{b}] = {int(ends[b]) - new} + {new} new keys) but k_cache holds "
-        f"S_cache={S_cache}; give a longer cache, or fewer positions in cache_seqlens"
-    )
-
-
-def _counted(n: int, word: str) -> str:
-    """'1 page', '2 pages', '1 entry', '3 entries'."""
-    plural = word[:-1] + "ies" if word.endswith("y") else word + "s"
-    return f"{n} {word if n == 1 else plural}"

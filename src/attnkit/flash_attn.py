@@ -12,7 +12,7 @@ scores, `alibi_slopes` (H,) or (B, H) adding `-slope · |i + S - L - j|`, GQA/MQ
 count. Code written for them runs unchanged, imported from `attnkit.flash_attn`. The packed
 forms call the others on views of the packed dim; `flash_attn_varlen_func` runs each sequence
 on its own (`packed.attend_packed`); `flash_attn_func` (and a varlen pack under `torch.compile`)
-is one `attention_with_lse` over each query's window as `row_spans` (`dropins.window_spans`).
+is one `attention_with_lse` over each query's window as `row_spans` (`packed.window_spans`).
 
 What differs (each docstring says it again): any dtype and device attnkit serves, not
 only half on CUDA; a query that sees no key gives 0 and log-sum-exp -inf;
@@ -31,21 +31,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.dropins import (
-    KeySpans,
-    check_block_table,
-    check_cache_room,
-    decode_packed,
-    gather_pages,
-    packed_spans,
+from attnkit.dropins import decode_packed, gather_pages, packed_spans
+from attnkit.flash_cache import check_block_table, flash_attn_with_kvcache, pool_size, unpacked
+from attnkit.packed import (
+    Window,
+    attend_packed,
+    attend_spans,
+    flash_window,
+    sequence_mask,
+    spans_mask,
     window_spans,
 )
-from attnkit.errors import ShapeContractError
-from attnkit.flash_cache import cache_lengths, decode_pages, pool_size, read_cache, write_new
-from attnkit.functional import attention_with_lse
-from attnkit.masks import Mask, row_spans
-from attnkit.masks.biases import _ALiBi
-from attnkit.packed import MaskOf, attend_packed, window_mask
 
 __all__ = [
     "flash_attn_func",
@@ -56,8 +52,6 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
 ]
-
-Window = tuple[int, int]
 
 
 def flash_attn_func(
@@ -73,17 +67,51 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attention's `flash_attn_func`: q (B, L, H, D), k and v (B, S, Hkv, D).
+    """flash-attention's `flash_attn_func`, on attnkit, with backward for q, k, v.
 
-    Returns out (B, L, H, Dv); with `return_attn_probs`, (out, softmax_lse (B, H, L), None),
-    both contiguous. Backward for q, k, v. Differs: see the module's docstring.
+    Args:
+        q: (B, L, H, D) queries (flash-attention's layout: length before heads).
+        k: (B, S, Hkv, D) keys, q's dtype; H % Hkv == 0 (GQA/MQA by head count).
+        v: (B, S, Hkv, Dv) values, q's dtype.
+        dropout_p: dropout on the weights (default 0.0; attnkit's random draws).
+        softmax_scale: multiplies q·kᵀ (default None: 1/√D).
+        causal: query i sees keys j <= i + S - L, bottom-right aligned (default False).
+        window_size: (left, right): query i sees keys from i' - left to i' + right,
+            i' = i + S - L; -1 is unlimited (default (-1, -1)).
+        softcap: if > 0, scores become `c·tanh(s/c)` (default 0.0: none).
+        alibi_slopes: (H,) or (B, H) float32: adds `-slope·|i' - j|` (default None).
+        deterministic: accepted; attnkit's backward always is (default False).
+        return_attn_probs: also return the log-sum-exp (default False).
+
+    Returns:
+        out (B, L, H, Dv) in q's dtype; with `return_attn_probs`, `(out, softmax_lse,
+        None)`, softmax_lse (B, H, L) float32 (float64 for float64 inputs), -inf where
+        a query sees nothing. Both contiguous.
+
+    Raises:
+        ShapeContractError: sizes that do not fit, named by letter.
+        DtypeMismatchError: q, k, v of different dtypes.
+
+    Examples:
+        >>> from attnkit.flash_attn import flash_attn_func
+        >>> q = torch.randn(2, 5, 4, 8)  # (B, L, H, D)
+        >>> k, v = torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 8)  # Hkv = 2
+        >>> out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        >>> out.shape, lse.shape  # (B, L, H, Dv), (B, H, L)
+        (torch.Size([2, 5, 4, 8]), torch.Size([2, 4, 5]))
+        >>> heads = lambda t: t.transpose(1, 2)  # (B, L, H, D) -> (B, H, L, D)
+        >>> same = ak.attention(heads(q), heads(k), heads(v), ak.causal())
+        >>> torch.allclose(out, heads(same), atol=1e-6)
+        True
     """
     B, L, S = q.shape[0], q.shape[1], k.shape[1]
     index = torch.arange(L, device=q.device)[None].expand(B, L)
     first = torch.zeros(B, 1, dtype=torch.long, device=q.device)
-    spans = window_spans(first, torch.full_like(first, S), L, index, _window(causal, window_size))
-    mask = _mask(spans, alibi_slopes, q.dtype)
-    out, lse = _attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+    spans = window_spans(
+        first, torch.full_like(first, S), L, index, flash_window(causal, window_size)
+    )
+    mask = spans_mask(spans, alibi_slopes, q.dtype)
+    out, lse = attend_spans(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
                        softmax_scale, softcap, dropout_p)  # fmt: skip
     out = out.transpose(1, 2).contiguous()  # (B, L, H, Dv)
     return (out, lse.contiguous(), None) if return_attn_probs else out
@@ -107,18 +135,54 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: Tensor | None = None,
 ) -> Any:
-    """flash-attention's `flash_attn_varlen_func`: packed q (T_q, H, D), k and v
-    (T_k, Hkv, D), or with `block_table` (N, max_pages) pages (pages, page_size, Hkv, D)
-    holding each sequence's cu_seqlens_k lengths.
+    """flash-attention's `flash_attn_varlen_func`: sequences of different lengths packed
+    along one dim, each attended on its own (order-invariant), with backward.
 
-    Returns out (T_q, H, Dv); with `return_attn_probs`, (out, softmax_lse (H, T_q), None),
-    both contiguous. Backward for q, k, v. Differs: see the module's docstring.
+    Args:
+        q: (T_q, H, D) packed queries: sequence n is rows cu_seqlens_q[n] .. [n+1]-1.
+        k: (T_k, Hkv, D) packed keys, q's dtype; or with `block_table` pages
+            (pages, page_size, Hkv, D).
+        v: (T_k, Hkv, Dv), laid out as `k`.
+        cu_seqlens_q: (N + 1,) int32 cumulative query lengths, from 0 to T_q.
+        cu_seqlens_k: (N + 1,) int32 cumulative key lengths (with `block_table`: each
+            sequence's key count).
+        max_seqlen_q: the longest query sequence (accepted; attnkit reads the lengths).
+        max_seqlen_k: the longest key sequence (likewise).
+        dropout_p: as in `flash_attn_func`.
+        softmax_scale: as in `flash_attn_func`.
+        causal: as in `flash_attn_func`, per sequence (i' = i + len_k - len_q).
+        window_size: as in `flash_attn_func`, per sequence.
+        softcap: as in `flash_attn_func`.
+        alibi_slopes: (H,) or (N, H), as in `flash_attn_func`.
+        deterministic: as in `flash_attn_func`.
+        return_attn_probs: as in `flash_attn_func`.
+        block_table: (N, max_pages) int32 page ids of each sequence's keys (default None).
+
+    Returns:
+        out (T_q, H, Dv) in q's dtype; with `return_attn_probs`, `(out, softmax_lse,
+        None)`, softmax_lse (H, T_q) float32 (float64 for float64). Both contiguous.
+
+    Raises:
+        ValueError: cu offsets that do not rise from 0 to T_q.
+        BlockTableError: a length past max_pages · page_size, or a used page id outside
+            the pool, before anything is read.
+
+    Examples:
+        >>> from attnkit.flash_attn import flash_attn_func, flash_attn_varlen_func
+        >>> q, k, v = torch.randn(7, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+        >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)  # lengths 3 and 4
+        >>> out = flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True)
+        >>> out.shape  # (T_q, H, Dv)
+        torch.Size([7, 2, 8])
+        >>> alone = flash_attn_func(q[None, 3:], k[None, 3:], v[None, 3:], causal=True)
+        >>> torch.allclose(out[3:], alone[0], atol=1e-6)  # sequence 1 as if alone
+        True
     """
     if block_table is not None:
         lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(block_table.device)
         check_block_table("flash_attn_varlen_func", block_table, lengths, pool_size(k),
                           "cu_seqlens_k[{next}] - cu_seqlens_k[{n}]")  # fmt: skip
-        window = _window(causal, window_size)
+        window = flash_window(causal, window_size)
         if alibi_slopes is None and dropout_p == 0:
             decoded = decode_packed(q, k, v, cu_seqlens_q, block_table, lengths, window,
                                     softmax_scale, softcap)  # fmt: skip
@@ -129,117 +193,23 @@ def flash_attn_varlen_func(
         used: Tensor | None = lengths
     else:
         used = None
-    window = _window(causal, window_size)
+    window = flash_window(causal, window_size)
     if torch.compiler.is_compiling():  # lengths unknown: the pack as one call
         spans, seq = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[0], window, used)
         if alibi_slopes is not None and alibi_slopes.dim() == 2:  # per sequence: per row
             alibi_slopes = alibi_slopes[seq.to(alibi_slopes.device)][None]  # (1, T_q, H)
-        mask = _mask(spans.one_batch_row(), alibi_slopes, q.dtype)
+        mask = spans_mask(spans.one_batch_row(), alibi_slopes, q.dtype)
         qp, kp, vp = (t.transpose(0, 1)[None] for t in (q, k, v))  # (1, H, T, D)
-        out, lse = _attend(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
+        out, lse = attend_spans(qp, kp, vp, mask, softmax_scale, softcap, dropout_p)
         out, lse = out[0].transpose(0, 1), lse[0]  # (T_q, H, Dv), (H, T_q)
     else:  # each sequence on its own: order-invariant
         out, lse = attend_packed(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, _sequence_mask(window, alibi_slopes, q.dtype),
+            q, k, v, cu_seqlens_q, cu_seqlens_k, sequence_mask(window, alibi_slopes, q.dtype),
             scale=softmax_scale, softcap=softcap if softcap > 0 else None,
             dropout_p=dropout_p, used=used,
         )  # fmt: skip
     out = out.contiguous()  # (T_q, H, Dv)
     return (out, lse.contiguous(), None) if return_attn_probs else out
-
-
-def _sequence_mask(window: Window, alibi_slopes: Tensor | None, dtype: torch.dtype) -> MaskOf:
-    """Sequence n's mask: its window, and ALiBi with its slopes (H,) or row n of (N, H)
-    around each query's aligned position."""
-    if alibi_slopes is None:
-        return lambda n, L, S: window_mask(window, L, S)
-
-    def mask_of(n: int, L: int, S: int, slopes: Tensor = alibi_slopes) -> Mask:
-        rows = torch.arange(L, device=slopes.device)
-        spans = window_spans(rows.new_zeros(()), rows.new_tensor(S), L, rows, window)
-        return _mask(spans.one_batch_row(), slopes[n] if slopes.dim() == 2 else slopes, dtype)
-
-    return mask_of
-
-
-def flash_attn_with_kvcache(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor | None = None,
-    v: Tensor | None = None,
-    rotary_cos: Tensor | None = None,
-    rotary_sin: Tensor | None = None,
-    cache_seqlens: int | Tensor | None = None,
-    cache_batch_idx: Tensor | None = None,
-    cache_leftpad: Tensor | None = None,
-    block_table: Tensor | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: Window = (-1, -1),
-    softcap: float = 0.0,
-    rotary_interleaved: bool = True,
-    alibi_slopes: Tensor | None = None,
-    num_splits: int = 0,
-    return_softmax_lse: bool = False,
-) -> Any:
-    """flash-attention's `flash_attn_with_kvcache`: q (B, L, H, D) against a cache
-    (B_cache, S_cache, Hkv, D), or with `block_table` (B, max_pages) pages
-    (pages, page_size, Hkv, D).
-
-    `k`, `v` (B, L_new, Hkv, D), if given, are written into the cache in place at
-    positions cache_seqlens.. of each sequence, then attended with the rest. The keys of
-    sequence b are cache positions cache_leftpad[b] .. cache_seqlens[b] + L_new - 1.
-    `rotary_cos`/`rotary_sin` (S_ro, rotary_dim / 2) rotate the new keys at their
-    positions, and q at positions cache_seqlens.. (causal or local) or all at
-    cache_seqlens (otherwise); `rotary_interleaved` pairs dims (0, 1), (2, 3), ... else
-    (0, rotary_dim / 2), ... (GPT-NeoX). Returns out (B, L, H, Dv); with
-    `return_softmax_lse`, (out, lse (B, H, L)), both contiguous. `num_splits` is accepted.
-    No backward, as in flash-attention. With `block_table`, cache_seqlens[b] + L_new past
-    max_pages · page_size, or a used page id outside the pool, raises `BlockTableError`
-    and writes nothing. Differs: see the module's docstring.
-    """
-    B, L = q.shape[0], q.shape[1]
-    dev = q.device
-    rows_held = k_cache.shape[1] if block_table is None else None
-    seqlens = cache_lengths(cache_seqlens, B, rows_held, dev)
-    new = 0 if k is None else k.shape[1]
-    if block_table is not None:  # before any write
-        named = "cache_seqlens[{n}]" + (f" + {new} new keys" if new else "")
-        check_block_table("flash_attn_with_kvcache", block_table, seqlens + new, pool_size(k_cache),
-                          named)  # fmt: skip
-    else:
-        check_cache_room(seqlens + new, k_cache.shape[1], new)
-    if rotary_cos is not None and rotary_sin is not None:
-        local = causal or tuple(window_size) != (-1, -1)
-        q_at = seqlens[:, None] + (torch.arange(L, device=dev)[None] if local else 0)
-        q = _rotate(q, rotary_cos, rotary_sin, q_at.expand(B, L), rotary_interleaved)
-        if k is not None:
-            k_at = seqlens[:, None] + torch.arange(new, device=dev)[None]
-            k = _rotate(k, rotary_cos, rotary_sin, k_at, rotary_interleaved)
-    rows = torch.arange(B, device=dev) if cache_batch_idx is None else cache_batch_idx.long()
-    if k is not None and v is not None:
-        write_new(k_cache, v_cache, k, v, seqlens, rows, block_table)
-    end = (seqlens + new)[:, None]  # (B, 1)
-    first = (
-        torch.zeros(B, dtype=torch.long, device=dev)
-        if cache_leftpad is None
-        else cache_leftpad.long().to(dev)
-    )[:, None]
-    index = torch.arange(L, device=dev)[None].expand(B, L)
-    spans = window_spans(first, end - first, L, index, _window(causal, window_size))
-    if block_table is not None and L == 1 and alibi_slopes is None:
-        lo, hi = spans.lo[:, 0], spans.hi[:, 0]
-        decoded = decode_pages(q, k_cache, v_cache, block_table, lo, hi, softmax_scale, softcap)
-        if decoded is not None:
-            return decoded if return_softmax_lse else decoded[0]
-    keys, values = read_cache(k_cache, v_cache, rows, block_table, end)  # (B, S, Hkv, D)
-    mask = _mask(spans, alibi_slopes, q.dtype)
-    with torch.no_grad():
-        out, lse = _attend(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                           mask, softmax_scale, softcap, 0.0)  # fmt: skip
-    out = out.transpose(1, 2).contiguous()  # (B, L, H, Dv)
-    return (out, lse.contiguous()) if return_softmax_lse else out
 
 
 # ------------------------------------------------------------------ the packed forms
@@ -256,13 +226,34 @@ def flash_attn_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attention's `flash_attn_qkvpacked_func`: `flash_attn_func` on
-    qkv (B, L, 3, H, D) (self-attention, as many key heads as query heads).
+    """flash-attention's `flash_attn_qkvpacked_func`: `flash_attn_func` on views of one
+    stacked tensor (self-attention), with backward into qkv.
 
-    Returns out (B, L, H, D); with `return_attn_probs`, (out, softmax_lse (B, H, L), None).
-    Backward into qkv. Differs: see the module's docstring.
+    Args:
+        qkv: (B, L, 3, H, D): q, k, v stacked at dim 2.
+        dropout_p: as in `flash_attn_func`.
+        softmax_scale: as in `flash_attn_func`.
+        causal: as in `flash_attn_func`.
+        window_size: as in `flash_attn_func`.
+        softcap: as in `flash_attn_func`.
+        alibi_slopes: as in `flash_attn_func`.
+        deterministic: as in `flash_attn_func`.
+        return_attn_probs: as in `flash_attn_func`.
+
+    Returns:
+        As `flash_attn_func`: out (B, L, H, D), or `(out, softmax_lse (B, H, L), None)`.
+
+    Raises:
+        ShapeContractError: qkv not (B, L, 3, H, D).
+
+    Examples:
+        >>> from attnkit.flash_attn import flash_attn_func, flash_attn_qkvpacked_func
+        >>> qkv = torch.randn(2, 5, 3, 4, 8)  # (B, L, 3, H, D)
+        >>> out = flash_attn_qkvpacked_func(qkv, causal=True)
+        >>> out.shape, torch.allclose(out, flash_attn_func(*qkv.unbind(2), causal=True))
+        (torch.Size([2, 5, 4, 8]), True)
     """
-    q, k, v = _unpacked("flash_attn_qkvpacked_func", "qkv", qkv, 2, "(B, L, 3, H, D)")
+    q, k, v = unpacked("flash_attn_qkvpacked_func", "qkv", qkv, 2, "(B, L, 3, H, D)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
 
@@ -279,13 +270,35 @@ def flash_attn_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attention's `flash_attn_kvpacked_func`: `flash_attn_func` on q (B, L, H, D)
-    and kv (B, S, 2, Hkv, D).
+    """flash-attention's `flash_attn_kvpacked_func`: `flash_attn_func` with k and v
+    stacked in one tensor, with backward into q and kv.
 
-    Returns out (B, L, H, D); with `return_attn_probs`, (out, softmax_lse (B, H, L), None).
-    Backward into q and kv. Differs: see the module's docstring.
+    Args:
+        q: (B, L, H, D) queries.
+        kv: (B, S, 2, Hkv, D): k and v stacked at dim 2, q's dtype.
+        dropout_p: as in `flash_attn_func`.
+        softmax_scale: as in `flash_attn_func`.
+        causal: as in `flash_attn_func`.
+        window_size: as in `flash_attn_func`.
+        softcap: as in `flash_attn_func`.
+        alibi_slopes: as in `flash_attn_func`.
+        deterministic: as in `flash_attn_func`.
+        return_attn_probs: as in `flash_attn_func`.
+
+    Returns:
+        As `flash_attn_func`: out (B, L, H, D), or `(out, softmax_lse (B, H, L), None)`.
+
+    Raises:
+        ShapeContractError: kv not (B, S, 2, Hkv, D).
+
+    Examples:
+        >>> from attnkit.flash_attn import flash_attn_func, flash_attn_kvpacked_func
+        >>> q, kv = torch.randn(2, 1, 4, 8), torch.randn(2, 6, 2, 2, 8)  # Hkv = 2
+        >>> out = flash_attn_kvpacked_func(q, kv, causal=True)  # 1 query, the last
+        >>> out.shape, torch.allclose(out, flash_attn_func(q, *kv.unbind(2), causal=True))
+        (torch.Size([2, 1, 4, 8]), True)
     """
-    k, v = _unpacked("flash_attn_kvpacked_func", "kv", kv, 2, "(B, S, 2, Hkv, D)")
+    k, v = unpacked("flash_attn_kvpacked_func", "kv", kv, 2, "(B, S, 2, Hkv, D)")
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
 
@@ -303,13 +316,36 @@ def flash_attn_varlen_qkvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attention's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func` on
-    packed qkv (T, 3, H, D), the same `cu_seqlens` (N + 1,) for queries and keys.
+    """flash-attention's `flash_attn_varlen_qkvpacked_func`: `flash_attn_varlen_func`
+    on views of one stacked tensor (self-attention), with backward into qkv.
 
-    Returns out (T, H, D); with `return_attn_probs`, (out, softmax_lse (H, T), None).
-    Backward into qkv. Differs: see the module's docstring.
+    Args:
+        qkv: (T, 3, H, D): packed q, k, v stacked at dim 1.
+        cu_seqlens: (N + 1,) int32 cumulative lengths, for queries and keys alike.
+        max_seqlen: the longest sequence (accepted; attnkit reads the lengths).
+        dropout_p: as in `flash_attn_func`.
+        softmax_scale: as in `flash_attn_func`.
+        causal: as in `flash_attn_func`.
+        window_size: as in `flash_attn_func`.
+        softcap: as in `flash_attn_func`.
+        alibi_slopes: as in `flash_attn_varlen_func`.
+        deterministic: as in `flash_attn_func`.
+        return_attn_probs: as in `flash_attn_func`.
+
+    Returns:
+        As `flash_attn_varlen_func`: out (T, H, D), or `(out, softmax_lse (H, T), None)`.
+
+    Raises:
+        ShapeContractError: qkv not (T, 3, H, D).
+
+    Examples:
+        >>> from attnkit.flash_attn import flash_attn_varlen_qkvpacked_func as packed
+        >>> qkv, cu = torch.randn(7, 3, 2, 8), torch.tensor([0, 3, 7], dtype=torch.int32)
+        >>> out = packed(qkv, cu, 4, causal=True)  # (T, H, D)
+        >>> out.shape, torch.allclose(out[:3], packed(qkv[:3], cu[:2], 3, causal=True))
+        (torch.Size([7, 2, 8]), True)
     """
-    q, k, v = _unpacked("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 1, "(T, 3, H, D)")
+    q, k, v = unpacked("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 1, "(T, 3, H, D)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs)  # fmt: skip
@@ -331,76 +367,42 @@ def flash_attn_varlen_kvpacked_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
 ) -> Any:
-    """flash-attention's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func` on
-    packed q (T_q, H, D) and kv (T_k, 2, Hkv, D).
+    """flash-attention's `flash_attn_varlen_kvpacked_func`: `flash_attn_varlen_func`
+    with k and v stacked in one tensor, with backward into q and kv.
 
-    Returns out (T_q, H, D); with `return_attn_probs`, (out, softmax_lse (H, T_q), None).
-    Backward into q and kv. Differs: see the module's docstring.
+    Args:
+        q: (T_q, H, D) packed queries.
+        kv: (T_k, 2, Hkv, D): packed k and v stacked at dim 1, q's dtype.
+        cu_seqlens_q: as in `flash_attn_varlen_func`.
+        cu_seqlens_k: as in `flash_attn_varlen_func`.
+        max_seqlen_q: as in `flash_attn_varlen_func`.
+        max_seqlen_k: as in `flash_attn_varlen_func`.
+        dropout_p: as in `flash_attn_func`.
+        softmax_scale: as in `flash_attn_func`.
+        causal: as in `flash_attn_func`.
+        window_size: as in `flash_attn_func`.
+        softcap: as in `flash_attn_func`.
+        alibi_slopes: as in `flash_attn_varlen_func`.
+        deterministic: as in `flash_attn_func`.
+        return_attn_probs: as in `flash_attn_func`.
+
+    Returns:
+        As `flash_attn_varlen_func`: out (T_q, H, D), or `(out, softmax_lse (H, T_q),
+        None)`.
+
+    Raises:
+        ShapeContractError: kv not (T_k, 2, Hkv, D).
+
+    Examples:
+        >>> from attnkit.flash_attn import flash_attn_varlen_kvpacked_func
+        >>> q, kv = torch.randn(2, 4, 8), torch.randn(9, 2, 2, 8)  # 1 query a sequence
+        >>> cu_q = torch.tensor([0, 1, 2], dtype=torch.int32)
+        >>> cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)  # 4 and 5 keys
+        >>> flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 1, 5).shape  # (T_q, H, D)
+        torch.Size([2, 4, 8])
     """
-    k, v = _unpacked("flash_attn_varlen_kvpacked_func", "kv", kv, 1, "(T_k, 2, Hkv, D)")
+    k, v = unpacked("flash_attn_varlen_kvpacked_func", "kv", kv, 1, "(T_k, 2, Hkv, D)")
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                   softcap, alibi_slopes, deterministic,
                                   return_attn_probs)  # fmt: skip
-
-
-def _unpacked(call: str, name: str, packed: Tensor, dim: int, layout: str) -> tuple[Tensor, ...]:
-    """The views of `packed` along `dim` (3 for qkv, 2 for kv), after checking that the
-    layout's packed dim has that size; autograd takes their gradients back into it."""
-    count = len(name)  # qkv: 3, kv: 2
-    if packed.dim() != dim + 3 or packed.shape[dim] != count:  # (..., count, H, D)
-        raise ShapeContractError(
-            f"{call}: {name} must be {layout} ({count} at dim {dim}), got "
-            f"{tuple(packed.shape)}; stack the tensors with torch.stack(..., dim={dim})"
-        )
-    return packed.unbind(dim)
-
-
-# ------------------------------------------------------------------ the shared steps
-
-
-def _window(causal: bool, window_size: Window) -> Window:
-    """flash-attention's window with `causal` folded in (it sets the right side to 0)."""
-    left, right = (int(w) for w in window_size)
-    return (left, 0) if causal else (left, right)
-
-
-def _mask(spans: KeySpans, alibi_slopes: Tensor | None, dtype: torch.dtype) -> Mask:
-    """Each row's key interval, and ALiBi around each row's aligned position (its bias in
-    float64 for float64 calls, else float32)."""
-    mask = row_spans(spans.lo, spans.hi)
-    if alibi_slopes is None:
-        return mask
-    wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return mask & _ALiBi(alibi_slopes.to(wide), None, positions=spans.at)
-
-
-def _attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Mask,
-    scale: float | None,
-    softcap: float,
-    dropout_p: float,
-) -> tuple[Tensor, Tensor]:
-    """attnkit's call on (B, H, L, D): out and lse (B, H, L)."""
-    return attention_with_lse(
-        q, k, v, mask, scale=scale, softcap=softcap if softcap > 0 else None, dropout_p=dropout_p
-    )
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
-    """Rotary embedding of the first rotary_dim = 2·cos.shape[1] dims of x (B, n, H, D) at
-    `positions` (B, n), flash-attention's convention (interleaved: pairs (0, 1), (2, 3),
-    ...; else (0, rotary_dim / 2), (1, rotary_dim / 2 + 1), ...)."""
-    half = cos.shape[1]
-    c, s = (t[positions][:, :, None].to(torch.float32) for t in (cos, sin))  # (B, n, 1, half)
-    rot, rest = x[..., : 2 * half].float(), x[..., 2 * half :]
-    if interleaved:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        turned = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
-    else:
-        a, b = rot[..., :half], rot[..., half:]
-        turned = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
-    return torch.cat([turned.to(x.dtype), rest], dim=-1)

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from attnkit.contracts import check_sinks, normalize_call
+from attnkit.contracts import check_sinks, normalize_call, row_index
 from attnkit.dispatch import attention_call, prepared_call
 from attnkit.documents import Documents, attend_documents, documents
 from attnkit.errors import ShapeContractError
@@ -46,18 +46,49 @@ def attention(
 ) -> Tensor:
     """Exact attention, on the fastest backend that can serve the call.
 
+    Query head `h` reads key/value head `h // G`, G = H // Hkv (GQA); conventions:
+    [Design §2](DESIGN.md#2-semantics-that-never-change).
+
     Args:
-        q: (B, H, L, D); k: (B, Hkv, S, D); v: (B, Hkv, S, Dv), with H % Hkv == 0.
-        mask: a `Mask`, a bool tensor broadcastable to (B, H, L, S) (`True` = may
-            attend), or a float tensor added to the scores (0 keeps, `-inf` removes).
-        scale: multiplies q·kᵀ; default 1/√D.
-        softcap: if set, scores become `c·tanh(s/c)` before masks and bias.
+        q: (B, H, L, D) queries: float16, bfloat16, float32 or float64.
+        k: (B, Hkv, S, D) keys, q's dtype and device; H % Hkv == 0.
+        v: (B, Hkv, S, Dv) values, q's dtype and device.
+        mask: a `Mask` (`causal()`, `key_padding(...)`, their `&`), a bool tensor
+            broadcastable to (B, H, L, S) (`True` = may attend) or a float one added to
+            the scores (0 keeps, `-inf` removes). Default None: every key visible.
+        scale: multiplies q·kᵀ, any finite float (default None: 1/√D).
+        softcap: if set, scores become `c·tanh(s/c)` before masks and bias (default None).
         sinks: (H,) attention sinks: a logit per head added to each row's softmax
-            denominator, with no value (`attnkit.softmax.add_sinks`).
-        dropout_p: dropout on the weights (applied whenever > 0).
-        backend: "auto", "reference", "sdpa", "tiled" or "flex".
+            denominator, with no value (default None).
+        dropout_p: dropout on the weights, applied whenever > 0 (default 0.0).
+        backend: `"auto"` (default: the cheapest that can serve the call, by the cost
+            table; `explain` says which and why), `"reference"` (the readable loop,
+            serves everything), `"sdpa"` (torch's `F.scaled_dot_product_attention`),
+            `"tiled"` (a flash kernel over only the tiles the mask lets through),
+            `"blockwise"` (the reference in blocks of query rows, O(rows·S) memory),
+            `"native"` (attnkit's C++ CPU kernel for one key interval per row, where
+            built) or `"flex"` (FlexAttention under `torch.compile`).
+
     Returns:
-        (B, H, L, Dv) in q's dtype; a query that sees no key gets 0.
+        (B, H, L, Dv) tensor in q's dtype; a query that sees no key gets 0.
+
+    Raises:
+        ShapeContractError: sizes that do not fit (named by letter), or a causal mask
+            with L != S and no alignment.
+        MaskError: an integer mask, or a float mask of only 0s and 1s.
+        DtypeMismatchError: q, k, v of different dtypes.
+        TypeError: SDPA's or nn.MultiheadAttention's keywords (`is_causal`, ...),
+            naming the attnkit way.
+        ValueError: an unknown backend, or one that cannot serve the call, saying why.
+
+    Examples:
+        >>> q = torch.randn(2, 8, 16, 64)  # (B, H, L, D)
+        >>> k, v = torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64)  # Hkv = 2
+        >>> out = ak.attention(q, k, v, ak.causal())
+        >>> out.shape  # (B, H, L, Dv)
+        torch.Size([2, 8, 16, 64])
+        >>> torch.allclose(out, ak.attention(q, k, v, ak.causal(), backend="reference"), atol=1e-5)
+        True
     """
     if sinks is not None:  # the sinks merge in through the log-sum-exp
         return attention_with_lse(
@@ -83,11 +114,9 @@ def attend(
     need_lse: bool,
     check_bias: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """`attention_with_lse` without sinks (lse None unless `need_lse` where nothing
-    compiles): eagerly through the prepared calls, or as one custom op under
-    `torch.compile` (`attnkit.compiled`). torch's `CausalBias` enters as the `causal`
-    mask it stands for. `check_bias`: refuse float masks that look like mistakes
-    (`masks.check_additive`; `sdpa` adds them as torch does)."""
+    """`attention_with_lse` without sinks (lse None unless `need_lse`), eagerly or as one
+    custom op under `torch.compile`; a `CausalBias` enters as its `causal` mask.
+    `check_bias`: refuse float masks that look like mistakes (`sdpa` adds them)."""
     if not (mask is None or type(mask) is Tensor or isinstance(mask, Mask)):
         mask = from_torch_mask(mask, _length(q), _length(k))  # a CausalBias, or refused later
     packed = None if torch.compiler.is_compiling() else documents(mask, q, k)
@@ -136,11 +165,34 @@ def attention_with_lse(
 ) -> tuple[Tensor, Tensor]:
     """`attention` plus the log-sum-exp of each row's scores.
 
+    Args:
+        q: (B, H, L, D) queries.
+        k: (B, Hkv, S, D) keys.
+        v: (B, Hkv, S, Dv) values.
+        mask: as `attention` (default None).
+        scale: as `attention` (default None: 1/√D).
+        softcap: as `attention` (default None).
+        sinks: (H,) logits, as `attention` (default None).
+        dropout_p: as `attention` (default 0.0).
+        backend: as `attention` (default `"auto"`).
+
     Returns:
         out (B, H, L, Dv) and lse (B, H, L), natural log, float32 for half inputs,
         `-inf` on rows that see nothing (with `sinks`: the sink's logit included, so
         such a row's lse is its sink). Two results over disjoint key sets merge
         exactly with `attnkit.softmax.merge_partials`.
+
+    Raises:
+        ShapeContractError: and the other errors of `attention`, for the same causes.
+
+    Examples:
+        >>> q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+        >>> out, lse = ak.attention_with_lse(q, k, v, ak.causal())
+        >>> lse.shape  # (B, H, L)
+        torch.Size([1, 2, 4])
+        >>> score = (q[:, :, 0] * k[:, :, 0]).sum(-1) / 8**0.5  # row 0 sees key 0 alone
+        >>> torch.allclose(lse[:, :, 0], score)
+        True
     """
     if sinks is not None:
         sinks = check_sinks(sinks, q)
@@ -150,25 +202,6 @@ def attention_with_lse(
     )  # fmt: skip
     assert lse is not None
     return (out, lse) if sinks is None else add_sinks(out, lse, sinks)
-
-
-def _row_index(
-    rows: int | Sequence[int] | slice | Tensor | None, L: int, device: torch.device
-) -> Tensor:
-    if rows is None:
-        return torch.arange(L, device=device)
-    if isinstance(rows, slice):
-        return torch.arange(L, device=device)[rows]
-    index = torch.as_tensor(rows, device=device).reshape(-1)
-    if index.numel() == 0:  # `rows=[]`: no rows (torch reads an empty list as float)
-        return index.long()
-    if index.is_floating_point() or index.dtype == torch.bool:
-        raise TypeError(f"rows must be integer query positions, got dtype {index.dtype}.")
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= L):
-        raise ShapeContractError(
-            f"rows {index.tolist()[:8]} fall outside the L={L} query positions [0, {L - 1}]."
-        )
-    return index
 
 
 @points_habits
@@ -187,10 +220,30 @@ def attention_probs(
     Each row's softmax needs only that row's scores, so `rows` keeps the cost at
     (B, H, len(rows), S) however long L is.
 
+    Args:
+        q: (B, H, L, D) queries.
+        k: (B, Hkv, S, D) keys (no values: the weights do not need them).
+        mask: as `attention` (default None).
+        scale: as `attention` (default None: 1/√D).
+        softcap: as `attention` (default None).
+        sinks: (H,) logits, as `attention` (default None).
+        rows: the query rows: an int, a sequence of ints, a slice or an integer tensor
+            (default None: all L).
+
     Returns:
         (B, H, R, S) in q's dtype, R = L or the number of rows asked for; masked entries
         exactly 0, rows that see nothing all 0. With `sinks` a row sums to less than 1:
         the sink takes the rest.
+
+    Raises:
+        ShapeContractError: rows outside [0, L); the errors of `attention`.
+        TypeError: rows that are not integers.
+
+    Examples:
+        >>> q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+        >>> p = ak.attention_probs(q, k, ak.causal(), rows=[5])  # the last query alone
+        >>> p.shape, torch.allclose(p.sum(-1), torch.ones(1, 2, 1))
+        (torch.Size([1, 2, 1, 6]), True)
     """
     if torch.compiler.is_compiling():  # reads mask tensors as data: eager, a graph break
         from attnkit.compiled import run_eagerly
@@ -212,7 +265,7 @@ def _probs(
     sinks = None if sinks is None else check_sinks(sinks, q)
     call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
     d = call.dims
-    index = _row_index(rows, d.L, q.device)
+    index = row_index(rows, d.L, q.device)
     if d.B * d.H * index.numel() * d.S == 0:  # an empty result
         return q.new_zeros(d.B, d.H, index.numel(), d.S)
     visible = (
@@ -248,37 +301,34 @@ def prepare(
 ) -> Prepared:
     """The call `attention(q, k, v, mask, ...)` prepared once, to run on new q, k, v.
 
-    Validation, the backend's choice and everything derived from the mask and sizes
-    (the rows and keys seen, a tile plan, SDPA's mask tensor) are done here or at the
-    first run and kept by the `Prepared`, so a model that runs many layers of one kind
-    per step prepares once per step. `prepared(q, k, v)` checks that the inputs fit
-    (sizes, dtypes, devices, grad mode, the mask's tensors unchanged) and runs;
-    `prepared.with_lse(q, k, v)` (with `need_lse=True`) also gives the log-sum-exp;
-    `prepared.explain()` is `attnkit.explain` of the call.
+    Validation, the backend's choice and what derives from the mask and sizes are done
+    once and kept by the `Prepared`, so a model running many layers of one kind per
+    step prepares once per step; calling it checks that the inputs fit and runs.
 
     Args:
         q: (B, H, L, D), or its shape: inputs given as shapes take `dtype` (default
             float32), `device` (default cpu) and `requires_grad` (plan for a backward).
         k: (B, Hkv, S, D), or its shape.
         v: (B, Hkv, S, Dv), or its shape.
-        mask: as `attention`; kept by the `Prepared` (its tensors must not change).
-        scale: as `attention`.
-        softcap: as `attention`.
-        sinks: as `attention`.
-        dropout_p: as `attention`.
-        backend: as `attention`; the prepared call keeps the one chosen.
-        need_lse: the log-sum-exp is wanted (`with_lse`).
-        dtype: the dtype of inputs given as shapes.
-        device: the device of inputs given as shapes.
-        requires_grad: inputs given as shapes will require grad.
-    Returns:
-        a `Prepared`.
-    Raises:
-        `PreparedMismatchError` (a `ValueError`) from a call whose inputs do not fit,
-        naming what changed; the errors of `attention` for invalid arguments.
+        mask: as `attention`, kept by the `Prepared` (its tensors must not change).
+        scale: as `attention` (default None: 1/√D).
+        softcap: as `attention` (default None).
+        sinks: (H,) logits, as `attention` (default None).
+        dropout_p: as `attention` (default 0.0).
+        backend: as `attention` (default `"auto"`); the prepared call keeps its choice.
+        need_lse: the log-sum-exp is wanted, for `with_lse` (default False).
+        dtype: the dtype of inputs given as shapes (default None: float32).
+        device: the device of inputs given as shapes (default None: the CPU).
+        requires_grad: inputs given as shapes will require grad (default False).
 
-    Example:
-        >>> import torch, attnkit as ak
+    Returns:
+        A `Prepared`: call it as `attention`, `.with_lse` as `attention_with_lse`; a
+        call whose inputs do not fit raises `PreparedMismatchError`, naming what changed.
+
+    Raises:
+        ShapeContractError: and the other errors of `attention`, for the same causes.
+
+    Examples:
         >>> q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
         >>> step = ak.prepare(q, k, v, ak.causal())
         >>> torch.allclose(step(q, k, v), ak.attention(q, k, v, ak.causal()))
@@ -369,8 +419,32 @@ def explain(
 ) -> Plan:
     """What `attention(...)` with these arguments would run, and why; runs nothing.
 
-    `print(plan)` shows the choice, the reasons and the cost. Sinks need the backend's
-    log-sum-exp (with its gradient), as `need_lse=True` does. The same as
-    `prepare(...).explain()`.
+    `print(plan)` shows the choice, the reasons and the cost: `prepare(...).explain()`.
+
+    Args:
+        q: (B, H, L, D) queries.
+        k: (B, Hkv, S, D) keys.
+        v: (B, Hkv, S, Dv) values.
+        mask: as `attention` (default None).
+        scale: as `attention` (default None: 1/√D).
+        softcap: as `attention` (default None).
+        sinks: as `attention`; they need the log-sum-exp, as `need_lse` (default None).
+        dropout_p: as `attention` (default 0.0).
+        backend: as `attention` (default `"auto"`).
+        need_lse: plan for `attention_with_lse` (default False).
+
+    Returns:
+        A `Plan`: the backend, each other backend's reason, FLOPs, memory, the mask.
+
+    Raises:
+        ShapeContractError: and the other errors of `attention`, for the same causes.
+
+    Examples:
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> plan = ak.explain(q, q, q, ak.causal())
+        >>> plan.mask, plan.density, plan.flops  # 10 of 16 pairs: 2·B·H·10·(D + Dv)
+        ('causal()', 0.625, 640)
+        >>> plan.reasons[plan.backend] is None  # the chosen one has no reason against
+        True
     """
     return _prepare(q, k, v, mask, scale, softcap, sinks, dropout_p, backend, need_lse).explain()

@@ -14,7 +14,27 @@ __all__ = ["merge_heads", "repeat_kv", "repeat_kv_exact_grad", "split_heads", "s
 
 
 def split_heads(x: Tensor, num_heads: int) -> Tensor:
-    """(B, L, E) -> (B, H, L, E/H): each head gets a contiguous slice of the embedding."""
+    """Split an embedding into heads: (B, L, E) -> (B, H, L, E/H).
+
+    Head `h` gets the contiguous slice `E/H·h ... E/H·(h+1) - 1` of each embedding.
+
+    Args:
+        x: (B, L, E) tensor, any dtype.
+        num_heads: H, an int >= 1 dividing E.
+
+    Returns:
+        (B, H, L, E/H) view of `x` (no copy), the layout `attention` takes.
+
+    Raises:
+        ShapeContractError: `x` not 3-D, or H not dividing E (naming the H that do).
+
+    Examples:
+        >>> x = torch.randn(2, 5, 12)  # (B, L, E)
+        >>> ak.split_heads(x, 3).shape  # (B, H, L, E/H)
+        torch.Size([2, 3, 5, 4])
+        >>> torch.equal(ak.merge_heads(ak.split_heads(x, 3)), x)
+        True
+    """
     if x.dim() != 3:
         raise ShapeContractError(
             f"split_heads takes x of shape (B, L, E), got {x.dim()} dims {tuple(x.shape)}."
@@ -29,7 +49,24 @@ def split_heads(x: Tensor, num_heads: int) -> Tensor:
 
 
 def merge_heads(x: Tensor) -> Tensor:
-    """(B, H, L, Dh) -> (B, L, H*Dh): the inverse of `split_heads`."""
+    """Merge heads back into an embedding: (B, H, L, Dv) -> (B, L, H·Dv).
+
+    The inverse of `split_heads`: an `attention` output goes back to the model's layout.
+
+    Args:
+        x: (B, H, L, Dv) tensor, any dtype.
+
+    Returns:
+        (B, L, H·Dv) tensor of `x`'s dtype, head `h` in the slice `Dv·h ... Dv·(h+1) - 1`.
+
+    Raises:
+        ShapeContractError: `x` not 4-D.
+
+    Examples:
+        >>> out = torch.randn(2, 3, 5, 4)  # (B, H, L, Dv), e.g. from ak.attention
+        >>> ak.merge_heads(out).shape  # (B, L, H·Dv)
+        torch.Size([2, 5, 12])
+    """
     if x.dim() != 4:
         raise ShapeContractError(
             f"merge_heads takes x of shape (B, H, L, Dh), got {x.dim()} dims {tuple(x.shape)}."

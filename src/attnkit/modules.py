@@ -52,7 +52,28 @@ class SingleHeadAttention(nn.Module):
     sum of values back to n_embed, as in the seed (same parameter names, so a seed
     checkpoint loads). Unlike the seed it projects v from x (not `x(x)`), keeps hidden
     weights exactly 0 (no clamping that would un-mask future or padded keys), and gives
-    zeros, not NaN, to a query that sees nothing.
+    zeros, not NaN, to a query that sees nothing. Calling it returns
+    `(out (B, T, n_embed), weights (B, T, T))` (see `forward`).
+
+    Args:
+        n_embed: E, the width of x and of the output, an int >= 1.
+        head_dim: the width of q, k and v, an int >= 1.
+        causal: query t sees only keys up to t (default True).
+
+    Raises:
+        ValueError: n_embed or head_dim below 1.
+
+    Examples:
+        >>> head = ak.SingleHeadAttention(n_embed=8, head_dim=4)
+        >>> x = torch.randn(2, 5, 8)  # (B, T, n_embed)
+        >>> real = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])  # row 1: 2 padding
+        >>> out, weights = head(x, attention_mask=real)
+        >>> out.shape, weights.shape
+        (torch.Size([2, 5, 8]), torch.Size([2, 5, 5]))
+        >>> (weights[0, 1] > 0).tolist()  # causal: query 1 sees keys 0 and 1 only
+        [True, True, False, False, False]
+        >>> bool((weights[1, :, 3:] == 0).all())  # nobody attends to padding
+        True
     """
 
     def __init__(self, n_embed: int, head_dim: int, *, causal: bool = True) -> None:
@@ -69,11 +90,22 @@ class SingleHeadAttention(nn.Module):
     def forward(
         self, x: Tensor, attention_mask: Tensor | None = None, *, mask: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """x (B, T, n_embed) -> (out (B, T, n_embed), weights (B, T, T)).
+        """Attend x to itself.
 
-        `attention_mask` (B, T): 1/True = real token (bool, integer or float 0/1).
-        `mask` (T, T) or (B, T, T): 1/True = query may see key, the seed's first version;
-        both combine with the causal mask when `causal=True`.
+        Args:
+            x: (B, T, n_embed) inputs.
+            attention_mask: (B, T), 1/True = real token (bool, integer or float 0/1);
+                padding keys are hidden (default None: all real).
+            mask: (T, T) or (B, T, T), 1/True = query may see key, the seed's first
+                version (default None). Both combine with the causal mask when `causal`.
+
+        Returns:
+            `(out, weights)`: (B, T, n_embed) in x's dtype, and the (B, T, T) weights
+            (each row sums to 1, or is all 0 where a query sees nothing).
+
+        Raises:
+            ShapeContractError: x, attention_mask or mask of another shape.
+            MaskError: a mask holding values other than 0 and 1.
         """
         if x.dim() != 3 or x.shape[-1] != self.n_embed:
             raise ShapeContractError(
@@ -102,13 +134,45 @@ class SingleHeadAttention(nn.Module):
 class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention on (B, L, E), with GQA/MQA, RoPE and a KV cache.
 
-    `num_kv_heads` < `num_heads` shares each K/V head among H / Hkv query heads (GQA;
-    1 is MQA). `rope=True` (or a `RotaryEmbedding`) rotates q and k by position, offset
-    by the cache length. Every call reads project → attend → merge: the heads attend
-    through one protocol (`attnkit.attender`): `attnkit.attention(..., backend=)`, a
-    `KVCache`, a paged cache's layer, or, with `context` set
-    (`attnkit.distributed.parallelize`), context-parallel attention over a sequence
-    sharded across processes (self-attention, no cache).
+    Every call reads project → attend → merge: q, k and v are projected and split into
+    heads of head_dim = E / H, attend through one protocol (`attnkit.attender`):
+    `attnkit.attention(..., backend=)`, a `KVCache`, a paged cache's layer, or, with
+    `context` set (`attnkit.distributed.parallelize`), context-parallel attention over a
+    sequence sharded across processes (self-attention, no cache); then the heads are
+    merged and projected back to E. `from_torch` / `to_torch` convert from and to
+    `nn.MultiheadAttention` (weights copied; attnkit is batch-first).
+
+    Args:
+        embed_dim: E, the width of query and of the output; divisible by num_heads.
+        num_heads: H, query heads.
+        num_kv_heads: Hkv, key/value heads, dividing H: fewer shares each K/V head
+            among G = H / Hkv query heads (GQA; 1 is MQA). Default None: H.
+        kdim: width of the key input (default None: E), for cross-attention.
+        vdim: width of the value input (default None: E).
+        bias: whether the four projections have biases (default True).
+        dropout: dropout on the attention weights in training mode, in [0, 1)
+            (default 0.0; `.eval()` turns it off).
+        rope: True for a `RotaryEmbedding(head_dim)`, or one to use: rotates q and k by
+            position, offset by the cache length (default None: no rotation).
+        backend: the `attnkit.attention` backend the heads run on (default "auto").
+
+    Raises:
+        ValueError: E not divisible by H, H not by Hkv, dropout outside [0, 1), or an
+            unknown backend.
+
+    Examples:
+        >>> mha = ak.MultiHeadAttention(64, 8, num_kv_heads=2)  # GQA: 4 query heads a K/V head
+        >>> x = torch.randn(2, 10, 64)  # (B, L, E)
+        >>> mha(x, mask=ak.causal()).shape  # (B, L, E)
+        torch.Size([2, 10, 64])
+        >>> cross = ak.MultiHeadAttention(64, 8, kdim=32, vdim=16, bias=False, dropout=0.1)
+        >>> memory, values = torch.randn(2, 7, 32), torch.randn(2, 7, 16)  # S = 7 keys
+        >>> cross.eval()(x, memory, values).shape  # queries (B, L, E) attend to S keys
+        torch.Size([2, 10, 64])
+        >>> torch_mha = torch.nn.MultiheadAttention(64, 8, batch_first=True)
+        >>> ours = ak.MultiHeadAttention.from_torch(torch_mha)
+        >>> torch.allclose(ours(x), torch_mha(x, x, x, need_weights=False)[0], atol=1e-5)
+        True
     """
 
     context: Any = None  # an attnkit.distributed.ContextParallel, or None
@@ -165,13 +229,28 @@ class MultiHeadAttention(nn.Module):
         mask: Mask | Tensor | None = None,
         cache: KVCache | PagedLayer | None = None,
     ) -> Tensor:
-        """query (B, L, E); key (B, S, kdim) and value (B, S, vdim) default to query.
+        """Attend query to key/value (self-attention when they are left out).
 
-        With a `cache`, the new keys/values are appended and attended with the cached
-        ones: pass `causal(align="bottom_right")` so query i sees keys up to its position.
-        With `cache=pages.layer(step, i)` (a `PagedKVCache`), query is the step's new
-        tokens of many sequences packed as (1, T, E); each attends causally to its own
-        sequence (mask None or `sliding_window(left)`), RoPE by position in its sequence.
+        Args:
+            query: (B, L, E).
+            key: (B, S, kdim) (default None: query).
+            value: (B, S, vdim) (default None: key).
+            mask: as `attnkit.attention` takes it, over (B, H, L, S) (default None).
+            cache: a `KVCache`: the new keys/values are appended and attended with the
+                cached ones (pass `causal(align="bottom_right")` so query i sees keys up
+                to its position); or `pages.layer(step, i)` of a `PagedKVCache`: query
+                is the step's new tokens of many sequences packed as (1, T, E), each
+                attending causally to its own sequence (mask None or
+                `sliding_window(left)`), RoPE by position in its sequence.
+
+        Returns:
+            (B, L, E) in query's dtype.
+
+        Raises:
+            ShapeContractError: inputs of another width, or key and value whose B or S
+                disagree.
+            TypeError: SDPA's or nn.MultiheadAttention's keywords (`attn_mask`,
+                `key_padding_mask`, ...), naming the attnkit way.
         """
         attender = self._attender(cache)
         dropout_p = self.dropout if self.training else 0.0

@@ -21,11 +21,16 @@ over each query's key interval (`row_spans`), exact but not order-invariant.
 sequence serve the next of the same sizes. The cu offsets and `seqused_k` are checked
 first (a `ValueError` naming them). Under `torch.compile` the spans are `row_spans(lo,
 hi)` (`masks.tokens`: query row i sees keys `lo[i] <= j < hi[i]`).
+
+Last, what `dropins` and `flash_attn` share of flash-attention's conventions: the window
+around each query's bottom-right aligned position as key spans (`window_spans`), their
+mask with ALiBi (`spans_mask`), and a sequence's mask (`sequence_mask`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -33,9 +38,21 @@ from torch import Tensor
 
 from attnkit.documents import placed_alike
 from attnkit.functional import attention_with_lse
-from attnkit.masks import Mask, causal, sliding_window
+from attnkit.masks import Mask, causal, row_spans, sliding_window
+from attnkit.masks.biases import _ALiBi
 
-__all__ = ["MaskOf", "attend_packed", "window_mask"]
+__all__ = [
+    "KeySpans",
+    "MaskOf",
+    "Window",
+    "attend_packed",
+    "attend_spans",
+    "flash_window",
+    "sequence_mask",
+    "spans_mask",
+    "window_mask",
+    "window_spans",
+]
 
 # the mask of sequence n with L queries and S keys (None: every query sees every key)
 MaskOf = Callable[[int, int, int], Mask | None]
@@ -125,3 +142,80 @@ def _cut(x: Tensor, first: int, stored: list[int], used: list[int]) -> list[Tens
     """Each sequence's rows of packed keys or values: its first `used[n]` of them."""
     pieces = torch.split(x[first : first + sum(stored)], stored)
     return [p if n == len(p) else p[:n] for p, n in zip(pieces, used, strict=True)]
+
+
+# ------------------------------------------------------ flash-attention's windows and masks
+
+Window = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class KeySpans:
+    """Per query row: its keys [lo, hi) and its aligned key position `at` (the i' of
+    flash-attention's convention, for ALiBi), integer tensors of one shape."""
+
+    lo: Tensor
+    hi: Tensor
+    at: Tensor
+
+    def one_batch_row(self) -> KeySpans:
+        """Spans of packed rows (T,) as one batch row (1, T)."""
+        return KeySpans(self.lo[None], self.hi[None], self.at[None])
+
+
+def window_spans(
+    first_key: Tensor, len_k: Tensor, len_q: Tensor | int, row: Tensor, window: tuple[int, int]
+) -> KeySpans:
+    """The keys of query `row` of a sequence of `len_q` queries whose keys are
+    first_key .. first_key + len_k - 1: those within (left, right) of its bottom-right
+    aligned position i' = row + len_k - len_q (-1: unlimited), flash-attention's window."""
+    at = row + len_k - len_q
+    left, right = window
+    lo = torch.zeros_like(at) if left < 0 else (at - left).clamp(min=0)
+    hi = len_k + torch.zeros_like(at) if right < 0 else torch.minimum(at + right + 1, len_k)
+    return KeySpans(first_key + lo, first_key + torch.maximum(hi, lo), first_key + at)
+
+
+def sequence_mask(window: Window, alibi_slopes: Tensor | None, dtype: torch.dtype) -> MaskOf:
+    """Sequence n's mask: its window, and ALiBi with its slopes (H,) or row n of (N, H)
+    around each query's aligned position."""
+    if alibi_slopes is None:
+        return lambda n, L, S: window_mask(window, L, S)
+
+    def mask_of(n: int, L: int, S: int, slopes: Tensor = alibi_slopes) -> Mask:
+        rows = torch.arange(L, device=slopes.device)
+        spans = window_spans(rows.new_zeros(()), rows.new_tensor(S), L, rows, window)
+        return spans_mask(spans.one_batch_row(), slopes[n] if slopes.dim() == 2 else slopes, dtype)
+
+    return mask_of
+
+
+def flash_window(causal: bool, window_size: Window) -> Window:
+    """flash-attention's window with `causal` folded in (it sets the right side to 0)."""
+    left, right = (int(w) for w in window_size)
+    return (left, 0) if causal else (left, right)
+
+
+def spans_mask(spans: KeySpans, alibi_slopes: Tensor | None, dtype: torch.dtype) -> Mask:
+    """Each row's key interval, and ALiBi around each row's aligned position (its bias in
+    float64 for float64 calls, else float32)."""
+    mask = row_spans(spans.lo, spans.hi)
+    if alibi_slopes is None:
+        return mask
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return mask & _ALiBi(alibi_slopes.to(wide), None, positions=spans.at)
+
+
+def attend_spans(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask,
+    scale: float | None,
+    softcap: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """attnkit's call on (B, H, L, D): out and lse (B, H, L)."""
+    return attention_with_lse(
+        q, k, v, mask, scale=scale, softcap=softcap if softcap > 0 else None, dropout_p=dropout_p
+    )

@@ -26,7 +26,37 @@ __all__ = ["Plan", "backend_for_run", "choose_backend", "cost_summary", "plan_ca
 
 @dataclass(frozen=True)
 class Plan:
-    """What `attention(...)` would do for a call, computed without running it."""
+    """What `attention(...)` would do for a call, computed without running it.
+
+    Made by `attnkit.explain` (or `Prepared.explain`), not by hand; `print(plan)` reads
+    as a report, and a notebook shows it as a table. Which backend wins depends on the
+    machine's cost table, so code should read the facts below rather than expect one.
+
+    Args:
+        backend: the backend that would run, or `"none"` for an empty call (B, H, L, Dv
+            or S is 0).
+        reasons: every backend by name: None for the chosen one, else why not (it
+            cannot serve the call, or its estimated cost).
+        flops: 2·B·H·(allowed query-key pairs)·(D + Dv), the forward pass's work.
+        peak_bytes: the extra memory the chosen backend needs, estimated.
+        shapes: `"q"`, `"k"`, `"v"`, `"out"` (and `"lse"`) to their shapes.
+        mask: the mask's description (default `"none"`).
+        density: the share of the L×S pairs the mask lets through (default 1.0).
+        notes: further lines: the cost table and its source, packed documents.
+
+    Examples:
+        >>> q = torch.randn(1, 2, 4, 8)
+        >>> plan = ak.explain(q, q, q, ak.sliding_window(1))
+        >>> plan.mask, plan.density, plan.shapes["out"]
+        ('sliding_window(left=1, right=0)', 0.4375, (1, 2, 4, 8))
+        >>> plan.reasons[plan.backend] is None  # every other backend says why not
+        True
+        >>> print(plan)  # doctest: +ELLIPSIS
+        attnkit plan: backend '...'
+          q (1, 2, 4, 8)  k (1, 2, 4, 8)  v (1, 2, 4, 8)  ->  out (1, 2, 4, 8)
+          mask     sliding_window(left=1, right=0)  (density 43.8% of L×S)
+        ...
+    """
 
     backend: str  # "none" for an empty call (B, H, L, Dv or S is 0)
     reasons: dict[str, str | None]  # backend name -> why not chosen, None for the chosen one

@@ -20,7 +20,28 @@ class RotaryEmbedding(nn.Module):
 
     `rope(q, k, offset=0)` rotates both (B, H, L, head_dim) tensors by positions
     `offset ... offset + L - 1` (a module passes its KV-cache length as `offset`), or by
-    the (L,) tensor of positions `offset` (a context-parallel shard's global positions).
+    the (L,) tensor of positions `offset` (a context-parallel shard's global positions),
+    and returns `(q, k)` rotated, in their dtypes. Then q·k depends only on the
+    relative position.
+
+    Args:
+        head_dim: D, the features rotated, an even int >= 2.
+        base: the wavelength base of the frequencies `base^(-2i/D)` (default 10000.0).
+
+    Raises:
+        ShapeContractError: an odd `head_dim`; when called, inputs of another last dim,
+            or positions that are not one per row.
+
+    Examples:
+        >>> rope = ak.RotaryEmbedding(8)
+        >>> q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)  # (B, H, L, D)
+        >>> q_rot, k_rot = rope(q, k, offset=3)  # positions 3 .. 6
+        >>> q_rot.shape
+        torch.Size([1, 2, 4, 8])
+        >>> def score(i, j):  # q[0] at position i, k[0] at position j
+        ...     return (rope.rotate(q[..., :1, :], i) * rope.rotate(k[..., :1, :], j)).sum()
+        >>> torch.allclose(score(3, 1), score(10, 8), atol=1e-5)  # both 2 apart
+        True
     """
 
     inv_freq: Tensor
@@ -42,8 +63,20 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
     def rotate(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
-        """Rotate (..., L, head_dim) by positions offset .. offset + L - 1, or by the (L,)
-        positions `offset`."""
+        """Rotate one tensor by its rows' positions.
+
+        Args:
+            x: (..., L, head_dim) queries or keys, any floating dtype.
+            offset: the first row's position, rows at `offset ... offset + L - 1`
+                (default 0), or an (L,) integer tensor of each row's position.
+
+        Returns:
+            `x` rotated, of its shape and dtype.
+
+        Raises:
+            ShapeContractError: a last dim other than `head_dim`, or positions that are
+                not one per row.
+        """
         if x.shape[-1] != self.head_dim:
             raise ShapeContractError(
                 f"RotaryEmbedding was built for head_dim={self.head_dim}, got x with last dim "
@@ -64,6 +97,16 @@ class RotaryEmbedding(nn.Module):
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
     def forward(self, q: Tensor, k: Tensor, offset: int | Tensor = 0) -> tuple[Tensor, Tensor]:
+        """Rotate q and k alike, as `rope(q, k, offset)`.
+
+        Args:
+            q: (B, H, L, head_dim) queries.
+            k: (B, Hkv, L, head_dim) keys at the same positions.
+            offset: as `rotate` (default 0; a module passes its KV-cache length).
+
+        Returns:
+            `(q, k)` rotated, in their shapes and dtypes.
+        """
         return self.rotate(q, offset), self.rotate(k, offset)
 
     def extra_repr(self) -> str:

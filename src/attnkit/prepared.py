@@ -156,10 +156,31 @@ def mask_state(mask: MaskArg) -> tuple[object, ...]:
 
 
 class Prepared:
-    """A validated, planned call with q, k, v left out (see the module doc).
+    """A validated, planned call with q, k, v left out, from `attnkit.prepare`.
 
-    `run(q, k, v, mask)` is `attention_with_lse` without sinks for inputs of its `fit`,
-    unchecked; `prepared(q, k, v)` (from `attnkit.prepare`) checks first.
+    `prepared(q, k, v)` checks that the inputs fit (sizes, dtypes, devices, grad mode,
+    the mask's tensors unchanged) and returns the output (B, H, L, Dv), as `attention`;
+    `with_lse(q, k, v)` adds the log-sum-exp (B, H, L); `explain()` gives the `Plan`.
+    `run(q, k, v, mask)` is `attention_with_lse` without sinks, unchecked (the cache of
+    `attention` calls it).
+
+    Args:
+        fit: the key of what preparing read (sizes, strides, dtypes, devices, grad, the
+            options, the mask's tensors' state), or None for a call that is not kept.
+        call: the validated `AttentionCall`.
+        backend: the chosen backend, or None for an empty call.
+        asked: keyword-only, the backend asked for (`"auto"`: the planner's choice).
+        need_lse: keyword-only, the log-sum-exp is wanted.
+        scale: keyword-only, the scale as given or its default 1/√D.
+        kernel: keyword-only, the backend's own prepared call, or None.
+
+    Examples:
+        >>> q = torch.randn(1, 2, 8, 16)
+        >>> run = ak.prepare(q, q, q, ak.causal(), need_lse=True)
+        >>> q2 = torch.randn(1, 2, 8, 16)  # new inputs of the prepared kind
+        >>> out, lse = run.with_lse(q2, q2, q2)
+        >>> out.shape, lse.shape, torch.allclose(out, ak.attention(q2, q2, q2, ak.causal()))
+        (torch.Size([1, 2, 8, 16]), torch.Size([1, 2, 8]), True)
     """
 
     def __init__(
@@ -237,7 +258,19 @@ class Prepared:
         return bound_call
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The output (B, H, L, Dv) for new q, k, v of the prepared kind."""
+        """`attention` of the prepared call on q, k, v of the prepared kind.
+
+        Args:
+            q: (B, H, L, D) queries of the prepared size, dtype, device and grad mode.
+            k: (B, Hkv, S, D) keys, likewise.
+            v: (B, Hkv, S, Dv) values, likewise; the values may differ call to call.
+
+        Returns:
+            (B, H, L, Dv) output, as `attention`.
+
+        Raises:
+            PreparedMismatchError: inputs that do not fit, or a mask tensor changed.
+        """
         kernel = self._direct
         if kernel is not None and not torch.compiler.is_compiling() and self._fits(q, k, v):
             out = kernel(q, k, v)  # the prepared kernel itself: nothing else to do
@@ -246,8 +279,15 @@ class Prepared:
         return self._checked(q, k, v)[0]
 
     def with_lse(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The output and log-sum-exp (B, H, L), as `attention_with_lse`; the call must
-        have been prepared with `need_lse=True`."""
+        """`attention_with_lse` of the prepared call (`need_lse=True`) on q, k, v, as calling it.
+
+        Returns:
+            out (B, H, L, Dv) and lse (B, H, L), as `attention_with_lse`.
+
+        Raises:
+            ValueError: a call prepared without `need_lse=True`.
+            PreparedMismatchError: inputs that do not fit, as calling it.
+        """
         if not self.need_lse:
             raise ValueError(
                 "this call was prepared without its log-sum-exp (the backend may give none); "
@@ -258,7 +298,7 @@ class Prepared:
         return out, lse
 
     def explain(self) -> Plan:
-        """What this call runs and why (`attnkit.explain` of its arguments)."""
+        """What this call runs and why: the `Plan` of `attnkit.explain` for its arguments."""
         mask = self._bound_mask()
         assert self.fit is not None
         shapes, strides = self.fit[0:3], self.fit[3:6]

@@ -31,16 +31,51 @@ __all__ = [
 
 
 def build_causal_mask(seq_len: int, *, device: torch.device | str | None = None) -> Tensor:
-    """(L, L) bool, `True` on and below the diagonal: query i sees keys 0..i."""
+    """The causal mask as a tensor: `True` on and below the diagonal, query i sees keys 0..i.
+
+    Args:
+        seq_len: L (= S), an int >= 0.
+        device: keyword-only, where the tensor is made (default None: the CPU).
+
+    Returns:
+        (L, L) bool tensor, `True` = may attend (`causal().materialize(1, 1, L, L)[0, 0]`).
+
+    Raises:
+        ValueError: `seq_len` not an int >= 0.
+
+    Examples:
+        >>> ak.build_causal_mask(3)
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [ True,  True,  True]])
+    """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}.")
     return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
 
 
 def build_attention_mask(key_padding_mask: Tensor, query_length: int, causal: bool) -> Tensor:
-    """(B, 1, L, S) bool from a (B, S) padding mask (`True` = real token), causal or not.
+    """A (B, 1, L, S) bool mask from a padding mask, causal or not.
 
-    Causal needs L == S here: for L != S use `causal(align='top_left' | 'bottom_right')`.
+    Args:
+        key_padding_mask: (B, S) bool, `True` = real token.
+        query_length: L.
+        causal: also hide later keys (`j <= i`); needs L == S: for L != S use
+            `causal(align='top_left' | 'bottom_right')`.
+
+    Returns:
+        (B, 1, L, S) bool tensor, `True` = may attend (a broadcast view when not causal).
+
+    Raises:
+        MaskError: `key_padding_mask` not bool (a float or integer mask).
+        ShapeContractError: `key_padding_mask` not 2-D, or `causal` with L != S.
+
+    Examples:
+        >>> real = torch.tensor([[True, True, False]])  # the last key is padding
+        >>> ak.build_attention_mask(real, 3, causal=True)[0, 0]
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [ True,  True, False]])
     """
     if key_padding_mask.dtype != torch.bool:
         if key_padding_mask.is_floating_point():
@@ -103,6 +138,7 @@ def attend(
         q: (B, H, L, D); k: (B, Hkv, S, D); v: (B, Hkv, S, Dv), H % Hkv == 0.
         visible: bool broadcastable to (B, H, L, S), `True` = may attend.
         bias: float broadcastable to (B, H, L, S), added to the scores.
+
     Returns:
         out (B, H, L, Dv) and weights (B, H, L, S) in q's dtype; lse (B, H, L) in the
         compute dtype (float32 for half inputs), `-inf` on empty rows.
@@ -167,10 +203,28 @@ def _check_seed_shapes(q: Tensor, k: Tensor, v: Tensor | None = None) -> None:
 def attention_weights(
     q: Tensor, k: Tensor, mask: Mask | Tensor | None = None, *, scale: float | None = None
 ) -> Tensor:
-    """softmax(q·kᵀ·scale) over keys with the mask applied first; (..., L, S).
+    """The attention weights softmax(q·kᵀ·scale) over keys, the mask applied first.
 
-    `q` (..., L, D), `k` (..., S, D); scale defaults to 1/√D. Hidden keys get exactly 0,
-    a query that sees nothing gets all 0.
+    Args:
+        q: (L, D), (B, L, D) or (B, H, L, D) queries, floating point.
+        k: keys of q's rank, (..., S, D); with heads, (B, Hkv, S, D), H % Hkv == 0.
+        mask: a `Mask`, a bool tensor broadcastable to (..., L, S) (`True` = may attend)
+            or a float one added to the scores. Default None: every key visible.
+        scale: keyword-only, multiplies q·kᵀ (default None: 1/√D).
+
+    Returns:
+        (..., L, S) weights in q's dtype, each row summing to 1; hidden keys exactly 0,
+        a query that sees nothing all 0.
+
+    Raises:
+        ShapeContractError: ranks or head dims of q and k that differ.
+        MaskError: an integer mask.
+
+    Examples:
+        >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+        >>> w = ak.attention_weights(q, k, ak.causal())
+        >>> w.shape, bool(w[0, 0, 0, 1:].eq(0).all())  # query 0 sees key 0 alone
+        (torch.Size([1, 2, 3, 3]), True)
     """
     _check_seed_shapes(q, k)
     visible, bias, scale = _seed_inputs(mask, q, k, scale)
@@ -186,10 +240,31 @@ def scaled_dot_product_attention(
     *,
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The seed's attention: returns `(output (..., L, Dv), weights (..., L, S))`.
+    """The readable attention loop, returning the weights too. For production use
+    `attnkit.attention`, held to this function's results.
 
-    q (..., L, D), k (..., S, D), v (..., S, Dv), leading dims alike; `mask` as in
-    `attention_weights`. For production use `attnkit.attention`.
+    Args:
+        q: (L, D), (B, L, D) or (B, H, L, D) queries, floating point.
+        k: keys (..., S, D), of q's rank; with heads (B, Hkv, S, D), H % Hkv == 0.
+        v: values (..., S, Dv), of k's rank and length.
+        mask: as in `attention_weights` (default None: every key visible).
+        scale: keyword-only, multiplies q·kᵀ (default None: 1/√D).
+
+    Returns:
+        `(output, weights)`: (..., L, Dv) and (..., L, S), in q's dtype; a query that
+        sees nothing gets output 0 and weights 0.
+
+    Raises:
+        ShapeContractError: ranks, head dims or lengths of q, k, v that do not fit.
+        MaskError: an integer mask.
+
+    Examples:
+        >>> q, k, v = (torch.randn(2, 3, 4) for _ in range(3))  # (B, L, D)
+        >>> out, weights = ak.scaled_dot_product_attention(q, k, v, ak.causal())
+        >>> out.shape, weights.shape
+        (torch.Size([2, 3, 4]), torch.Size([2, 3, 3]))
+        >>> torch.allclose(out, weights @ v)
+        True
     """
     _check_seed_shapes(q, k, v)
     visible, bias, scale = _seed_inputs(mask, q, k, scale)

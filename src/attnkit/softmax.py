@@ -59,13 +59,29 @@ def softmax_with_lse(scores: Tensor, dim: int = -1) -> tuple[Tensor, Tensor]:
 def masked_softmax(scores: Tensor, mask: Tensor | None = None, dim: int = -1) -> Tensor:
     """Softmax over `dim` that only spreads weight over visible entries.
 
+    Stable: the row maximum is subtracted first, and a row that sees nothing gets 0
+    (never 0/0 = NaN), with finite, zero gradients.
+
     Args:
-        scores: (..., L, S) raw scores.
+        scores: (..., L, S) raw scores, floating point.
         mask: broadcastable to `scores`; bool with `True` = visible, or float added as a
-            bias (0 keeps, `-inf` removes). Integer masks are refused.
+            bias (0 keeps, `-inf` removes). Default None: every entry visible.
+        dim: the dim to normalize over (default -1, the keys).
+
     Returns:
         Weights of the shape and dtype of `scores`; hidden entries exactly 0, a row with
         nothing visible all 0 (never NaN). Half precision is computed in float32.
+
+    Raises:
+        ShapeContractError: `mask` does not broadcast to `scores`.
+        MaskError: an integer mask (ambiguous: `integer_mask_error`).
+
+    Examples:
+        >>> scores = torch.tensor([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
+        >>> mask = torch.tensor([[True, True, False], [False, False, False]])
+        >>> ak.masked_softmax(scores, mask)  # row 1 sees nothing: zeros, not NaN
+        tensor([[0.2689, 0.7311, 0.0000],
+                [0.0000, 0.0000, 0.0000]])
     """
     logits = scores.to(compute_dtype(scores.dtype))
     if mask is not None:

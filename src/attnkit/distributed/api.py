@@ -22,7 +22,38 @@ __all__ = ["attention", "attention_with_lse", "explain", "shard", "unshard"]
 
 
 def shard(x: Tensor, layout: str = "zigzag", group: Any = None, *, dim: int = 2) -> Tensor:
-    """This rank's rows of the full `x` along `dim` (the sequence: 2 for (B, H, L, D))."""
+    """This rank's rows of the full `x` along `dim`, the sequence: what it passes to
+    `attention` (and `unshard` undoes).
+
+    Under "zigzag" with P = 2 and L = 8, rank 0 holds rows 0, 1, 6, 7 and rank 1 rows
+    2 .. 5; under "contiguous", rows 0 .. 3 and 4 .. 7.
+
+    Args:
+        x: the full tensor, the same on every rank, e.g. q (B, H, L, D).
+        layout: "zigzag" (rank r holds chunks r and 2P-1-r of 2P: balanced causal work)
+            or "contiguous" (rank r holds rows r·L/P .. (r+1)·L/P - 1) (default "zigzag").
+        group: the process group (default None: the default group); P = its size.
+        dim: the sequence dim (default 2, L of (B, H, L, D); 1 for (B, L) tokens).
+
+    Returns:
+        x's rows of this rank: x's shape with L/P at `dim`.
+
+    Raises:
+        RuntimeError: no initialized process group.
+        ValueError: an unknown layout.
+        ShapeContractError: L that does not split into P (zigzag: 2P) chunks, naming
+            the padding.
+
+    Examples:
+        >>> import torch.distributed as dist, attnkit.distributed as akd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> x = torch.arange(8.0).view(1, 1, 8, 1)  # (B, H, L, D): row i holds i
+        >>> akd.shard(x).flatten().tolist()  # a world of 1: rank 0 holds every row
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+        >>> torch.equal(akd.unshard(akd.shard(x, "contiguous"), "contiguous"), x)
+        True
+        >>> dist.destroy_process_group()
+    """
     g = group_of(group)
     lay = Layout.of(layout, g.size, x.shape[dim])
     return torch.cat([x.narrow(dim, a, b - a) for a, b in lay.chunks(g.rank)], dim)
@@ -33,6 +64,31 @@ def unshard(x_local: Tensor, layout: str = "zigzag", group: Any = None, *, dim: 
 
     Differentiable as a replica: every rank holds the same full tensor, so the gradient
     of this rank's rows is the gradient of the full tensor at them.
+
+    Args:
+        x_local: this rank's rows, e.g. an output (B, H, L/P, Dv).
+        layout: the layout `x_local` was sharded in (default "zigzag").
+        group: the process group (default None: the default group); P = its size.
+        dim: the sequence dim (default 2).
+
+    Returns:
+        The full tensor, L = P · L/P rows at `dim` in global order, on every rank.
+
+    Raises:
+        RuntimeError: no initialized process group.
+        ValueError: an unknown layout.
+
+    Examples:
+        >>> import torch.distributed as dist, attnkit.distributed as akd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> x = torch.randn(2, 3, 8, 4, requires_grad=True)  # (B, H, L, D)
+        >>> full = akd.unshard(akd.shard(x))
+        >>> torch.equal(full, x)
+        True
+        >>> full.sum().backward()  # gradients flow back to the rows
+        >>> bool((x.grad == 1).all())
+        True
+        >>> dist.destroy_process_group()
     """
     g = group_of(group)
     out: Tensor = _Unshard.apply(x_local, g, layout, dim)  # type: ignore[no-untyped-call]
@@ -68,18 +124,44 @@ def attention(
 ) -> Tensor:
     """Exact self-attention of this rank's rows over the whole sequence.
 
+    Every rank calls it with its rows and the same global mask; the ranks agree on the
+    problem first (one small collective), then exchange only the keys some query sees.
+
     Args:
-        q: (B, H, L/P, D), k: (B, Hkv, L/P, D), v: (B, Hkv, L/P, Dv): this rank's rows
-            (`shard` of the full tensors) in `layout`.
-        mask: the global mask (a `Mask` or a bool tensor over (B, H, L, L)), the same on
-            every rank; its tensors (document ids, lengths) are the global ones.
-        group: the process group (None: the default one); P = its size.
-        layout: "zigzag" (balances causal work) or "contiguous".
-        strategy: "ring", "allgather", "ulysses" or "auto" (`explain` says which and why).
-        scale: as `attnkit.attention`.
-        softcap: as `attnkit.attention`.
+        q: (B, H, L/P, D) this rank's query rows (`shard` of the full q) in `layout`.
+        k: (B, Hkv, L/P, D) its key rows, q's dtype; H % Hkv == 0.
+        v: (B, Hkv, L/P, Dv) its value rows.
+        mask: the global mask over global positions (a `Mask` or a bool tensor over
+            (B, H, L, L)), the same on every rank; its tensors (document ids, lengths)
+            are the global ones (default None: every key visible).
+        group: the process group (default None: the default group); P = its size.
+        layout: "zigzag" (rank r holds chunks r and 2P-1-r of 2P: balanced causal work)
+            or "contiguous" (rank r holds rows r·L/P .. (r+1)·L/P - 1) (default "zigzag").
+        strategy: "ring", "allgather", "ulysses" (Hkv % P == 0) or "auto" (default:
+            `explain` says which and why).
+        scale: multiplies q·kᵀ (default None: 1/√D).
+        softcap: if set, scores become `c·tanh(s/c)` (default None).
+
     Returns:
         (B, H, L/P, Dv): this rank's rows of the output, in q's dtype.
+
+    Raises:
+        RuntimeError: no initialized process group.
+        RanksDisagreeError: ranks passing different masks, shapes or options (on
+            every rank, naming them).
+        ShapeContractError: shapes that do not fit, or an L/P that does not split.
+        ValueError: an unknown layout or strategy, or one that cannot serve the call.
+
+    Examples:
+        >>> import torch.distributed as dist, attnkit.distributed as akd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))  # full (B, H, L, D)
+        >>> out = akd.attention(akd.shard(q), akd.shard(k), akd.shard(v), ak.causal())
+        >>> out.shape  # this rank's rows: L/P = 8 in a world of 1
+        torch.Size([1, 2, 8, 4])
+        >>> torch.allclose(akd.unshard(out), ak.attention(q, k, v, ak.causal()), atol=1e-6)
+        True
+        >>> dist.destroy_process_group()
     """
     return attention_with_lse(
         q, k, v, mask, group=group, layout=layout, strategy=strategy, scale=scale, softcap=softcap
@@ -98,8 +180,41 @@ def attention_with_lse(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`attention` and the log-sum-exp of this rank's rows, (B, H, L/P), as
-    `attnkit.attention_with_lse` gives it (`-inf` where a row sees nothing)."""
+    """`attention` and the log-sum-exp of this rank's rows.
+
+    Args:
+        q: (B, H, L/P, D) this rank's query rows.
+        k: (B, Hkv, L/P, D) its key rows.
+        v: (B, Hkv, L/P, Dv) its value rows.
+        mask: the global mask, as in `attention`.
+        group: as in `attention`.
+        layout: as in `attention`.
+        strategy: as in `attention`.
+        scale: as in `attention`.
+        softcap: as in `attention`.
+
+    Returns:
+        `(out, lse)`: out (B, H, L/P, Dv) in q's dtype, and lse (B, H, L/P) float32
+        (float64 for float64), as `attnkit.attention_with_lse` gives it (-inf where a
+        row sees nothing).
+
+    Raises:
+        RuntimeError: no initialized process group.
+        RanksDisagreeError: ranks passing different problems.
+        ShapeContractError: shapes that do not fit.
+        ValueError: an unknown layout or strategy, or one that cannot serve the call.
+
+    Examples:
+        >>> import torch.distributed as dist, attnkit.distributed as akd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> q = torch.randn(1, 2, 8, 4)  # (B, H, L, D), self-attention
+        >>> out, lse = akd.attention_with_lse(q, q, q, ak.causal())
+        >>> lse.shape  # (B, H, L/P)
+        torch.Size([1, 2, 8])
+        >>> torch.allclose(lse, ak.attention_with_lse(q, q, q, ak.causal())[1], atol=1e-6)
+        True
+        >>> dist.destroy_process_group()
+    """
     g = group_of(group)
     problem, plan = agreed(q, k, v, mask, g, layout, strategy, scale, softcap)
     return run_strategy(plan.strategy, problem, g, plan.needs, q, k, v)
@@ -144,8 +259,40 @@ def explain(
     scale: float | None = None,
     softcap: float | None = None,
 ) -> ContextPlan:
-    """The strategy `attention` would take on this rank, the bytes each strategy would
-    send, which (rank, shard) pairs are skipped and the work against each shard."""
+    """What `attention` would do on this rank, computed without running it: the
+    strategy, the bytes each strategy would send, which (rank, shard) pairs are skipped
+    and the work against each shard. `print` it for a table.
+
+    Args:
+        q: (B, H, L/P, D) this rank's query rows.
+        k: (B, Hkv, L/P, D) its key rows.
+        v: (B, Hkv, L/P, Dv) its value rows.
+        mask: the global mask, as in `attention`.
+        group: as in `attention`.
+        layout: as in `attention`.
+        strategy: as in `attention`.
+        scale: as in `attention`.
+        softcap: as in `attention`.
+
+    Returns:
+        A `ContextPlan` of this rank.
+
+    Raises:
+        RuntimeError: no initialized process group.
+        ShapeContractError: shapes that do not fit.
+        ValueError: an unknown layout or strategy, or one that cannot serve the call.
+
+    Examples:
+        >>> import torch.distributed as dist, attnkit.distributed as akd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> q = torch.randn(1, 2, 8, 4)  # (B, H, L/P, D)
+        >>> plan = akd.explain(q, q, q, ak.causal(), strategy="ring")
+        >>> plan.strategy, plan.world_size, plan.needs  # r's queries see s's keys: needs[r][s]
+        ('ring', 1, [[True]])
+        >>> plan.pairs  # query-key pairs against each shard: 1 + 2 + ... + 8
+        [36]
+        >>> dist.destroy_process_group()
+    """
     g = group_of(group)
     return _plan(_problem(q, k, v, mask, g, layout, scale, softcap), g, strategy, q, k, v)
 

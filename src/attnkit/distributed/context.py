@@ -28,7 +28,24 @@ __all__ = ["ContextParallel", "parallelize"]
 
 
 class ContextParallel(Attender):
-    """Where a module's rows lie (group, layout) and how to attend (strategy)."""
+    """Where a module's rows lie (group, layout) and how to attend (strategy): what
+    `parallelize` sets as each `MultiHeadAttention`'s `context`.
+
+    A module under it takes this rank's rows of one sequence (self-attention, no cache,
+    no dropout), rotates q and k (RoPE) by the rows' global positions and attends over
+    the whole sequence with `attnkit.distributed.attention`.
+
+    Args:
+        group: the process group (default None: the default group), read when called.
+        layout: "zigzag" or "contiguous", as the input was `shard`ed (default "zigzag").
+        strategy: "ring", "allgather", "ulysses" or "auto" (default "auto").
+
+    Examples:
+        >>> import attnkit.distributed as akd
+        >>> cp = akd.ContextParallel(layout="contiguous", strategy="ring")
+        >>> cp  # no process group is needed until a module runs under it
+        ContextParallel(layout='contiguous', strategy='ring')
+    """
 
     def __init__(self, group: Any = None, layout: str = "zigzag", strategy: str = "auto") -> None:
         self.group, self.layout, self.strategy = group, layout, strategy
@@ -74,8 +91,29 @@ class ContextParallel(Attender):
 
 
 def parallelize(model: nn.Module, context: ContextParallel | None = None) -> nn.Module:
-    """Set `context` (a default `ContextParallel()` if None) on every `MultiHeadAttention`
-    in `model` (set a module's `.context = None` to undo). Returns `model`."""
+    """Put every `MultiHeadAttention` in `model` under context parallelism: each rank
+    then feeds its rows of the sequence (`shard(tokens, cp.layout, dim=1)`).
+
+    Everything outside attention works per token and needs no change; sum the parameter
+    gradients over the group after the backward pass. Set a module's `.context = None`
+    to undo.
+
+    Args:
+        model: any module; its `MultiHeadAttention` submodules (itself included) are set.
+        context: the `ContextParallel` to use (default None: `ContextParallel()`).
+
+    Returns:
+        `model`, changed in place.
+
+    Examples:
+        >>> import attnkit.distributed as akd
+        >>> model = torch.nn.Sequential(ak.MultiHeadAttention(16, 4, rope=True))
+        >>> cp = akd.ContextParallel(layout="zigzag")
+        >>> akd.parallelize(model, cp) is model
+        True
+        >>> model[0].context is cp  # its calls now go through akd.attention
+        True
+    """
     from attnkit.modules import MultiHeadAttention
 
     context = ContextParallel() if context is None else context

@@ -29,7 +29,32 @@ ULYSSES_UNLESS_RING_BELOW = 0.5  # the ring wins only if it sends less than this
 @dataclass
 class ContextPlan:
     """What `attnkit.distributed.attention` would do on this rank, computed without
-    running it."""
+    running it: what `explain` returns. `print(plan)` shows it as a table.
+
+    Args:
+        strategy: the strategy chosen: "ring", "allgather" or "ulysses".
+        rank: this rank, in the group.
+        world_size: P, the group's size.
+        layout: "zigzag" or "contiguous".
+        bytes_sent: per strategy, the bytes this rank would send (None: cannot serve).
+        reasons: per strategy, why it was not chosen (None: chosen).
+        needs: P×P bools: `needs[r][s]` when rank r's queries see some of rank s's keys.
+        pairs: per shard, the query-key pairs this rank computes against it, per batch
+            row and head (default []: not computed).
+
+    Examples:
+        >>> import torch.distributed as dist, attnkit.distributed as akd
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> q = torch.randn(1, 2, 8, 4)  # (B, H, L/P, D)
+        >>> plan = akd.explain(q, q, q, ak.sliding_window(2) & ak.causal())
+        >>> plan.rank, plan.skipped, plan.peers  # no pair skipped, no peer in a world of 1
+        (0, 0, [])
+        >>> plan.pairs  # 1 + 2 + 3 · 6 pairs
+        [21]
+        >>> sorted(plan.bytes_sent)
+        ['allgather', 'ring', 'ulysses']
+        >>> dist.destroy_process_group()
+    """
 
     strategy: str
     rank: int

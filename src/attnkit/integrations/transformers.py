@@ -20,27 +20,11 @@ shares the mask object: its first layer prepares the call, the others run it
 
 One documented difference from `eager`: a query that may see no key (a padding row)
 gets 0, where eager's finite "minus infinity" averages all values (DESIGN.md §2).
-
-Tested with transformers 5.24. `register` is idempotent and refuses names transformers
-treats specially and names another function holds. `structure()` builds candidates
-(causal with offset `q_offset - kv_offset`; with `local_size`: a causal sliding window
-`left = local_size - 1`, chunked & causal, a bidirectional window; no mask; each `&`
-packed documents, found by probing which rows cannot see the key before their own) and
-keeps the first that equals `mask_function` on all B·L·S pairs (row chunks of 4M
-entries). transformers' own `causal_mask_function` (`kv_idx <= q_idx`, what every
-decoding step of a causal model passes) is `causal(offset=q_offset - kv_offset)` by its
-definition, with no check (a test holds the installed version to it pair by pair); any
-other function is checked once per forward (transformers builds its functions anew each
-forward; at S = L = 4096 the check takes about 0.1 s on 2 cores, once for all layers).
-Padding is `key_padding` of the 2-D mask's slice for the keys (positions past its end
-are padding). The result is a `PreparedMask` (an `&` with the `.ndim`/`.shape` of a (B,
-1, L, S) mask): `generate` with a static cache builds masks ahead and passes them back
-through the model's mask creation, and the mask function returns it as is.
+Tested with transformers 5.24 (`TESTED_VERSIONS`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,33 +34,49 @@ from attnkit.dispatch import StepCalls
 from attnkit.documents import documents
 from attnkit.errors import MaskError
 from attnkit.functional import attention, attention_probs
-from attnkit.masks import (
-    Mask,
-    causal,
-    chunked,
-    document,
-    from_hf_attention_mask,
-    key_padding,
-    sliding_window,
-)
-from attnkit.masks.base import _Combine, as_mask
-from attnkit.masks.spans import exact_spans
+from attnkit.integrations import ModFn, structure
+from attnkit.masks import Mask, causal, document, from_hf_attention_mask, key_padding
+from attnkit.masks.algebra import _Combine
+from attnkit.masks.base import as_mask
 
 __all__ = ["TESTED_VERSIONS", "attention_forward", "mask_function", "register", "structure"]
 
 TESTED_VERSIONS = ">=5.24,<6"  # the range the optional extra `attnkit[transformers]` pins
 _SPECIAL = ("eager", "sdpa", "flex_attention")  # transformers' own names
-CHECK_ELEMENTS = 1 << 22  # mask entries compared at once when checking a structure
-
-ModFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def register(name: str = "attnkit") -> str:
-    """Register attnkit's attention and mask functions with transformers under `name`.
+    """Register attnkit's attention and mask functions with transformers under `name`,
+    so that `attn_implementation=name` runs `attention_forward` on the masks of
+    `mask_function`.
 
-    Idempotent. Refuses the names transformers treats specially (its own
-    implementations, `flash*`, `paged|…` and hub kernels `org/repo`) and a name another
-    function already holds. Returns `name`.
+    Idempotent: call it once or at every import.
+
+    Args:
+        name: the implementation's name, a plain identifier (default "attnkit").
+
+    Returns:
+        `name`, as `attn_implementation` takes it.
+
+    Raises:
+        ImportError: transformers is not installed (the `attnkit[transformers]` extra).
+        ValueError: a name transformers treats specially (its own implementations,
+            `flash*`, `paged|…`, hub kernels `org/repo`), or one another function holds.
+
+    Examples:
+        >>> import attnkit.integrations.transformers as akt
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> akt.register()
+        'attnkit'
+        >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+        >>> model = LlamaForCausalLM(config).eval()  # tiny, random weights
+        >>> ids = torch.tensor([[1, 2, 3, 4, 5]])
+        >>> model.set_attn_implementation("attnkit")
+        >>> logits = model(ids).logits  # (B, L, vocab)
+        >>> model.set_attn_implementation("sdpa")
+        >>> torch.allclose(logits, model(ids).logits, atol=1e-5)  # the same model
+        True
     """
     try:
         from transformers import AttentionInterface
@@ -122,11 +122,14 @@ def mask_function(
     device: torch.device | str = "cpu",
     **kwargs: Any,
 ) -> Mask | Tensor | None:
-    """transformers' mask interface: the `Mask` for one forward (see the module doc).
+    """transformers' mask interface: the `Mask` of one forward, its structure kept.
 
-    Query `i` is at position `q_offset + i`, key `j` at `kv_offset + j`; `mask_function`
-    takes those positions, and the 2-D `attention_mask` (True = real token) covers the
-    keys from position 0. Returns None when every query sees every key.
+    Query `i` is at position `q_offset + i`, key `j` at `kv_offset + j`. transformers'
+    own `causal_mask_function` (`kv_idx <= q_idx`: every step of a causal model) is
+    `causal(offset=q_offset - kv_offset)` by its definition; any other function is
+    matched by `structure`, checked on every pair once per forward, or else becomes
+    `Mask.from_mod(mask_function)`. Padding is `key_padding` of the 2-D mask's slice for
+    the keys (positions past its end are padding). Every layer shares the result.
 
     Two calls get transformers' own dense (B, 1, L, S) bool mask instead, built by
     traceable operators as `"sdpa"` has it: one `torch.compile` traces (finding the
@@ -134,6 +137,36 @@ def mask_function(
     cache (`allow_is_causal_skip=False` at L = 1), which `generate` builds ahead of a
     step it may compile: a tensor of one shape every step, so the compiled step neither
     breaks its graph nor recompiles as the cache fills.
+
+    Args:
+        batch_size: B.
+        q_length: L, the queries of this forward.
+        kv_length: S, the keys (the cache's included).
+        q_offset: position of query 0 (default 0).
+        kv_offset: position of key 0 (default 0).
+        mask_function: transformers' `fn(b, h, q_idx, kv_idx) -> bool` over positions
+            (default None: its causal function).
+        attention_mask: (B, ≥ kv_offset + S) 2-D padding mask, 1/True = real token, from
+            position 0 (default None: no padding); or a `Mask` built ahead, returned
+            as is.
+        local_size: the window or chunk size transformers passes (default None).
+        device: where transformers' dense mask would live (default "cpu").
+        **kwargs: transformers' other keywords (`allow_is_causal_skip`, `use_vmap`, ...).
+
+    Returns:
+        A `Mask` of (B, H, L, S) (a `PreparedMask`: an `&` with the `.ndim` / `.shape`
+        of a (B, 1, L, S) mask), None when every query sees every key, or the dense
+        (B, 1, L, S) bool tensor in the two cases above.
+
+    Examples:
+        >>> import attnkit.integrations.transformers as akt
+        >>> akt.mask_function(1, 4, 4)  # a causal model's prefill of 4 tokens
+        Mask[causal(offset=0)]
+        >>> akt.mask_function(1, 1, 5, q_offset=4)  # its decoding step: 1 query, 5 keys
+        Mask[causal(offset=4)]
+        >>> padded = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])  # row 1: left padding
+        >>> print(akt.mask_function(2, 4, 4, attention_mask=padded))
+        causal(offset=0) & key_padding(valid, B=2)
     """
     if isinstance(attention_mask, Mask):  # ours, built ahead by `generate`: use it as is
         return attention_mask
@@ -263,86 +296,6 @@ def _padding(attention_mask: Tensor | None, B: int, S: int, kv_offset: int) -> M
     return key_padding(valid.expand(B, S))
 
 
-def structure(
-    fn: ModFn, B: int, L: int, S: int, *, shift: int = 0, local_size: int | None = None
-) -> tuple[bool, Mask | None]:
-    """`(True, mask)` for the structured `Mask` equal to `fn` on every (b, i, j) (None:
-    every query sees every key), or `(False, None)` where none is.
-
-    Candidates, from the arguments and a probe of `fn` along the diagonal: causal with
-    the cache's offset (`j <= i + shift`), a causal sliding window or chunks of
-    `local_size`, a bidirectional window, no mask, and packed documents under each (a row
-    that cannot see the key just before its own starts a document). All are compared
-    with `fn` on all B·L·S pairs at once, in row chunks; the first that agrees
-    everywhere wins. `fn` must not depend on the head (transformers' never do).
-    """
-    if B * L * S == 0:
-        return True, None
-    base: list[Mask | None] = [causal(offset=shift)]
-    if local_size is not None and local_size >= 1:
-        base = [
-            *base,
-            sliding_window(local_size - 1, offset=shift),
-            chunked(local_size, offset=shift) & causal(offset=shift),
-            sliding_window(local_size, local_size, offset=shift),
-        ]
-    base.append(None)  # no mask at all
-    ids = _documents(fn, B, L, S, shift)
-    packed = [] if ids is None else [ids if m is None else m & ids for m in base]
-    return _first_equal(fn, [*base, *packed], B, L, S)
-
-
-def _documents(fn: ModFn, B: int, L: int, S: int, shift: int) -> Mask | None:
-    """Packed documents when L == S and shift == 0: row i starts one where it cannot
-    see key i - 1 (every pattern transformers builds lets it, within a document)."""
-    if L != S or shift != 0 or L < 2:
-        return None
-    b = torch.arange(B).view(B, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    i = torch.arange(1, L).view(1, 1, L - 1, 1)
-    sees_previous = fn(b, h, i, i - 1).reshape(-1, L - 1).expand(B, L - 1)  # (B, L-1)
-    if bool(sees_previous.all()):
-        return None
-    starts = torch.cat([torch.ones(B, 1, dtype=torch.bool), ~sees_previous], dim=1)
-    return document(starts.long().cumsum(1))  # (B, L) ids
-
-
-def _first_equal(
-    fn: ModFn, candidates: list[Mask | None], B: int, L: int, S: int
-) -> tuple[bool, Mask | None]:
-    alive = list(range(len(candidates)))
-    rows_at_once = max(1, CHECK_ELEMENTS // max(1, B * S))
-    b = torch.arange(B).view(B, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    j = torch.arange(S).view(1, 1, 1, S)
-    # a first short chunk from the end (where windows, chunks and documents all show)
-    # rules out most candidates cheaply; then the rest in chunks of bounded memory
-    tail = max(0, L - 32)
-    chunks = [(tail, L)] + [(a, min(tail, a + rows_at_once)) for a in range(0, tail, rows_at_once)]
-    for start, end in chunks:
-        rows = torch.arange(start, end)
-        want = fn(b, h, rows.view(1, 1, -1, 1), j).expand(B, 1, len(rows), S)  # (B, 1, R, S)
-        alive = [n for n in alive if _agrees(candidates[n], want, rows, L)]
-        if not alive:
-            return False, None
-    return True, candidates[alive[0]]
-
-
-def _agrees(mask: Mask | None, want: Tensor, rows: Tensor, L: int) -> bool:
-    """`mask` on `rows` equals `want` (B, 1, R, S); None means every pair is visible.
-    Exact key spans (one interval a row) compare against the spans directly."""
-    if mask is None:
-        return bool(want.all())
-    B, _, _, S = want.shape
-    spans = exact_spans(mask, B, L, S)
-    if spans is not None:
-        lo, hi = spans[0][:, rows], spans[1][:, rows]  # (B|1, R)
-        j = torch.arange(S)
-        inside = (j >= lo[..., None]) & (j < hi[..., None])  # (B|1, R, S)
-        return torch.equal(inside[:, None].expand_as(want), want)
-    return torch.equal(mask.dense(B, 1, L, S, rows=rows).expand_as(want), want)
-
-
 # ------------------------------------------------------------------ the attention function
 
 
@@ -359,8 +312,42 @@ def attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, Tensor | None]:
-    """transformers' attention interface: q (B, H, L, D), k/v (B, Hkv, S, D) unrepeated;
-    returns (B, L, H, Dv) and the weights when `output_attentions` asks for them."""
+    """transformers' attention interface: `attnkit.attention` with a module's options.
+
+    Args:
+        module: the calling attention module (its `training` turns dropout on; its
+            `is_causal` is read when there is no mask).
+        query: (B, H, L, D).
+        key: (B, Hkv, S, D), not repeated for GQA.
+        value: (B, Hkv, S, Dv).
+        attention_mask: the `Mask` of `mask_function`, a user's 4-D mask (bool, 0/1 or
+            additive, through `from_hf_attention_mask`), or None: top-left causal when
+            the module is causal and L > 1, as transformers' sdpa.
+        dropout: dropout on the weights, in training only (default 0.0).
+        scaling: multiplies q·kᵀ (default None: 1/√D).
+        softcap: if set, scores become `c·tanh(s/c)` (Gemma 2) (default None).
+        s_aux: (H,) attention sinks, a logit per head (GPT-OSS) (default None).
+        is_causal: overrides the module's `is_causal` (default None).
+        **kwargs: `cu_seq_lens_q` / `cu_seq_lens_k` (flash-style packing, read as
+            `document` ids: no attention across documents), `output_attentions`.
+
+    Returns:
+        `(out, weights)`: out (B, L, H, Dv) contiguous in query's dtype; the weights
+        (B, H, L, S) from `attention_probs` when `output_attentions=True`, else None.
+
+    Raises:
+        MaskError: a 4-D integer mask of other values than 0 and 1.
+
+    Examples:
+        >>> import attnkit.integrations.transformers as akt
+        >>> q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)  # Hkv = 2
+        >>> out, weights = akt.attention_forward(torch.nn.Module(), q, k, k, None,
+        ...                                      output_attentions=True)  # causal
+        >>> out.shape, weights.shape  # (B, L, H, Dv), (B, H, L, S)
+        (torch.Size([1, 5, 4, 8]), torch.Size([1, 4, 5, 5]))
+        >>> bool(weights[0, 0].triu(1).eq(0).all())  # no query sees a later key
+        True
+    """
     mask = _as_mask(attention_mask, module, is_causal, query.shape[2], key.shape[2])
     packed = _from_cu_seq_lens(kwargs, query.shape[2], key.shape[2])
     if packed is not None:  # flash-style packing: documents, never a cross-document leak

@@ -5,7 +5,7 @@ evaluated by broadcasting `arange`s, so a causal mask over L=S=4 costs a (1, 1, 
 tensor and a key-padding mask a (B, 1, 1, S) one, and nothing needs to build the full
 (B, H, L, S) tensor unless asked to (`materialize`).
 
-Conventions (DESIGN.md §2):
+Conventions ([Design §2](DESIGN.md#2-semantics-that-never-change)):
 - causal alignment `top_left`: `j <= i`; `bottom_right`: `j <= i + (S - L)`. They agree
   when L == S; when L != S you must choose one, attnkit never guesses.
 - `sliding_window(left, right)` is inclusive: a query sees `left + 1 + right` keys.
@@ -13,7 +13,7 @@ Conventions (DESIGN.md §2):
   `from_hf_attention_mask` and `from_additive_mask`.
 """
 
-from attnkit.masks import tensor  # noqa: F401  (fills Mask's wrappers: tensors, mask_mods)
+from attnkit.masks import algebra, tensor  # noqa: F401  (fill Mask's wrappers: &, |, ~, tensors, mask_mods)
 from attnkit.masks.base import Align, Mask, Predicate, and_masks, as_mask, or_masks
 from attnkit.masks.biases import alibi, alibi_bias, alibi_slopes
 from attnkit.masks.checks import (

@@ -1,21 +1,8 @@
 """The `Mask` protocol: a visibility rule over `(b, h, i, j)`, and its algebra (`&`, `|`, `~`).
 
-`True` = query `i` may attend to key `j`, everywhere. A kind of mask writes three
-things: its `predicate` (the rule on broadcast index tensors), its `key_spans` (each
-row's interval of keys, where it has one) and its `describe`; a mask that adds to the
-scores (`alibi`) writes `bias` too. Everything backends read beyond that (the rows and
-keys anybody sees, tile bounds, pair counts, whether it is SDPA's own causal mask)
-derives from those in `structure.py`. A `Mask` is evaluated by broadcasting `arange`s,
-so nothing builds the full (B, H, L, S) tensor unless asked to (`materialize`).
-The kinds live in `positions.py` and `tokens.py`, tensor and `from_mod` masks in
-`tensor.py`, ALiBi in `biases.py`, the converters in `convert.py`.
-
-A kind that holds data also writes `check`, `batch_size`, `num_heads` and
-`head_dependent`. `Mask` has 16 public names: those, `has_bias`, `sees_all` (derived
-from the spans of a mask holding no tensors; the kinds over positions answer in O(1),
-since a decoding step asks it every call), `tensors`, `dense`, `materialize`, `draw`,
-`to_block_mask` and `from_mod`. `&` intersects the parts' spans row by row (exact if
-every part is); `|` takes their hull (a superset).
+A kind writes its `predicate`, `key_spans`, `describe` (and `bias`, `check`, ... where
+it has them); the rest derives from those in `structure.py`. The kinds `&`, `|` and `~`
+make live in `algebra.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ import torch
 from torch import Tensor
 
 from attnkit.errors import MaskError
-from attnkit.masks.checks import batch_of, integer_mask_error
+from attnkit.masks.checks import integer_mask_error, not_a_mask_error
 from attnkit.masks.spans import Spans
 
 __all__ = ["Align", "BiasFn", "Mask", "Predicate", "and_masks", "as_mask", "or_masks"]
@@ -42,14 +29,27 @@ ALLOWED, HIDDEN = "■", "·"
 
 
 class Mask:
-    """A visibility rule over `(b, h, i, j)`; compose with `&`, `|`, `~`."""
+    """A visibility rule over `(b, h, i, j)`: `True` = query `i` may attend to key `j`.
 
-    # what makes a Mask of what is not one ("tensor": a bool tensor, for `as_mask` and
-    # the operators; "mod": a mask_mod function, for `from_mod`): `tensor.py` fills it
-    # when the package loads, so this module imports no kind
+    A rule on broadcast index tensors, not a stored L×S matrix. Compose with `&` (both),
+    `|` (either), `~` (not); a bool tensor joins as a mask. `materialize`, `draw`,
+    `key_spans` and `to_block_mask` show it; `from_mod` wraps any FlexAttention mask_mod.
+
+    Examples:
+        >>> m = ak.causal() & ~ak.sliding_window(0)  # earlier keys, not its own
+        >>> print(m.draw(3))
+        · · ·
+        ■ · ·
+        ■ ■ ·
+    """
+
+    # bool tensor, mask_mod, &, |, ~ -> Mask: `tensor.py` and `algebra.py` fill it, so
+    # this module imports no kind
     _wrappers: ClassVar[dict[str, Callable[..., Mask]]] = {}
-    # every kind by its class name, as it is defined (how `masks.spec` decodes a kind)
-    _kinds: ClassVar[dict[str, type[Mask]]] = {}
+    _kinds: ClassVar[dict[str, type[Mask]]] = {}  # every kind by class name (`masks.spec`)
+
+    def __init__(self) -> None:
+        """Masks are made by constructors (`causal`, `key_padding`, ...), not `Mask()`."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -64,12 +64,26 @@ class Mask:
     def key_spans(
         self, B: int, L: int, S: int, device: torch.device | str | None = None
     ) -> Spans | None:
-        """Each query row's interval of keys `[lo, hi)`, (B|1, L|1), computed from the
-        structure alone (never from an L×S tensor), or None where there is none.
+        """Each query row's interval of keys `[lo, hi)`, from the structure alone.
 
-        `exact` spans describe the mask completely (causal, sliding window, sorted
-        documents, prefix-LM, length padding and their `&`); others are a superset
-        (the keys outside are hidden; the backends mask inside them exactly).
+        Backends skip the keys outside a row's interval; no L×S tensor is built.
+
+        Args:
+            B: batch size of the call.
+            L: query length.
+            S: key length.
+            device: where `lo` and `hi` are made (default None: the CPU).
+
+        Returns:
+            `Spans(lo, hi, exact)`, `lo` and `hi` (B|1, L|1) int64 tensors, or None where
+            the mask has no such structure. `exact` spans describe the mask completely
+            (causal, windows, sorted documents, prefix-LM, lengths, their `&`); others
+            are a superset (keys outside are hidden; backends mask inside them exactly).
+
+        Examples:
+            >>> spans = ak.sliding_window(1).key_spans(1, 4, 4)
+            >>> spans.lo.flatten().tolist(), spans.hi.flatten().tolist(), spans.exact
+            ([0, 0, 1, 2], [1, 2, 3, 4], True)
         """
         return None
 
@@ -104,18 +118,12 @@ class Mask:
         return False
 
     def sees_all(self, L: int, S: int) -> bool:
-        """True if every query row may see every key (no mask needed), from the structure
-        alone: bottom-right causal at L = 1 (a decoding step), a window as wide as the
-        keys. From the spans of a mask that holds no tensors (the kinds over positions
-        answer in O(1): the decoding hot path asks it every step); False where unsure."""
-        if self.tensors():
+        """True if every query row may see every key (no mask needed), as bottom-right causal
+        at L = 1; False where unsure. O(1) for the kinds over positions."""
+        spans = None if self.tensors() else self.key_spans(1, L, S)
+        if spans is None or not spans.exact:
             return False
-        spans = self.key_spans(1, L, S)
-        return (
-            spans is not None
-            and spans.exact
-            and bool((spans.lo == 0).all() and (spans.hi == S).all())
-        )
+        return bool((spans.lo == 0).all() and (spans.hi == S).all())
 
     def _sdpa_causal(self, L: int, S: int) -> bool | None:
         """`structure.is_sdpa_causal` in O(1) where a kind knows it (None: derive it)."""
@@ -124,14 +132,11 @@ class Mask:
     # ------------------------------------------------------------ what every mask has
 
     def _fields(self) -> dict[str, object]:
-        """The fields that make this mask's value: its public attributes (a name that
-        starts with `_` is what a kind remembers about itself, never part of the value:
-        the caller's tensor a tensor mask was made from, a probe's answer)."""
+        """The public attributes: the value (a `_name` is a kind's memo, never part of it)."""
         return {name: value for name, value in vars(self).items() if name[0] != "_"}
 
     def tensors(self) -> tuple[Tensor, ...]:
-        """Every tensor this mask holds, its parts' included (a mask is a value: the
-        same tensors for its whole life; caches key on their identity and version)."""
+        """Every tensor this mask holds, its parts' included (the same for its whole life)."""
         every: list[Tensor] = []
         for value in self._fields().values():
             for item in value if isinstance(value, tuple) else (value,):
@@ -151,11 +156,8 @@ class Mask:
         rows: Tensor | None = None,
         cols: Tensor | None = None,
     ) -> Tensor:
-        """Evaluate to the smallest bool tensor broadcastable to (B, H, L, S).
-
-        `rows` / `cols` restrict the query / key positions (the last two dims then have
-        their lengths).
-        """
+        """The smallest bool tensor broadcastable to (B, H, L, S); `rows` / `cols` restrict
+        the query / key positions (the last two dims then have their lengths)."""
         self.check(B, H, L, S)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         b, h, i, j = indices(B, H, L, S, dev, rows, cols)
@@ -165,7 +167,27 @@ class Mask:
     def materialize(
         self, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
     ) -> Tensor:
-        """The full bool tensor (B, H, L, S), `True` = may attend (a broadcast view)."""
+        """The mask as a bool tensor, `True` = may attend.
+
+        Args:
+            B: batch size.
+            H: query heads.
+            L: query length.
+            S: key length.
+            device: where the tensor is made (default None: the CPU).
+
+        Returns:
+            (B, H, L, S) bool tensor, a broadcast view of the smallest tensor that holds
+            the mask (copy it before writing to it).
+
+        Raises:
+            ShapeContractError: sizes the mask cannot serve (a `key_padding` of another
+                batch, a causal mask with L != S and no alignment).
+
+        Examples:
+            >>> ak.causal().materialize(2, 4, 3, 3).shape
+            torch.Size([2, 4, 3, 3])
+        """
         return self.dense(B, H, L, S, device).expand(B, H, L, S)
 
     def to_block_mask(
@@ -178,14 +200,32 @@ class Mask:
         block_size: int = 128,
         device: torch.device | str | None = None,
     ) -> Any:
-        """FlexAttention's `BlockMask` of this mask for (B, H, L, S), the way to feed an
-        attnkit mask to `flex_attention` (on a GPU too): the same present and full
-        blocks as `create_block_mask(mask_mod, B, H, L, S, BLOCK_SIZE=block_size)`,
-        built from the key spans in O(blocks) where they are exact, else evaluated in
-        row chunks; its `mask_mod` is this mask's predicate (a bias such as `alibi` is
-        not part of it: pass it as a score_mod). B or H None, as FlexAttention takes them:
-        the mask's own batch size and head count, 1 where it holds for any (flex
-        broadcasts a dim of 1)."""
+        """FlexAttention's `BlockMask` of this mask, to feed `flex_attention` (on a GPU too).
+
+        The same present and full blocks as `create_block_mask`, from exact key spans in
+        O(blocks), else evaluated in row chunks; its `mask_mod` is the predicate (a bias
+        such as `alibi` is not: pass it to `flex_attention` as a score_mod).
+
+        Args:
+            B: batch size, or None: the mask's own batch (a `key_padding`'s), else 1.
+            H: query heads, or None: the mask's own head count, else 1.
+            L: query length.
+            S: key length.
+            block_size: keyword-only, rows and keys a block (default 128, flex's).
+            device: keyword-only, where the block mask is made (default None: the CPU).
+
+        Returns:
+            A `torch.nn.attention.flex_attention.BlockMask` for (B, H, L, S).
+
+        Examples:
+            >>> blocks = ak.causal().to_block_mask(1, 1, 256, 256)
+            >>> blocks.shape  # 2×2 blocks of 128: on the diagonal partial, below it full
+            (1, 1, 256, 256)
+            >>> blocks.kv_num_blocks.flatten().tolist()  # partial blocks, row by row
+            [1, 1]
+            >>> blocks.full_kv_num_blocks.flatten().tolist()  # full ones
+            [0, 1]
+        """
         from attnkit.masks.blocks import block_mask
 
         B = (self.batch_size or 1) if B is None else B
@@ -203,19 +243,31 @@ class Mask:
     ) -> str:
         """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden.
 
-        `cells`: at most this many characters a side; where L or S is larger, each
-        character stands for a block of pairs: ■ every pair may attend, ▪ some, · none
-        (`masks.picture.block_text`).
+        Args:
+            L: query length (rows).
+            S: key length (columns; default None: L).
+            batch: keyword-only, the batch row drawn (default 0).
+            head: keyword-only, the head drawn (default 0).
+            cells: keyword-only, at most this many characters a side (default None: one
+                a pair); where L or S is larger, a character stands for a block of
+                pairs: ■ every pair may attend, ▪ some, · none.
 
-        >>> print(ak.causal().draw(3))
-        ■ · ·
-        ■ ■ ·
-        ■ ■ ■
-        >>> print(ak.causal().draw(8, cells=4))
-        ▪ · · ·
-        ■ ▪ · ·
-        ■ ■ ▪ ·
-        ■ ■ ■ ▪
+        Returns:
+            L lines (or `cells`) of characters separated by spaces, for `print`.
+
+        Raises:
+            ShapeContractError: sizes the mask cannot serve, as `materialize`.
+
+        Examples:
+            >>> print(ak.causal().draw(3))
+            ■ · ·
+            ■ ■ ·
+            ■ ■ ■
+            >>> print(ak.causal().draw(8, cells=4))
+            ▪ · · ·
+            ■ ▪ · ·
+            ■ ■ ▪ ·
+            ■ ■ ■ ▪
         """
         S = L if S is None else S
         if cells is not None and max(L, S) > cells:
@@ -230,16 +282,25 @@ class Mask:
     def from_mod(fn: Predicate, name: str | None = None) -> Mask:
         """A mask from any `fn(b, h, q_idx, kv_idx) -> bool` (FlexAttention's `mask_mod`).
 
-        `fn` is called with broadcast index tensors (b: (B,1,1,1), h: (1,H,1,1), q_idx:
-        (1,1,L,1), kv_idx: (1,1,1,S), or row/column subsets of them), so it must use
-        tensor operations only, as a mask_mod for FlexAttention must. It has no structure
-        attnkit can read: backends evaluate it (flex natively, the others block by block
-        or as a dense mask). Prefer a built-in kind where one fits.
+        `fn` gets broadcast index tensors (b: (B,1,1,1), h: (1,H,1,1), q_idx: (1,1,L,1),
+        kv_idx: (1,1,1,S), or subsets), so tensor operations only, as FlexAttention's. It
+        has no structure attnkit can read (backends evaluate it block by block or dense):
+        prefer a built-in kind where one fits.
 
-        >>> print(Mask.from_mod(lambda b, h, i, j: (j <= i) & ((i - j) % 2 == 0)).draw(3))
-        ■ · ·
-        · ■ ·
-        ■ · ■
+        Args:
+            fn: the predicate, `True` = may attend.
+            name: how `str(mask)` and `explain` describe it (default None: the
+                function's name).
+
+        Returns:
+            A `Mask` evaluating `fn`; it combines with `&`, `|`, `~` like any other.
+
+        Examples:
+            >>> every_other = ak.Mask.from_mod(lambda b, h, i, j: (j <= i) & ((i - j) % 2 == 0))
+            >>> print(every_other.draw(3))
+            ■ · ·
+            · ■ ·
+            ■ · ■
         """
         return Mask._wrappers["mod"](fn, name)
 
@@ -256,19 +317,19 @@ class Mask:
         return mask_html(self)
 
     def __and__(self, other: Mask | Tensor) -> Mask:
-        return _Combine("&", (self, as_mask(other)))
+        return Mask._wrappers["combine"]("&", (self, as_mask(other)))
 
     def __rand__(self, other: Tensor) -> Mask:
-        return _Combine("&", (as_mask(other), self))
+        return Mask._wrappers["combine"]("&", (as_mask(other), self))
 
     def __or__(self, other: Mask | Tensor) -> Mask:
-        return _Combine("|", (self, as_mask(other)))
+        return Mask._wrappers["combine"]("|", (self, as_mask(other)))
 
     def __ror__(self, other: Tensor) -> Mask:
-        return _Combine("|", (as_mask(other), self))
+        return Mask._wrappers["combine"]("|", (as_mask(other), self))
 
     def __invert__(self) -> Mask:
-        return _Not(self)
+        return Mask._wrappers["not_"](self)
 
 
 def indices(
@@ -283,11 +344,26 @@ def indices(
 
 
 def as_mask(mask: object) -> Mask:
-    """A `Mask` from a `Mask` or a bool tensor (broadcastable to (B, H, L, S))."""
+    """A `Mask` from a `Mask` (as it is) or a bool tensor (`True` = may attend).
+
+    Args:
+        mask: a `Mask`, or a bool tensor broadcastable to (B, H, L, S).
+
+    Returns:
+        A `Mask`; a tensor's is dense, with no structure for backends to skip by.
+
+    Raises:
+        MaskError: a float tensor (a bias: pass it alone as `mask=`) or an integer one.
+        TypeError: anything else, naming `Mask.from_mod` for a function or `BlockMask`.
+
+    Examples:
+        >>> ak.masks.as_mask(torch.tensor([[True, False]])).materialize(1, 2, 3, 2).shape
+        torch.Size([1, 2, 3, 2])
+    """
     if isinstance(mask, Mask):
         return mask
     if not isinstance(mask, Tensor):
-        raise _not_a_mask(mask)
+        raise not_a_mask_error(mask)
     if mask.dtype == torch.bool:
         return Mask._wrappers["tensor"](mask)
     if mask.is_floating_point():
@@ -299,145 +375,48 @@ def as_mask(mask: object) -> Mask:
     raise integer_mask_error("mask", mask.dtype)
 
 
-def _not_a_mask(mask: object) -> TypeError:
-    """What to do with something that is no mask: FlexAttention's pieces name from_mod."""
-    kind = type(mask).__name__
-    rule = "(fn(b, h, q_idx, kv_idx) -> bool, True = may attend)"
-    if kind == "BlockMask":
-        return TypeError(
-            "mask is a BlockMask; attnkit takes its predicate and builds its own blocks: "
-            f"mask=Mask.from_mod(block_mask.mask_mod) {rule}."
-        )
-    if callable(mask):
-        return TypeError(f"mask is a function; wrap it as mask=Mask.from_mod(fn) {rule}.")
-    return TypeError(
-        f"mask must be a Mask, a bool tensor (True = may attend) or, alone, a float tensor "
-        f"(added to the scores), got {kind}."
-    )
-
-
-class _Combine(Mask):
-    def __init__(self, op: str, parts: tuple[Mask, ...]) -> None:
-        if op == "|" and any(p.has_bias for p in parts):
-            raise MaskError(
-                "a bias (such as alibi) adds to the scores; it combines with masks by `&` "
-                "only, e.g. causal() & alibi(8)."
-            )
-        self.op = op
-        self.parts = parts
-
-    @property
-    def has_bias(self) -> bool:
-        return any(p.has_bias for p in self.parts)
-
-    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
-        fns = [f for p in self.parts if (f := p.bias(B, H, L, S, device)) is not None]
-        if not fns:
-            return None
-        return lambda b, h, i, j: sum((f(b, h, i, j) for f in fns[1:]), fns[0](b, h, i, j))
-
-    @property
-    def batch_size(self) -> int | None:
-        return batch_of(*(p.batch_size for p in self.parts))
-
-    @property
-    def num_heads(self) -> int | None:
-        return next((n for p in self.parts if (n := p.num_heads) is not None), None)
-
-    def check(self, B: int, H: int, L: int, S: int) -> None:
-        for part in self.parts:
-            part.check(B, H, L, S)
-
-    @property
-    def head_dependent(self) -> bool:
-        return any(p.head_dependent for p in self.parts)
-
-    def key_spans(
-        self, B: int, L: int, S: int, device: torch.device | str | None = None
-    ) -> Spans | None:
-        """`&` intersects the parts' intervals row by row (exact if every part is; a part
-        without spans leaves a superset), `|` takes their hull (a superset)."""
-        spans = [p.key_spans(B, L, S, device) for p in self.parts]
-        known = [s for s in spans if s is not None]
-        if not known or (self.op == "|" and len(known) < len(spans)):
-            return None
-        lo, hi = known[0].lo, known[0].hi
-        pick_lo, pick_hi = (
-            (torch.maximum, torch.minimum) if self.op == "&" else (torch.minimum, torch.maximum)
-        )
-        for part in known[1:]:
-            lo, hi = pick_lo(lo, part.lo), pick_hi(hi, part.hi)
-        exact = self.op == "&" and len(known) == len(spans) and all(s.exact for s in known)
-        return Spans(lo, hi.clamp(min=lo) if self.op == "&" else hi, exact)
-
-    def sees_all(self, L: int, S: int) -> bool:
-        answers = (p.sees_all(L, S) for p in self.parts)
-        return all(answers) if self.op == "&" else any(answers)
-
-    def _sdpa_causal(self, L: int, S: int) -> bool | None:
-        """`&` of SDPA's causal mask with masks that hide nothing is that mask."""
-        if self.op != "&" or self.has_bias:
-            return False
-        causal = [p._sdpa_causal(L, S) for p in self.parts]
-        if any(c is None for c in causal):
-            return None  # a part without an O(1) answer: derive from the spans
-        rest = all(c or p.sees_all(L, S) for c, p in zip(causal, self.parts, strict=True))
-        return any(causal) and rest
-
-    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        preds = [p.predicate(B, H, L, S, device) for p in self.parts]
-        combine = torch.logical_and if self.op == "&" else torch.logical_or
-
-        def pred(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-            out = preds[0](b, h, i, j)
-            for p in preds[1:]:
-                out = combine(out, p(b, h, i, j))
-            return out
-
-        return pred
-
-    def describe(self) -> str:
-        return "(" + f" {self.op} ".join(p.describe() for p in self.parts) + ")"
-
-
-class _Not(Mask):
-    def __init__(self, inner: Mask) -> None:
-        if inner.has_bias:
-            raise MaskError("~ of a bias (such as alibi) has no meaning; negate masks only.")
-        self.inner = inner
-
-    @property
-    def batch_size(self) -> int | None:
-        return self.inner.batch_size
-
-    @property
-    def num_heads(self) -> int | None:
-        return self.inner.num_heads
-
-    def check(self, B: int, H: int, L: int, S: int) -> None:
-        self.inner.check(B, H, L, S)
-
-    @property
-    def head_dependent(self) -> bool:
-        return self.inner.head_dependent
-
-    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        inner = self.inner.predicate(B, H, L, S, device)
-        return lambda b, h, i, j: ~inner(b, h, i, j)
-
-    def describe(self) -> str:
-        return f"~{self.inner.describe()}"
-
-
 def and_masks(*masks: Mask | Tensor) -> Mask:
-    """Keys visible under every mask (FlexAttention's `and_masks`)."""
+    """Keys visible under every mask: `a & b & ...` (FlexAttention's `and_masks`).
+
+    Args:
+        *masks: one or more `Mask`s or bool tensors broadcastable to (B, H, L, S).
+
+    Returns:
+        A `Mask`; its key spans are exact where every part's are.
+
+    Raises:
+        MaskError: no mask given, or a float or integer tensor among them.
+
+    Examples:
+        >>> print(ak.and_masks(ak.causal(), ak.sliding_window(1)).draw(3))
+        ■ · ·
+        ■ ■ ·
+        · ■ ■
+    """
     if not masks:
         raise MaskError("and_masks needs at least one mask, e.g. and_masks(causal(), mask).")
-    return _Combine("&", tuple(as_mask(m) for m in masks))
+    return Mask._wrappers["combine"]("&", tuple(as_mask(m) for m in masks))
 
 
 def or_masks(*masks: Mask | Tensor) -> Mask:
-    """Keys visible under any mask (FlexAttention's `or_masks`)."""
+    """Keys visible under any mask: `a | b | ...` (FlexAttention's `or_masks`).
+
+    Args:
+        *masks: one or more `Mask`s or bool tensors broadcastable to (B, H, L, S).
+
+    Returns:
+        A `Mask`; its key spans are a superset (the hull of the parts').
+
+    Raises:
+        MaskError: no mask given, a float or integer tensor, or a bias (`alibi`).
+
+    Examples:
+        >>> sink = ak.key_padding(torch.tensor([1]))  # key 0 only, as StreamingLLM's sink
+        >>> print(ak.or_masks(ak.sliding_window(0), sink).draw(3))
+        ■ · ·
+        ■ ■ ·
+        ■ · ■
+    """
     if not masks:
         raise MaskError("or_masks needs at least one mask, e.g. or_masks(prefix_lm(4), mask).")
-    return _Combine("|", tuple(as_mask(m) for m in masks))
+    return Mask._wrappers["combine"]("|", tuple(as_mask(m) for m in masks))

@@ -24,10 +24,23 @@ __all__ = ["alibi", "alibi_bias", "alibi_rows", "alibi_slopes"]
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
-    """(H,) ALiBi slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... for n = H.
+    """ALiBi's per-head slopes: the geometric sequence 2^(-8/n), 2^(-16/n), ... for n = H.
 
     For H not a power of two, the paper takes the slopes of the closest smaller power of
     two n and fills the rest with every other slope of 2n.
+
+    Args:
+        num_heads: H, the number of query heads (an int >= 1).
+
+    Returns:
+        (H,) float32 tensor on the CPU, head `h`'s slope at index `h`.
+
+    Raises:
+        ValueError: `num_heads` < 1.
+
+    Examples:
+        >>> ak.alibi_slopes(4)
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}.")
@@ -49,10 +62,31 @@ def alibi_bias(
     align: str | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """(1, H, L, S) additive bias `-slope_h · |i' - j|`, `i'` the aligned query position.
+    """ALiBi as a dense additive bias `-slope_h · |i' - j|`, `i'` the aligned query position.
 
-    Pass it as `mask=` (a float mask is added to the scores); combine with causality by
-    adding `-inf` where needed, e.g. `bias.masked_fill(~causal().materialize(...), -inf)`.
+    Pass it as `mask=` (a float mask is added to the scores); add causality with `-inf`,
+    e.g. `bias.masked_fill(~causal().materialize(...), -inf)`. `alibi(H)` is the same
+    bias as a structured mask, which builds no L×S tensor.
+
+    Args:
+        num_heads: H, query heads (one slope each, `alibi_slopes(H)`).
+        L: query length.
+        S: key length (default None: L).
+        align: `"top_left"` or `"bottom_right"` places the queries when L != S, as in
+            `causal` (default None: only for L == S).
+        device: where the bias is made (default None: the CPU).
+
+    Returns:
+        (1, H, L, S) float32 bias: 0 on the aligned diagonal, more negative further away.
+
+    Raises:
+        ShapeContractError: L != S and no `align`.
+
+    Examples:
+        >>> ak.alibi_bias(2, 3)[0, 0] + 0.0  # head 0, slope 1/16 (+ 0.0: no -0.0)
+        tensor([[ 0.0000, -0.0625, -0.1250],
+                [-0.0625,  0.0000, -0.0625],
+                [-0.1250, -0.0625,  0.0000]])
     """
     S = L if S is None else S
     offset = causal_offset(align, L, S, constructor="alibi_bias")
@@ -174,8 +208,28 @@ def _conjuncts(mask: Mask) -> list[Mask]:
 def alibi(num_heads: int, *, align: str | None = None) -> Mask:
     """ALiBi as a structured mask: adds `-slope_h · |i' - j|` to the scores, hides nothing.
 
-    Combine it with visibility masks by `&` (`causal() & alibi(8)`); backends that tile
-    (`tiled`) evaluate it per block, so no L×S tensor is built. `align` places the queries
-    as in `causal` when L != S. `alibi_bias` gives the same values as a dense tensor.
+    Combine it with visibility masks by `&` (`causal() & alibi(8)`; `|` and `~` refuse
+    a bias); `tiled` evaluates it per block and `native` per row, building no L×S
+    tensor. `alibi_bias` gives the same values as a dense tensor.
+
+    Args:
+        num_heads: H, the call's query heads (one slope each, `alibi_slopes(H)`).
+        align: keyword-only, `"top_left"` or `"bottom_right"` places the queries when
+            L != S, as in `causal` (default None: only for L == S).
+
+    Returns:
+        A `Mask` with a bias (`has_bias` True), for calls with H query heads.
+
+    Raises:
+        ValueError: `num_heads` < 1.
+        ShapeContractError: when it meets a call of another H, or L != S and no `align`.
+
+    Examples:
+        >>> q, k, v = (torch.randn(1, 4, 3, 8) for _ in range(3))
+        >>> inf = float("inf")
+        >>> dense = ak.alibi_bias(4, 3).masked_fill(~ak.causal().materialize(1, 4, 3, 3), -inf)
+        >>> out = ak.attention(q, k, v, ak.causal() & ak.alibi(4))
+        >>> torch.allclose(out, ak.attention(q, k, v, dense), atol=1e-6)
+        True
     """
     return _ALiBi(alibi_slopes(num_heads), align)

@@ -1,7 +1,7 @@
 """The checks a mask's arguments pass: alignments, offsets, counts, batch rows, shapes.
 
-Each raises the error the conventions name (DESIGN.md §2): `ShapeContractError` for a
-size that does not fit the call, `MaskError` for a mask argument that has no meaning,
+Each raises the error the conventions name (the Design page, §2): `ShapeContractError`
+for a size that does not fit the call, `MaskError` for a mask argument that has no meaning,
 `TypeError` for a wrong type; each message says what was given and the fix.
 
 `check_additive` reads a float mask as an additive bias: one min/max pass, a second only
@@ -26,6 +26,7 @@ __all__ = [
     "check_count",
     "check_offset",
     "integer_mask_error",
+    "not_a_mask_error",
 ]
 
 ALIGNS = ("top_left", "bottom_right")
@@ -59,6 +60,29 @@ def causal_offset(
     """How far the diagonal of query `i` shifts right: key `i + offset` is the last visible.
 
     An explicit `offset` wins (the mask was built with one); else the alignment decides.
+
+    Args:
+        align: `"top_left"` (offset 0), `"bottom_right"` (offset S - L) or None (0,
+            allowed only when L == S).
+        L: query length.
+        S: key length.
+        constructor: the mask's name, for the error message (default `"causal"`).
+        offset: an explicit offset, returned as it is (default None).
+
+    Returns:
+        The int offset `n`: query `i` sees keys `j <= i + n`.
+
+    Raises:
+        ShapeContractError: L != S with neither `align` nor `offset`, naming both
+            alignments and `offset=n`.
+
+    Examples:
+        >>> ak.masks.causal_offset("bottom_right", 2, 5)  # 2 new queries after 3 cached
+        3
+        >>> ak.masks.causal_offset(None, 2, 5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        attnkit.errors.ShapeContractError: causal mask with L=2 queries and S=5 keys: ...
     """
     if offset is not None:
         return offset
@@ -92,7 +116,24 @@ def check_batch(name: str, got: int, B: int) -> None:
 
 
 def check_broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> None:
-    """Raise unless a tensor of `shape` broadcasts to `target` = (B, H, L, S)."""
+    """Raise unless a tensor of `shape` broadcasts to `target` = (B, H, L, S).
+
+    Args:
+        name: the argument's name, for the message (e.g. `"mask"`).
+        shape: the tensor's shape, at most 4 dims.
+        target: the call's (B, H, L, S).
+
+    Raises:
+        ShapeContractError: more than 4 dims, or a dim that is neither 1 nor the
+            target's, naming the letter and the fix.
+
+    Examples:
+        >>> ak.masks.check_broadcastable("mask", (1, 1, 4, 4), (2, 8, 4, 4))  # fits
+        >>> ak.masks.check_broadcastable("mask", (2, 4), (2, 8, 4, 4))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        attnkit.errors.ShapeContractError: mask of shape (2, 4) does not broadcast to ...
+    """
     if len(shape) > 4:
         raise ShapeContractError(
             f"{name} has {len(shape)} dims, shape {shape}; it must broadcast to (B, H, L, S), "
@@ -115,11 +156,43 @@ def batch_of(*sizes: int | None) -> int | None:
 
 
 def integer_mask_error(name: str, dtype: torch.dtype) -> MaskError:
+    """The error for an integer mask: 1 means "real token" to some and "ignore" to others.
+
+    Args:
+        name: the argument's name (e.g. `"mask"`).
+        dtype: the integer dtype given.
+
+    Returns:
+        A `MaskError` (to raise) naming the three explicit conversions.
+
+    Examples:
+        >>> err = ak.masks.integer_mask_error("mask", torch.int64)
+        >>> isinstance(err, ak.MaskError), "from_hf_attention_mask(m)" in str(err)
+        (True, True)
+    """
     return MaskError(
         f"{name} has dtype {dtype}: integer masks are ambiguous (1 means 'real token' in "
         "Hugging Face but 'ignore' in other code), so attnkit refuses them. Convert "
         "explicitly: from_hf_attention_mask(m) if 1 = real token, "
         "from_key_padding_mask(m.bool()) if 1 = padding, or m.bool() if 1 = may attend."
+    )
+
+
+def not_a_mask_error(mask: object) -> TypeError:
+    """The TypeError for what is no mask: FlexAttention's pieces (a function, a
+    `BlockMask`) are pointed to `Mask.from_mod`."""
+    kind = type(mask).__name__
+    rule = "(fn(b, h, q_idx, kv_idx) -> bool, True = may attend)"
+    if kind == "BlockMask":
+        return TypeError(
+            "mask is a BlockMask; attnkit takes its predicate and builds its own blocks: "
+            f"mask=Mask.from_mod(block_mask.mask_mod) {rule}."
+        )
+    if callable(mask):
+        return TypeError(f"mask is a function; wrap it as mask=Mask.from_mod(fn) {rule}.")
+    return TypeError(
+        f"mask must be a Mask, a bool tensor (True = may attend) or, alone, a float tensor "
+        f"(added to the scores), got {kind}."
     )
 
 

@@ -23,7 +23,24 @@ _ALIGNED = {"UPPER_LEFT": causal(align="top_left"), "LOWER_RIGHT": causal(align=
 
 
 def from_key_padding_mask(key_padding_mask: Tensor) -> Mask:
-    """From `nn.MultiheadAttention`'s `key_padding_mask`: (B, S) bool, `True` = ignore."""
+    """From `nn.MultiheadAttention`'s `key_padding_mask`, whose `True` means ignore.
+
+    Args:
+        key_padding_mask: (B, S) bool, `True` = a padded key to ignore.
+
+    Returns:
+        The `key_padding` mask of its opposite (`True` = real token), for batch B and
+        S keys.
+
+    Raises:
+        MaskError: not a 2-D bool tensor.
+
+    Examples:
+        >>> ignore = torch.tensor([[False, False, True]])  # the last key is padding
+        >>> print(ak.from_key_padding_mask(ignore).draw(2, 3))
+        ■ ■ ·
+        ■ ■ ·
+    """
     if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2:
         raise MaskError(
             "from_key_padding_mask takes nn.MultiheadAttention's (B, S) bool mask "
@@ -36,11 +53,26 @@ def from_key_padding_mask(key_padding_mask: Tensor) -> Mask:
 def from_hf_attention_mask(attention_mask: Tensor) -> Mask:
     """From a Hugging Face mask: the tokenizer's or the one an attention function gets.
 
-    2-D `(B, S)`, 1 = real token, 0 = padding: `key_padding`. 4-D `(B, 1|H, L, S)`, as
-    transformers passes to attention implementations: bool (`True` = may attend), 0/1
-    integers (1 = may attend), or additive floats (0 keeps; the dtype's minimum or `-inf`
-    removes, see `from_additive_mask`). A 4-D mask stays a dense tensor: where the
-    structure is known, build the `Mask` itself (`attnkit.integrations.transformers`).
+    A 4-D mask stays a dense tensor: where the structure is known, build the `Mask`
+    itself (`attnkit.integrations.transformers` does).
+
+    Args:
+        attention_mask: 2-D (B, S) integer or bool, 1 = real token, 0 = padding (the
+            tokenizer's); or 4-D (B, 1|H, L, S) as transformers passes to attention
+            functions: bool (`True` = may attend), 0/1 integers (1 = may attend) or
+            additive floats (0 keeps; the dtype's minimum or `-inf` removes).
+
+    Returns:
+        A `Mask`: `key_padding` for 2-D, a dense tensor mask for 4-D.
+
+    Raises:
+        MaskError: another rank, a 2-D float mask, integers other than 0 and 1, or an
+            additive mask holding other values (`from_additive_mask`).
+
+    Examples:
+        >>> print(ak.from_hf_attention_mask(torch.tensor([[1, 1, 0]])).draw(2, 3))
+        ■ ■ ·
+        ■ ■ ·
     """
     shape, dtype = tuple(attention_mask.shape), attention_mask.dtype
     if attention_mask.dim() == 4:
@@ -70,9 +102,23 @@ def _only_zero_and_one(mask: Tensor, meaning: str) -> None:
 def from_additive_mask(additive_mask: Tensor) -> Mask:
     """From an additive float mask whose entries are 0 (keep) or -inf (remove).
 
-    Very negative entries (at or below the dtype's minimum, as transformers writes them)
-    also count as removed. Any other value is a bias, not a mask: pass that tensor
-    directly as `mask=` instead.
+    Any other value is a bias, not a mask: pass that tensor directly as `mask=` instead.
+
+    Args:
+        additive_mask: float tensor broadcastable to (B, H, L, S); entries at or below
+            the dtype's minimum (as transformers writes them) count as `-inf`.
+
+    Returns:
+        A dense `Mask` of its shape, `True` where the entry is 0.
+
+    Raises:
+        MaskError: a non-float tensor, or values other than 0 and `-inf`.
+
+    Examples:
+        >>> additive = torch.tensor([[0.0, -float("inf")], [0.0, 0.0]])
+        >>> print(ak.from_additive_mask(additive).draw(2))
+        ■ ·
+        ■ ■
     """
     if not additive_mask.is_floating_point():
         raise MaskError(

@@ -1,7 +1,7 @@
 """The kinds of mask over positions: causal, sliding window, chunked, prefix-LM.
 
 Each constructor draws its matrix (■ may attend, · hidden) and states its alignment.
-Conventions (DESIGN.md §2): causal alignment `top_left` is `j <= i`, `bottom_right` is
+Conventions (the Design page, §2): causal alignment `top_left` is `j <= i`, `bottom_right` is
 `j <= i + (S - L)`; they agree when L == S and must be chosen when L != S, attnkit never
 guesses; `offset=n` (`j <= i + n`) places the queries anywhere else (a static cache).
 `sliding_window(left, right)` is inclusive: a query sees `left + 1 + right` keys.
@@ -93,25 +93,48 @@ class _Causal(_Positional):
 def causal(align: Align | None = None, *, offset: int | None = None) -> Mask:
     """Query `i` may attend to keys up to its own (aligned) position.
 
-    `top_left`: `j <= i`; `bottom_right`: `j <= i + (S - L)`. With L == S both agree and
-    `align` may be left out; with L != S it must be given (see DESIGN.md §2). `offset=n`
-    instead: `j <= i + n` for any L and S (a static cache's prefill: the queries start at
-    position n among S cache slots; a negative n hides the first rows' keys entirely).
+    With L == S both alignments agree and `align` may be left out; with L != S it must
+    be given: attnkit never guesses ([Design §2](DESIGN.md#2-semantics-that-never-change)).
 
-    >>> print(causal().draw(4))
-    ■ · · ·
-    ■ ■ · ·
-    ■ ■ ■ ·
-    ■ ■ ■ ■
-    >>> print(causal(align="bottom_right").draw(2, 4))
-    ■ ■ ■ ·
-    ■ ■ ■ ■
-    >>> print(causal(align="top_left").draw(2, 4))
-    ■ · · ·
-    ■ ■ · ·
-    >>> print(causal(offset=1).draw(2, 4))
-    ■ ■ · ·
-    ■ ■ ■ ·
+    Args:
+        align: `"top_left"`: key `j` visible to query `i` iff `j <= i` (SDPA's
+            `is_causal`); `"bottom_right"`: iff `j <= i + (S - L)` (flash-attention's
+            convention, the one for KV-cache decoding). Default None: only for L == S.
+        offset: keyword-only int `n`: key `j` visible iff `j <= i + n`, for any L and
+            S (a static cache's prefill: the queries start at position `n` among S
+            slots; a negative `n` hides the first rows' keys). Default None; exclusive
+            with `align`.
+
+    Returns:
+        A `Mask` holding no tensors: it fits any (B, H, L, S) and combines with `&`,
+        `|`, `~`.
+
+    Raises:
+        MaskError: `align` is neither alignment, or both `align` and `offset` are given.
+        TypeError: `offset` is not an int.
+        ShapeContractError: when the mask meets a call (or `draw`) with L != S and
+            neither `align` nor `offset`.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> print(ak.causal().draw(4))
+        ■ · · ·
+        ■ ■ · ·
+        ■ ■ ■ ·
+        ■ ■ ■ ■
+        >>> print(ak.causal(align="bottom_right").draw(2, 4))  # 2 new queries, 4 keys
+        ■ ■ ■ ·
+        ■ ■ ■ ■
+        >>> print(ak.causal(align="top_left").draw(2, 4))
+        ■ · · ·
+        ■ ■ · ·
+        >>> print(ak.causal(offset=1).draw(2, 4))
+        ■ ■ · ·
+        ■ ■ ■ ·
+        >>> ak.causal().draw(2, 4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        attnkit.errors.ShapeContractError: causal mask with L=2 queries and S=4 keys: ...
     """
     return _Causal(align, offset)
 
@@ -148,20 +171,36 @@ def sliding_window(
 ) -> Mask:
     """Query `i` sees keys `[i' - left, i' + right]`, `i'` its aligned position (inclusive).
 
-    A window holds `left + 1 + right` keys (flash-attention's `window_size=(left, right)`;
-    transformers' `sliding_window=W` is `left = W - 1`). Alignment and `offset` (`i' = i +
-    offset`) as in `causal`.
+    A window holds `left + 1 + right` keys (flash-attention's `window_size=(left,
+    right)`; transformers' `sliding_window=W` is `left = W - 1`).
 
-    >>> print(sliding_window(1).draw(4))
-    ■ · · ·
-    ■ ■ · ·
-    · ■ ■ ·
-    · · ■ ■
-    >>> print(sliding_window(1, 1).draw(4))
-    ■ ■ · ·
-    ■ ■ ■ ·
-    · ■ ■ ■
-    · · ■ ■
+    Args:
+        left: int >= 0, keys before the query's own position it may see.
+        right: int >= 0, keys after it (default 0: a causal window).
+        align: `"top_left"` or `"bottom_right"`, as in `causal` (default None: only for
+            L == S).
+        offset: keyword-only int, `i' = i + offset`, as in `causal` (default None).
+
+    Returns:
+        A `Mask` holding no tensors; each row sees one interval of keys.
+
+    Raises:
+        MaskError: `left` or `right` negative, an unknown `align`, or both `align` and
+            `offset`.
+        TypeError: `left`, `right` or `offset` not an int.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> print(ak.sliding_window(1).draw(4))
+        ■ · · ·
+        ■ ■ · ·
+        · ■ ■ ·
+        · · ■ ■
+        >>> print(ak.sliding_window(1, 1).draw(4))
+        ■ ■ · ·
+        ■ ■ ■ ·
+        · ■ ■ ■
+        · · ■ ■
     """
     return _SlidingWindow(left, right, align, offset)
 
@@ -196,18 +235,32 @@ def chunked(size: int, align: Align | None = None, *, offset: int | None = None)
     """Chunked attention: query `i` sees the keys of its own chunk of `size` positions,
     `j // size == i' // size` (`i'` its aligned position, as in `causal`).
 
-    Combine with `causal()` for chunked causal attention (Llama 4's local layers):
+    Args:
+        size: int >= 1, positions per chunk.
+        align: `"top_left"` or `"bottom_right"`, as in `causal` (default None: only for
+            L == S).
+        offset: keyword-only int, `i' = i + offset`, as in `causal` (default None).
 
-    >>> print(chunked(2).draw(4))
-    ■ ■ · ·
-    ■ ■ · ·
-    · · ■ ■
-    · · ■ ■
-    >>> print((chunked(2) & causal()).draw(4))
-    ■ · · ·
-    ■ ■ · ·
-    · · ■ ·
-    · · ■ ■
+    Returns:
+        A `Mask` holding no tensors. `& causal()` gives chunked causal attention
+        (Llama 4's local layers).
+
+    Raises:
+        MaskError: `size` < 1, an unknown `align`, or both `align` and `offset`.
+        TypeError: `size` or `offset` not an int.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> print(ak.chunked(2).draw(4))
+        ■ ■ · ·
+        ■ ■ · ·
+        · · ■ ■
+        · · ■ ■
+        >>> print((ak.chunked(2) & ak.causal()).draw(4))
+        ■ · · ·
+        ■ ■ · ·
+        · · ■ ·
+        · · ■ ■
     """
     return _Chunked(size, align, offset)
 
@@ -272,12 +325,29 @@ def prefix_lm(
 ) -> Mask:
     """Prefix-LM: every query sees the first `prefix_len` keys, and the rest causally.
 
-    `prefix_len` is an int or (B,) lengths; alignment and `offset` as in `causal`.
+    Args:
+        prefix_len: int >= 0, or a (B,) integer tensor of one length per batch row.
+        align: `"top_left"` or `"bottom_right"` for the causal part, as in `causal`
+            (default None: only for L == S).
+        offset: keyword-only int, as in `causal` (default None).
 
-    >>> print(prefix_lm(2).draw(4))
-    ■ ■ · ·
-    ■ ■ · ·
-    ■ ■ ■ ·
-    ■ ■ ■ ■
+    Returns:
+        A `Mask`; with (B,) lengths it serves calls of batch B (or 1).
+
+    Raises:
+        MaskError: a negative length, or lengths not a (B,) integer tensor.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> print(ak.prefix_lm(2).draw(4))
+        ■ ■ · ·
+        ■ ■ · ·
+        ■ ■ ■ ·
+        ■ ■ ■ ■
+        >>> print(ak.prefix_lm(torch.tensor([0, 3])).draw(4, batch=1))  # row 1: 3
+        ■ ■ ■ ·
+        ■ ■ ■ ·
+        ■ ■ ■ ·
+        ■ ■ ■ ■
     """
     return _PrefixLM(prefix_len, align, offset)

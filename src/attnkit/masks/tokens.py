@@ -96,13 +96,31 @@ class _KeyPadding(Mask):
 
 
 def key_padding(valid: Tensor) -> Mask:
-    """Hide padded keys. `valid` is (B, S) bool with `True` = real token, or (B,) lengths.
+    """Hide padded keys: the same keys are hidden from every query of a batch row.
 
-    The same keys are hidden from every query of a batch row:
+    Args:
+        valid: (B, S) bool with `True` = real token, or (B,) integer lengths (the first
+            `valid[b]` keys of row b are real). nn.MultiheadAttention's `key_padding_mask`
+            (`True` = ignore) enters through `from_key_padding_mask`.
 
-    >>> print(key_padding(torch.tensor([3])).draw(2, 4))
-    ■ ■ ■ ·
-    ■ ■ ■ ·
+    Returns:
+        A `Mask` holding `valid`, for calls of batch B (or 1) and S keys.
+
+    Raises:
+        ShapeContractError: a bool `valid` not 2-D; when the mask meets a call, a batch
+            or key count that differs from the call's.
+        MaskError: a negative length, another dtype (a 0/1 integer mask is ambiguous:
+            `from_hf_attention_mask` or `from_key_padding_mask` says which it is), or a
+            length above the call's S.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> print(ak.key_padding(torch.tensor([3])).draw(2, 4))
+        ■ ■ ■ ·
+        ■ ■ ■ ·
+        >>> valid = torch.tensor([[True, True, False], [True, True, True]])
+        >>> print(ak.key_padding(valid).draw(1, 3, batch=0))
+        ■ ■ ·
     """
     return _KeyPadding(valid)
 
@@ -172,19 +190,34 @@ class _Document(Mask):
 def document(ids: Tensor, kv_ids: Tensor | None = None) -> Mask:
     """Packed sequences: a query sees only keys of its own document.
 
-    `ids` is (S,) or (B, S) integer document ids; for cross attention pass `(q_ids, kv_ids)`.
-    Combine with `causal()` for packed causal language modelling.
+    Args:
+        ids: (S,) or (B, S) integer document ids, one per position (sorted ids let every
+            backend skip other documents' keys; self-attention then runs each document
+            as its own call).
+        kv_ids: for cross attention, the keys' (S,) or (B, S) ids; `ids` are then the
+            queries' (L,) or (B, L) ones. Default None: `ids` label both (L == S).
 
-    >>> print(document(torch.tensor([0, 0, 1, 1])).draw(4))
-    ■ ■ · ·
-    ■ ■ · ·
-    · · ■ ■
-    · · ■ ■
-    >>> print((document(torch.tensor([0, 0, 1, 1])) & causal()).draw(4))
-    ■ · · ·
-    ■ ■ · ·
-    · · ■ ·
-    · · ■ ■
+    Returns:
+        A `Mask` holding the ids. `& causal()` gives packed causal language modelling.
+
+    Raises:
+        MaskError: ids that are not a 1-D or 2-D integer tensor.
+        ShapeContractError: when the mask meets a call, ids whose lengths or batch
+            differ from the call's L, S and B.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> ids = torch.tensor([0, 0, 1, 1])
+        >>> print(ak.document(ids).draw(4))
+        ■ ■ · ·
+        ■ ■ · ·
+        · · ■ ■
+        · · ■ ■
+        >>> print((ak.document(ids) & ak.causal()).draw(4))
+        ■ · · ·
+        ■ ■ · ·
+        · · ■ ·
+        · · ■ ■
     """
     return _Document(ids, kv_ids)
 
@@ -233,14 +266,29 @@ class _RowSpans(Mask):
 
 
 def row_spans(lo: Tensor, hi: Tensor) -> Mask:
-    """Query row i sees exactly the keys lo[i] <= j < hi[i]: any mask of one key interval
-    per row, given as its intervals ((L,) or (B, L) integer tensors; hi <= lo: the row
-    sees nothing). Packed sequences with per-sequence windows (`attnkit.varlen_attn`)
-    are such a mask.
+    """Query row `i` sees exactly the keys `lo[i] <= j < hi[i]`: any mask of one key
+    interval per row, given as its intervals. Packed sequences with per-sequence
+    windows (`attnkit.varlen_attn`) are such a mask.
 
-    >>> print(row_spans(torch.tensor([0, 0, 1]), torch.tensor([1, 3, 2])).draw(3))
-    ■ · ·
-    ■ ■ ■
-    · ■ ·
+    Args:
+        lo: (L,) or (B, L) integer tensor, each row's first visible key.
+        hi: integer tensor of `lo`'s shape, one past each row's last visible key;
+            `hi <= lo`: the row sees nothing (its output is 0).
+
+    Returns:
+        A `Mask` with exact spans, for calls of L query rows and batch B (or 1).
+
+    Raises:
+        MaskError: `lo` or `hi` not 1-D or 2-D integer tensors, or of different shapes.
+        ShapeContractError: when the mask meets a call, spans for another number of
+            query rows or batch rows.
+
+    Examples:
+        >>> import attnkit as ak
+        >>> lo, hi = torch.tensor([0, 0, 1]), torch.tensor([1, 3, 2])
+        >>> print(ak.masks.row_spans(lo, hi).draw(3))
+        ■ · ·
+        ■ ■ ■
+        · ■ ·
     """
     return _RowSpans(lo, hi)

@@ -56,7 +56,29 @@ __all__ = ["PagedLayer", "paged_attention"]
 
 @dataclass(frozen=True)
 class PagedLayer(Attender):
-    """One layer's view of a step, for a module: `cache=pages.layer(step, i)`."""
+    """One layer's view of a step, what a module's `cache=` takes: `pages.layer(step, i)`.
+
+    `MultiHeadAttention(x, cache=pages.layer(step, i))` takes the step's new tokens of
+    every sequence packed as x (1, T, E), in step order; it rotates them (RoPE) by their
+    positions in their own sequences and runs `paged_attention` on its heads.
+
+    Args:
+        pages: the `PagedKVCache`.
+        step: the `Step` made by `pages.step(...)` for this forward pass.
+        layer: the layer index, in 0..num_layers-1.
+
+    Examples:
+        >>> mha = ak.MultiHeadAttention(16, 4, num_kv_heads=2, rope=True)  # head_dim 4
+        >>> pages = ak.PagedKVCache(1, num_kv_heads=2, head_dim=4, num_blocks=8, block_size=4)
+        >>> a, b = pages.add(), pages.add()
+        >>> x = torch.randn(1, 7, 16)  # a's 4 tokens, then b's 3, packed as (1, T, E)
+        >>> step = pages.step([a, b], [4, 3])
+        >>> out = mha(x, cache=pages.layer(step, 0))
+        >>> out.shape
+        torch.Size([1, 7, 16])
+        >>> torch.allclose(out[:, 4:], mha(x[:, 4:], mask=ak.causal()), atol=1e-5)  # b alone
+        True
+    """
 
     pages: PagedKVCache
     step: Step
@@ -113,13 +135,45 @@ def paged_attention(
     """Write a step's new keys and values into `layer` and attend each new token to its
     own sequence's tokens up to itself (causal, bottom-right), never to another's.
 
+    Call it once per layer with the same step: a prefill (several tokens of a sequence)
+    and decoding (one token each) mix freely in one step (continuous batching).
+
     Args:
-        q: (T, H, D), k: (T, Hkv, D), v: (T, Hkv, Dv): the step's new tokens packed in
-            step order (T = sum of the step's counts).
-        mask: None or `sliding_window(left)`: each token sees the `left` tokens of its
-            sequence before it (and itself).
+        q: (T, H, D) queries: the step's new tokens packed in step order (sequence
+            `step.ids[0]`'s first, T = sum of the step's counts), in the cache's dtype.
+        k: (T, Hkv, D) their keys, written into the cache; H % Hkv == 0.
+        v: (T, Hkv, Dv) their values, written into the cache.
+        pages: the `PagedKVCache`.
+        step: the `Step` made by `pages.step(ids, counts)` for this forward pass.
+        layer: the layer index, in 0..num_layers-1.
+        mask: None (causal within each sequence) or `sliding_window(left)`: each token
+            sees the `left` tokens of its sequence before it and itself (default None).
+        scale: multiplies q·kᵀ (default None: 1/√D).
+        softcap: if set, scores become `c·tanh(s/c)` (default None).
+
     Returns:
         (T, H, Dv) in q's dtype.
+
+    Raises:
+        ShapeContractError: q, k, v not (T, H|Hkv, D|Dv) for the step and the cache.
+        TypeError: q, k or v not in the cache's dtype.
+        MaskError: a mask other than None or `sliding_window(left)`.
+        ValueError: a stale step (the cache changed since), or attention reaching
+            keys `release` freed.
+        IndexError: a layer outside the cache.
+
+    Examples:
+        >>> pages = ak.PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=8, num_blocks=8)
+        >>> a, b = pages.add(), pages.add()
+        >>> step = pages.step([a, b], [5, 3])  # T = 8 tokens: a's 5, then b's 3
+        >>> q, k, v = torch.randn(8, 4, 8), torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+        >>> out = ak.paged_attention(q, k, v, pages, step, layer=0)
+        >>> out.shape  # (T, H, Dv)
+        torch.Size([8, 4, 8])
+        >>> heads = lambda t: t.transpose(0, 1)[None]  # (n, H, D) -> (1, H, n, D)
+        >>> alone = ak.attention(heads(q[5:]), heads(k[5:]), heads(v[5:]), ak.causal())
+        >>> torch.allclose(out[5:], alone[0].transpose(0, 1), atol=1e-5)  # b as if alone
+        True
     """
     left = _window_of(mask)
     _check_paged(q, k, v, pages, step, layer)

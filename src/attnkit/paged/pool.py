@@ -56,8 +56,35 @@ class Decoding(NamedTuple):
 
 @dataclass(frozen=True)
 class Step:
-    """Room made by `PagedKVCache.step`: the sequences, their new token counts, where each
-    sequence's history starts, and its blocks (a slot is block · block_size + offset)."""
+    """Room made by `PagedKVCache.step` for one forward pass: the sequences, their new
+    token counts, where each sequence's history starts, and its blocks (a slot is
+    block · block_size + offset). Made by the cache, never by hand; every layer of the
+    pass uses it (`paged_attention`, `PagedKVCache.layer`), and a later change of the
+    cache (add, fork, remove, step) makes it stale.
+
+    Args:
+        ids: the sequences, in step order.
+        counts: new tokens of each sequence.
+        starts: tokens each sequence held before the step.
+        version: the cache's version when made.
+        released: each sequence's first position whose keys are kept (`release`).
+        blocks: every sequence's block table, concatenated (int64, on the cache's device).
+        table_at: where each table begins in `blocks`, and where the last one ends.
+        slots: (T,) int64 slot each new token is written to.
+        token_positions: (T,) int64 position of each new token in its sequence (CPU).
+        calls: each sequence's prefill call, prepared by the first layer for the others.
+
+    Examples:
+        >>> pages = ak.PagedKVCache(1, 1, 4, num_blocks=4, block_size=2)
+        >>> a, b = pages.add(), pages.add()
+        >>> step = pages.step([a, b], [3, 1])  # a: 3 prompt tokens, b: 1
+        >>> step
+        Step(ids=(0, 1), counts=(3, 1), starts=(0, 0), version=3, released=(0, 0))
+        >>> step.num_tokens, step.positions(), step.tables  # tables: block ids in order
+        (4, tensor([0, 1, 2, 0]), ((0, 1), (2,)))
+        >>> pages.step([a, b], [1, 1]).positions()  # the next step: one token each
+        tensor([3, 1])
+    """
 
     ids: tuple[int, ...]
     counts: tuple[int, ...]
@@ -75,6 +102,7 @@ class Step:
 
     @property
     def num_tokens(self) -> int:
+        """T, the step's new tokens."""
         return sum(self.counts)
 
     @property
@@ -105,7 +133,45 @@ class Step:
 
 
 class PagedKVCache:
-    """Keys and values of many sequences in a pool of blocks (see the module docstring)."""
+    """Keys and values of many sequences of different lengths in one pool of blocks.
+
+    vLLM's layout: one block id holds `block_size` tokens' keys and values for every
+    layer, so a sequence of n tokens holds ceil(n / block_size) blocks (shared ones
+    counted once). `add` and `fork` take no block until a write needs one; `fork` shares
+    blocks (copy on write); `step(ids, counts)` makes room for a forward pass's new
+    tokens, or raises `OutOfBlocksError` (a `RuntimeError`) before any change;
+    `release` frees blocks a sliding window no longer reaches; `remove` frees a finished
+    sequence. `paged_attention` (or `MultiHeadAttention(x, cache=pages.layer(step, i))`)
+    writes and reads them.
+
+    Args:
+        num_layers: layers of the model, each with its keys and values in every block.
+        num_kv_heads: Hkv, key/value heads.
+        head_dim: D, the key head dim.
+        num_blocks: blocks in the pool.
+        block_size: token slots a block holds (default 16).
+        value_dim: Dv, the value head dim (default None: D).
+        dtype: the dtype of keys and values, and of the q, k, v `paged_attention` takes
+            (default torch.float32).
+        device: where the pool lives (default "cpu").
+
+    Raises:
+        ValueError: a size that is not a positive int.
+
+    Examples:
+        >>> pages = ak.PagedKVCache(2, num_kv_heads=2, head_dim=8, num_blocks=6, block_size=4)
+        >>> a = pages.add()
+        >>> step = pages.step([a], [6])  # a prompt of 6 tokens: 2 blocks
+        >>> pages.length(a), pages.block_table(a), pages.free_blocks
+        (6, [0, 1], 4)
+        >>> b = pages.fork(a)  # shares both blocks, no copy
+        >>> step = pages.step([a, b], [1, 1])  # each writes into the shared, partly filled block
+        >>> pages.block_table(a), pages.block_table(b)  # a, writing first, copied it
+        ([0, 2], [0, 1])
+        >>> pages.remove(a)  # frees block 2; block 0 is still b's
+        >>> pages.free_blocks
+        4
+    """
 
     def __init__(
         self,
