@@ -11,12 +11,23 @@ CASES ?= 10000
 SEED ?= 0
 SURFACE ?= all
 
-# what the demo needs: the runtime (the CPU build of torch: a bare `torch` would pull a
-# multi-GB CUDA build) and attnkit with its command
+# what the demo needs: the runtime (PyTorch's CPU build: the package index's torch for
+# Linux is a multi-GB CUDA build, so PyTorch's CPU index is asked first where it answers,
+# else the package index as pip is configured; pip's progress shows) and attnkit with
+# its command
+TORCH := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 $(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 numpy  # numpy: else torch warns at import
+	@if $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; then \
+		echo "attnkit: $(TORCH), CPU build, from PyTorch's CPU index"; \
+		$(PY) -m pip install --progress-bar on $(TORCH) --index-url $(TORCH_CPU_INDEX); \
+	else \
+		echo "attnkit: PyTorch's CPU index does not answer: $(TORCH) from the package index"; \
+		$(PY) -m pip install --progress-bar on $(TORCH); \
+	fi
+	$(PY) -m pip install --quiet numpy  # else torch warns at import
 	$(PY) -m pip install --quiet -e '.[native]'  # ninja: PyTorch's extension builder runs it
 	touch $(RUNTIME)
 

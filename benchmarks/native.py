@@ -175,7 +175,7 @@ def decode_row(
 def load_seconds(runs: int = 5) -> float:
     """The median time a fresh process spends making the built kernels usable."""
     code = (
-        "import time, attnkit.native.build as b; t = time.perf_counter(); b.library(); "
+        "import time, attnkit.native as b; t = time.perf_counter(); b.library(); "
         "print(time.perf_counter() - t)"
     )
     command = [sys.executable, "-c", code]

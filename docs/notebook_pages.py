@@ -103,8 +103,8 @@ def _markdown(notebook: Any, name: str) -> tuple[str, dict[str, bytes]]:
             parts.append(
                 f'!!! note "Run it yourself"\n    This page is `examples/notebooks/{name}.ipynb`,'
                 f" run when the site was built. [Download the notebook]({name}.ipynb), or open"
-                " them all: `pip install 'attnkit[notebooks]'`, then"
-                " `jupyter lab examples/notebooks` from a checkout."
+                " them all from a checkout: `pip install '.[notebooks]'`, then"
+                " `jupyter lab examples/notebooks`."
             )
     return "\n\n".join(parts) + "\n", files
 

@@ -134,7 +134,7 @@ def plot_attention(model: TinyGPT, tokens: Tensor, text: str, path: Path) -> Non
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no picture (pip install 'attnkit[plot]')")
+        print("matplotlib is not installed: no picture (pip install '/path/to/attnkit[plot]')")
         return
     block = model.blocks[0]
     with torch.no_grad():

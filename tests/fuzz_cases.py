@@ -176,8 +176,9 @@ def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
                 return ak.key_padding(torch.zeros(B, S, dtype=torch.bool))
             if style == "left":
                 start = torch.randint(0, S + 1, (B, 1), generator=g)
-                return ak.key_padding(torch.arange(S)[None] >= start)
-            return ak.key_padding(torch.rand(B, S, generator=g) < 0.6)
+                # rows may hold no real token: meant (the convention's warning is not for it)
+                return ak.from_hf_attention_mask(torch.arange(S)[None] >= start)
+            return ak.from_hf_attention_mask(torch.rand(B, S, generator=g) < 0.6)
 
         return MaskSpec(f"key_padding(valid, {style})", valid)
     if kind == "document":

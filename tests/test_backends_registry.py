@@ -123,7 +123,7 @@ def test_the_calibration_times_a_registered_backends_own_factors(toy, monkeypatc
         assert kept.of("toy", Toy.cost_factors) == {"pair": 3e-9}
         cost.use(kept)
         q, k, v = _qkv()
-        assert "toy pair 3e-09" in str(ak.explain(q, k, v, ak.causal()))
+        assert "toy pair 3e-09" in " ".join(ak.explain(q, k, v, ak.causal(), verbose=True).notes)
     finally:
         cost.use(before)
     assert cost.built_in("avx512").of("toy", Toy.cost_factors) == {"pair": 2e-9}  # amx's

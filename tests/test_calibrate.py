@@ -268,7 +268,7 @@ calls = [
     (qkv(1024, B=2), ak.key_padding(torch.tensor([1024, 700]))),
     (qkv(1, 4096), ak.causal(align="bottom_right")),
 ]
-plans = [ak.explain(*inputs, mask) for inputs, mask in calls]
+plans = [ak.explain(*inputs, mask, verbose=True) for inputs, mask in calls]
 print(json.dumps({
     "first": times[0], "second": times[1], "measured": len(measured),
     "backends": [plan.backend for plan in plans], "notes": plans[0].notes[-1],

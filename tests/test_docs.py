@@ -80,3 +80,21 @@ def test_readme_is_a_short_landing_page_about_the_project_as_it_is():
         assert words not in readme.lower(), words
     for link in re.findall(r"\]\(([^)#]+)\)", readme):
         assert (ROOT / link).exists(), link
+
+
+@pytest.mark.parametrize(
+    ("page", "section"),
+    [("README.md", "## One example"), ("docs/getting-started.md", "## A first call")],
+)
+def test_the_first_example_prints_the_plan_its_page_shows(page, section):
+    """The first example, run on the pinned cost table of the tests (`conftest`: the avx2
+    table the page names), prints exactly the plan shown under it."""
+    example = (ROOT / page).read_text().split(section, 1)[1]
+    code, rest = example.split("```python\n", 1)[1].split("```\n", 1)
+    shown = rest.split("```\n", 1)[1].split("```", 1)[0]
+    assert "table built in for avx2" in example
+    env = {**os.environ, "ATTNKIT_CALIBRATION": "avx2"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert done.stdout == shown

@@ -110,3 +110,17 @@ def test_head_dims_off_the_vector_width_keep_a_documents_bits(D):
     for order in ([3, 2, 1, 0], [1], [2, 1]):
         for i, out in packed(order).items():
             assert torch.equal(out, first[i]), f"document {i}"
+
+
+def test_explain_names_the_backend_each_document_runs_on():
+    """Packed documents run one call per document: the plan is headed by the backend those
+    calls run on (a document alone's), the note counts them, sizes and work the row's."""
+    n, docs = 96, 4
+    q = torch.randn(1, 2, n * docs, 16)
+    ids = torch.arange(n * docs) // n
+    plan = ak.explain(q, q, q, ak.document(ids) & ak.causal())
+    alone = ak.explain(q[:, :, :n], q[:, :, :n], q[:, :, :n], ak.causal())
+    assert plan.backend == alone.backend and plan.reasons == alone.reasons
+    assert f"documents per backend: {alone.backend} {docs}" in plan.notes[0]
+    assert plan.shapes["q"] == (1, 2, n * docs, 16)
+    assert plan.flops == docs * alone.flops

@@ -10,6 +10,31 @@ import attnkit as ak
 from helpers import grid
 
 
+def test_a_padding_mask_of_the_other_convention_warns_naming_both():
+    """PyTorch's key_padding_mask (True = padding) read as attnkit's (True = real token):
+    the rows without padding hide every key."""
+    torch_style = torch.tensor([[False, False, False], [False, False, True]])
+    words = r"row\(s\) \[0\].*True = real token.*True = padding.*~mask"
+    with pytest.warns(ak.MaskConventionWarning, match=words):
+        mask = ak.key_padding(torch_style)
+    q = torch.randn(2, 1, 3, 4)
+    assert torch.equal(ak.attention(q, q, q, mask)[0], torch.zeros(1, 3, 4))  # what it means
+
+
+@pytest.mark.parametrize(
+    "valid",
+    [
+        [[True, True, False], [True, False, False]],  # every row keeps a key
+        [[False, False, False], [False, False, False]],  # every row empty: no other reading
+    ],
+)
+def test_a_padding_mask_that_reads_one_way_only_is_quiet(valid, recwarn):
+    ak.key_padding(torch.tensor(valid))
+    ak.key_padding(torch.tensor([0, 3]))  # lengths: no convention to misread
+    ak.from_key_padding_mask(torch.tensor([[False, False], [True, True]]))  # named: meant
+    assert not [w for w in recwarn if w.category is ak.MaskConventionWarning]
+
+
 def test_key_padding_bool_and_lengths_agree():
     valid = torch.tensor([[True, True, False], [True, False, False]])
     lengths = torch.tensor([2, 1])

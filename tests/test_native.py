@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import native
 from attnkit.flash_attn import flash_attn_func
 from attnkit.native import build, ops
 from fuzz_paged import World
@@ -159,7 +160,7 @@ def test_a_row_group_never_leaks_a_key_one_of_its_rows_does_not_see(poison, G):
     """The kernel itself (a document mask in one call, no per-document split): boundaries
     that cut a micro-tile's group of 6 stacked rows, a non-finite K and V at keys the group's
     hull holds but some of its rows do not see; every row stays exact."""
-    build.library()
+    native.library()
     g = torch.Generator().manual_seed(5)
     L, Hkv = 300, 2
     q = torch.randn(2, Hkv * G, L, 16, generator=g)
@@ -358,17 +359,20 @@ def test_without_a_compiler_or_with_a_failed_build_the_composed_backends_serve(t
     code = (
         "import torch, attnkit as ak\n"
         "q = k = v = torch.randn(1, 2, 64, 16)\n"
-        "print(ak.explain(q, k, v, ak.sliding_window(8)))\n"
+        "plan = ak.explain(q, k, v, ak.sliding_window(8))\n"
+        "print(plan.backend, plan.reasons['native'], sep='\\n')\n"
     )
     cache = {"ATTNKIT_NATIVE_DIR": str(tmp_path / "cache")}
+    failed = "the build failed: span_attention.cpp:1:1: error: no kernels"
     for env, reason in (
         ({"CXX": str(tmp_path / "none")}, "no C++ compiler"),
-        ({"CXX": str(fake)}, "the build failed: span_attention.cpp:1:1: error: no kernels"),
+        ({"CXX": str(fake), "ATTNKIT_NATIVE": "wait"}, failed),  # built in the foreground
+        ({"CXX": str(fake)}, failed),  # remembered: no second build
         ({"ATTNKIT_NATIVE": "off"}, "disabled by ATTNKIT_NATIVE=off"),
     ):
-        text = _child({**cache, **env}, code)
-        assert f"native kernels are unavailable: {reason}" in text, text
-        assert "backend 'native'" not in text
+        backend, why = _child({**cache, **env}, code).splitlines()
+        assert why.startswith(f"attnkit's native kernels are unavailable: {reason}"), why
+        assert backend != "native"
     assert list(Path(cache["ATTNKIT_NATIVE_DIR"]).glob("*/failed.txt"))
 
 
@@ -380,7 +384,7 @@ def test_the_build_key_reads_every_source_and_header():
 
 def test_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "maybe")
-    with pytest.raises(ValueError, match="ATTNKIT_NATIVE='maybe': use one of on, off"):
+    with pytest.raises(ValueError, match="ATTNKIT_NATIVE=.maybe.: use one of on, wait, off"):
         build.setting()
 
 

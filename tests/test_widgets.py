@@ -33,7 +33,7 @@ def test_importing_attnkit_imports_neither_ipywidgets_nor_matplotlib():
 
 def test_without_ipywidgets_an_explorer_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import ipywidgets -> ImportError
-    with pytest.raises(ImportError, match=r"pip install 'attnkit\[widgets\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'ipywidgets>=8'"):
         mask_explorer()
 
 
@@ -202,3 +202,10 @@ def test_the_explorers_parts_are_attributes_too():
     attention = attention_explorer(q, q)
     attention.heads.value = (1,)
     assert torch.equal(attention.weights, ak.attention_probs(q, q)[0, 1])
+
+
+def test_the_explorer_names_the_masks_as_the_command_line_does():
+    from attnkit import cli
+    from attnkit.widgets.mask_explorer import KINDS
+
+    assert list(KINDS) == cli.KINDS

@@ -17,6 +17,7 @@ from attnkit.dropins import sdpa, varlen_attn
 from attnkit.errors import (
     BlockTableError,
     DtypeMismatchError,
+    MaskConventionWarning,
     MaskError,
     OutOfBlocksError,
     PreparedMismatchError,
@@ -25,7 +26,6 @@ from attnkit.errors import (
 )
 from attnkit.functional import (
     attention,
-    attention_probs,
     attention_with_lse,
     explain,
     prepare,
@@ -53,6 +53,7 @@ from attnkit.paged import PagedKVCache, PagedLayer, Step, paged_attention
 from attnkit.planner import Plan
 from attnkit.positional import RotaryEmbedding
 from attnkit.prepared import Prepared
+from attnkit.probs import attention_probs
 from attnkit.reference import (
     attention_weights,
     build_attention_mask,
@@ -70,6 +71,7 @@ __all__ = [
     "DtypeMismatchError",
     "KVCache",
     "Mask",
+    "MaskConventionWarning",
     "MaskError",
     "MultiHeadAttention",
     "OutOfBlocksError",

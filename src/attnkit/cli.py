@@ -97,9 +97,12 @@ def _cmd_mask(args: argparse.Namespace) -> int:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     _sized(args)
-    q = torch.empty(args.batch, args.heads, args.L, args.dim)
-    kv = torch.empty(args.batch, args.kv_heads or args.heads, args.S, args.dim)
-    print(ak.explain(q, kv, kv, _mask_from_args(args), need_lse=args.lse))
+    # inputs of the call's shapes that hold one row of D numbers each (zero strides but the
+    # last): planning reads sizes, strides and dtypes, never the values
+    row = torch.empty(args.dim)
+    q = row.expand(args.batch, args.heads, args.L, args.dim)
+    kv = row.expand(args.batch, args.kv_heads or args.heads, args.S, args.dim)
+    print(ak.explain(q, kv, kv, _mask_from_args(args), need_lse=args.lse, verbose=args.verbose))
     return 0
 
 
@@ -109,7 +112,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     rows = run_bench(
         args.S, heads=args.heads, dim=args.dim, dtype=dtype, patterns=tuple(args.patterns),
-        backward=args.backward, runs=args.runs,
+        backward=args.backward, runs=args.runs, progress=sys.stderr,
     )  # fmt: skip
     print(table(rows, args.S, dtype, heads=args.heads, dim=args.dim))
     return 0
@@ -191,14 +194,18 @@ def _parser() -> argparse.ArgumentParser:
                 "--dim", type=_count(1), default=64, help="head size D = Dv (default: 64)"
             )
             p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
+            p.add_argument(
+                "--verbose", action="store_true", help="show the cost model's figures too"
+            )
     p = sub.add_parser("bench", help="time attention() against PyTorch's SDPA on this machine")
     p.add_argument("-S", type=_count(1), default=2048, help="queries = keys (default: 2048)")
     p.add_argument("--heads", type=_count(1), default=8, help="heads H (default: 8)")
     p.add_argument("--dim", type=_count(1), default=64, help="head size D (default: 64)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="(default: float32)")  # fmt: skip
-    p.add_argument("--patterns", nargs="+", choices=["causal", "sliding", "documents", "padding"],
-                   default=["causal", "sliding", "documents", "padding"])  # fmt: skip
+    every = ["causal", "sliding", "documents", "padding"]
+    patterns_help = f"masks to time (default: all: {' '.join(every)})"
+    p.add_argument("--patterns", nargs="+", choices=every, default=every, help=patterns_help)
     p.add_argument("--backward", action="store_true", help="also time forward+backward")
     p.add_argument("--runs", type=_count(1), default=5, help="timed rounds, median (default: 5)")
     sub.add_parser(

@@ -46,11 +46,12 @@ from torch import Tensor
 
 from attnkit.contracts import _check_shapes, unit_last_stride
 from attnkit.dispatch import attention_call, prepared_call
+from attnkit.execute import execute, run_backend
 from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
 from attnkit.precision import compute_dtype
-from attnkit.prepared import Prepared, execute
+from attnkit.prepared import Prepared
 from attnkit.threads import in_fresh_thread
 
 R = TypeVar("R")
@@ -192,7 +193,7 @@ def attention_op(
             and prepared.backend.can_use(call, need_lse=True) is None  # type: ignore[union-attr]
         ))  # fmt: skip
         with torch.no_grad():
-            out, lse = prepared.backend.run(call, need_lse=kept)
+            out, lse = run_backend(call, prepared.backend, need_lse=kept)
         if requires_grad and not kept:
             lse = q.new_zeros(q.shape[:3], dtype=compute_dtype(q.dtype))
     lse_kept = torch.tensor(kept and requires_grad, device=q.device)

@@ -4,8 +4,10 @@ Those about arguments subclass `ValueError`, so code that already catches `Value
 keeps working; `DtypeMismatchError` is both a `TypeError` (attnkit's word for wrong
 dtypes) and a `RuntimeError` (what torch's SDPA raises), so code written for either
 catches it; `OutOfBlocksError` is a `RuntimeError` (the arguments are fine, the pool
-is full). Every message names the argument, what was expected, what was given, and the
-fix.
+is full); `BlockTableError` is both a `ValueError` and a `RuntimeError` (what
+flash-attention raises for a block table). `MaskConventionWarning` warns of a mask that
+reads as another library's convention. Every message names the argument, what was
+expected, what was given, and the fix.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "BlockTableError",
     "DtypeMismatchError",
+    "MaskConventionWarning",
     "MaskError",
     "OutOfBlocksError",
     "PreparedMismatchError",
@@ -64,9 +67,12 @@ class DtypeMismatchError(TypeError, RuntimeError):
     """
 
 
-class BlockTableError(ValueError):
+class BlockTableError(ValueError, RuntimeError):
     """A `block_table` lists too few pages for a sequence's length, or a page id that is
     no page of the pool; checked before anything is read or written.
+
+    Both a `ValueError` and a `RuntimeError` (what flash-attention raises), so code
+    written for either catches it.
 
     Examples:
         >>> pages = torch.randn(2, 4, 1, 8)  # 2 pages of 4 slots, Hkv = 1, D = 8
@@ -120,4 +126,25 @@ class RanksDisagreeError(ValueError):
         ... except ValueError as err:
         ...     print(type(err).__name__)
         RanksDisagreeError
+    """
+
+
+class MaskConventionWarning(UserWarning):
+    """A mask that reads as another library's convention: a boolean `key_padding` mask
+    that hides every key of some batch rows while other rows keep theirs, as PyTorch's
+    `key_padding_mask` (True = padding) does for rows without padding. attnkit reads
+    True = real token; the fix is `~mask` or `from_key_padding_mask(mask)`. A filter
+    silences it where such rows are meant (`warnings.simplefilter("ignore",
+    ak.MaskConventionWarning)`).
+
+    Examples:
+        >>> import warnings
+        >>> padding = torch.tensor([[False, False], [False, True]])  # PyTorch's: True = pad
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     mask = ak.key_padding(padding)
+        >>> caught[0].category.__name__
+        'MaskConventionWarning'
+        >>> print(ak.key_padding(~padding).draw(1, 2, batch=1))  # True = real token
+        ■ ·
     """

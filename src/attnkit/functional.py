@@ -1,4 +1,4 @@
-"""The production call: `attention`, `attention_with_lse`, `attention_probs`, `explain`.
+"""The production call: `attention`, `attention_with_lse`, `prepare`, `explain`.
 
 Data flows one way: arguments -> contracts (validate, normalize) -> mask -> plan
 (choose a backend) -> backend -> result; `attnkit.dispatch` runs it, and remembers the
@@ -7,26 +7,26 @@ validated plan of a repeated call.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from attnkit.contracts import check_sinks, normalize_call, row_index
+from attnkit.contracts import check_sinks, normalize_call
 from attnkit.dispatch import attention_call, prepared_call
 from attnkit.documents import Documents, attend_documents, documents
 from attnkit.errors import ShapeContractError
 from attnkit.habits import points_habits
 from attnkit.masks import Mask
 from attnkit.masks.convert import from_torch_mask
-from attnkit.planner import Plan
+from attnkit.planner import Plan, plan_call
 from attnkit.prepared import Prepared, fit, mask_state
-from attnkit.reference import weights_and_lse
 from attnkit.softmax import add_sinks
-from attnkit.visibility import effective_visibility, hide_unseen
 
-__all__ = ["attention", "attention_probs", "attention_with_lse", "explain", "prepare"]
+__all__ = ["attention", "attention_with_lse", "explain", "prepare"]
 
 MaskLike = Mask | Tensor | None
 
@@ -205,84 +205,6 @@ def attention_with_lse(
 
 
 @points_habits
-def attention_probs(
-    q: Tensor,
-    k: Tensor,
-    mask: MaskLike = None,
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
-    rows: int | Sequence[int] | slice | Tensor | None = None,
-) -> Tensor:
-    """The exact attention weights, for all query rows or just `rows`.
-
-    Each row's softmax needs only that row's scores, so `rows` keeps the cost at
-    (B, H, len(rows), S) however long L is.
-
-    Args:
-        q: (B, H, L, D) queries.
-        k: (B, Hkv, S, D) keys (no values: the weights do not need them).
-        mask: as `attention` (default None).
-        scale: as `attention` (default None: 1/√D).
-        softcap: as `attention` (default None).
-        sinks: (H,) logits, as `attention` (default None).
-        rows: the query rows: an int, a sequence of ints, a slice or an integer tensor
-            (default None: all L).
-
-    Returns:
-        (B, H, R, S) in q's dtype, R = L or the number of rows asked for; masked entries
-        exactly 0, rows that see nothing all 0. With `sinks` a row sums to less than 1:
-        the sink takes the rest.
-
-    Raises:
-        ShapeContractError: rows outside [0, L); the errors of `attention`.
-        TypeError: rows that are not integers.
-
-    Examples:
-        >>> q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
-        >>> p = ak.attention_probs(q, k, ak.causal(), rows=[5])  # the last query alone
-        >>> p.shape, torch.allclose(p.sum(-1), torch.ones(1, 2, 1))
-        (torch.Size([1, 2, 1, 6]), True)
-    """
-    if torch.compiler.is_compiling():  # reads mask tensors as data: eager, a graph break
-        from attnkit.compiled import run_eagerly
-
-        probs: Tensor = run_eagerly(_probs, q, k, mask, scale, softcap, sinks, rows)
-        return probs
-    return _probs(q, k, mask, scale, softcap, sinks, rows)
-
-
-def _probs(
-    q: Tensor,
-    k: Tensor,
-    mask: MaskLike,
-    scale: float | None,
-    softcap: float | None,
-    sinks: Tensor | None,
-    rows: int | Sequence[int] | slice | Tensor | None,
-) -> Tensor:
-    sinks = None if sinks is None else check_sinks(sinks, q)
-    call = normalize_call(q, k, k, mask, scale=scale, softcap=softcap)
-    d = call.dims
-    index = row_index(rows, d.L, q.device)
-    if d.B * d.H * index.numel() * d.S == 0:  # an empty result
-        return q.new_zeros(d.B, d.H, index.numel(), d.S)
-    visible = (
-        None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, q.device, rows=index)
-    )  # (B|1, H|1, R, S)
-    bias = call.bias_rows(index)  # (B|1, H|1, R|1, S|1) or None
-    q_rows = call.q[:, :, index]  # (B, H, R, D)
-    q_rows, k_seen, _, _ = hide_unseen(q_rows, call.k, call.k, effective_visibility(visible, bias))
-    weights, lse = weights_and_lse(
-        q_rows, k_seen, visible, bias, scale=call.scale, softcap=call.softcap
-    )  # (B, H, R, S), (B, H, R)
-    if sinks is not None:
-        weights = add_sinks(weights, lse, sinks)[0]
-    return weights.to(q.dtype)
-
-
-@points_habits
 def prepare(
     q: Tensor | Sequence[int],
     k: Tensor | Sequence[int],
@@ -383,23 +305,61 @@ def _prepare(
     options = dict(scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend)
     prepared = prepared_call(q, k, v, mask, **options, need_lse=lse)  # type: ignore[arg-type]
     packed = documents(mask, q, k)
-    notes = [] if packed is None else [_documents_note(packed)]
     route = partial(attend, mask=mask, **options, need_lse=lse)  # type: ignore[arg-type]
     numbers = (None if scale is None else float(scale), None if softcap is None else
                float(softcap), float(dropout_p), backend, lse, True)  # fmt: skip
     key = fit(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), numbers)
     assert key is not None  # validated: plain numbers
+    explained = None
+    if packed is not None:
+        numeric = dict(scale=scale, softcap=softcap, dropout_p=dropout_p)
+        explained = partial(_documents_plan, packed, numeric, backend, lse)
     return prepared.bound(
-        mask, fit=key, sinks=sinks, route=route, routed=packed is not None, notes=notes
+        mask, fit=key, sinks=sinks, route=route, routed=packed is not None, explained=explained
     )
 
 
-def _documents_note(packed: Documents) -> str:
-    calls = sum(len(row) for row in packed.lengths)
-    return (
-        f"packed documents: runs as {calls} calls, one per document, each planned on its "
-        "own (a document's result does not depend on the pack); the plan above is the "
-        "whole row's"
+def _documents_plan(
+    packed: Documents,
+    numeric: dict[str, float | None],
+    backend: str,
+    need_lse: bool,
+    row: Plan,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    verbose: bool,
+) -> Plan:
+    """The plan of packed documents, which run one call per document, each planned on its
+    own: headed by the backend that does most of the work (its reasons: its largest
+    document's), a note counting the documents each backend runs; sizes, work and
+    density the row's."""
+    plans: dict[int, Plan] = {}
+    for n in sorted({n for lengths in packed.lengths for n in lengths}):
+        call = normalize_call(q[:1, :, :n], k[:1, :, :n], v[:1, :, :n], packed.inner, **numeric)
+        plans[n] = plan_call(call, backend, need_lse=need_lse, verbose=verbose)
+    counts: Counter[str] = Counter()
+    work: Counter[str] = Counter()
+    for n in (n for lengths in packed.lengths for n in lengths):
+        counts[plans[n].backend] += 1
+        work[plans[n].backend] += plans[n].flops
+    main = max(work, key=lambda name: work[name])
+    largest = plans[max(n for n, plan in plans.items() if plan.backend == main)]
+    each = ", ".join(f"{name} {counts[name]}" for name, _ in work.most_common())
+    note = (
+        f"packed documents: {sum(counts.values())} calls, one per document, each planned on "
+        f"its own (a document's result does not depend on the pack); documents per backend: "
+        f"{each}; the reasons above are the largest {main} document's (L = S = "
+        f"{largest.shapes['q'][2]})"
+    )
+    return replace(
+        largest,
+        shapes=row.shapes,
+        flops=row.flops,
+        peak_bytes=max(plan.peak_bytes for plan in plans.values()),
+        mask=row.mask,
+        density=row.density,
+        notes=[note, *largest.notes],
     )
 
 
@@ -416,6 +376,7 @@ def explain(
     dropout_p: float = 0.0,
     backend: str = "auto",
     need_lse: bool = False,
+    verbose: bool = False,
 ) -> Plan:
     """What `attention(...)` with these arguments would run, and why; runs nothing.
 
@@ -432,6 +393,8 @@ def explain(
         dropout_p: as `attention` (default 0.0).
         backend: as `attention` (default `"auto"`).
         need_lse: plan for `attention_with_lse` (default False).
+        verbose: add the cost model's figures to the notes (default False: the table's
+            source alone).
 
     Returns:
         A `Plan`: the backend, each other backend's reason, FLOPs, memory, the mask.
@@ -447,4 +410,5 @@ def explain(
         >>> plan.reasons[plan.backend] is None  # the chosen one has no reason against
         True
     """
-    return _prepare(q, k, v, mask, scale, softcap, sinks, dropout_p, backend, need_lse).explain()
+    prepared = _prepare(q, k, v, mask, scale, softcap, sinks, dropout_p, backend, need_lse)
+    return prepared.explain(verbose=verbose)

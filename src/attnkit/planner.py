@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 from attnkit import cost
@@ -22,6 +23,8 @@ from attnkit.contracts import AttentionCall
 from attnkit.masks.structure import count_allowed_pairs
 
 __all__ = ["Plan", "backend_for_run", "choose_backend", "cost_summary", "plan_call"]
+
+WIDTH = 88  # `print(plan)`'s lines at most (a terminal, the docs' code blocks)
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class Plan:
         shapes: `"q"`, `"k"`, `"v"`, `"out"` (and `"lse"`) to their shapes.
         mask: the mask's description (default `"none"`).
         density: the share of the L×S pairs the mask lets through (default 1.0).
-        notes: further lines: the cost table and its source, packed documents.
+        notes: further lines: the cost table's source (its figures with
+            `verbose=True`), packed documents.
 
     Examples:
         >>> q = torch.randn(1, 2, 4, 8)
@@ -79,8 +83,9 @@ class Plan:
         ]
         for name, reason in self.reasons.items():
             mark, why = ("✓", "chosen") if reason is None else ("✗", reason)
-            lines.append(f"    {mark} {name:<10} {why}")
-        lines += [f"  note     {n}" for n in self.notes]
+            lines += _wrapped(f"    {mark} {name:<10} ", why)
+        for note in self.notes:
+            lines += _wrapped("  note     ", note)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -105,6 +110,13 @@ class Plan:
         )
         title = html.escape(f"attnkit plan: backend '{self.backend}'")
         return f"<div><b>{title}</b><table>{rows}</table></div>"
+
+
+def _wrapped(head: str, text: str) -> list[str]:
+    """`head` and `text` in lines of at most `WIDTH`, continued under the text."""
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=head, subsequent_indent=" " * len(head), break_on_hyphens=False
+    )
 
 
 def _human_bytes(n: int) -> str:
@@ -248,8 +260,10 @@ def _figure(x: float) -> str:
     return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
 
 
-def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False) -> Plan:
-    """The `Plan` for a validated call."""
+def plan_call(
+    call: AttentionCall, name: str = "auto", *, need_lse: bool = False, verbose: bool = False
+) -> Plan:
+    """The `Plan` for a validated call; `verbose`: with the cost model's figures."""
     d = call.dims
     if call.is_empty:
         return _empty_plan(call, name)
@@ -260,8 +274,9 @@ def plan_call(call: AttentionCall, name: str = "auto", *, need_lse: bool = False
         shapes["scores"] = (d.B, d.H, d.L, d.S)
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []
     notes += backend.notes(call)
-    if name == "auto":  # the figures it priced with, and where they came from
-        notes.append(cost_summary())
+    if name == "auto":  # the table it priced with (its figures where asked)
+        source = f"cost table: {cost.table().source}; its figures: explain(..., verbose=True)"
+        notes.append(cost_summary() if verbose else source)
     return Plan(
         backend=backend.name,
         reasons=reasons,

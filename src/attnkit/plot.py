@@ -1,6 +1,6 @@
 """Pictures of the mechanism: a mask, the attention weights, what a plan computes.
 
-Needs matplotlib (`pip install 'attnkit[plot]'`). Each function returns a
+Needs matplotlib (`pip install '/path/to/attnkit[plot]'`). Each function returns a
 `matplotlib.figure.Figure`, made without pyplot's global state: a notebook shows it
 (with `%matplotlib inline`), `fig.savefig("mask.png")` writes it, and nothing opens a
 window or stays alive after the last reference. Large problems are drawn at most
@@ -19,10 +19,11 @@ from torch import Tensor
 
 from attnkit.backends import BACKENDS
 from attnkit.contracts import normalize_call
-from attnkit.functional import attention_probs, explain
+from attnkit.functional import explain
 from attnkit.masks import Mask, as_mask
 from attnkit.masks.spans import CHUNK_ELEMENTS
 from attnkit.masks.structure import is_sdpa_causal
+from attnkit.probs import attention_probs
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -37,7 +38,8 @@ def _figure(width: float, height: float) -> Figure:
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(
-            "attnkit.plot draws with matplotlib: pip install 'attnkit[plot]' (or matplotlib)"
+            "attnkit.plot draws with matplotlib: pip install matplotlib (or, from a checkout,"
+            " pip install '.[plot]')"
         ) from err
     return Figure(figsize=(width, height), layout="constrained")
 

@@ -23,11 +23,9 @@ is shared by every `AttentionCall` it builds.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,19 +34,23 @@ from attnkit.backends import Backend, Kernel, get_backend
 from attnkit.backends import state as backend_state
 from attnkit.contracts import AttentionCall, Dims, normalize_inputs
 from attnkit.errors import PreparedMismatchError
+from attnkit.execute import execute
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
 from attnkit.masks.tensor import given_tensor
 from attnkit.planner import Plan, backend_for_run, plan_call
-from attnkit.precision import HALF, compute_dtype, kernel_dtype
+from attnkit.precision import HALF, kernel_dtype
 from attnkit.softmax import add_sinks
+from attnkit.visibility import all_finite, may_leak
 
 __all__ = [
-    "FIT_FIELDS", "Prepared", "execute", "fit", "inputs_kind", "mask_state", "prepare_call",
+    "FIT_FIELDS", "Prepared", "fit", "inputs_kind", "mask_state", "prepare_call",
 ]  # fmt: skip
 
 MaskArg = Mask | Tensor | None
 Route = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+# a routed call's plan from the row's: (plan, q, k, v, verbose) -> the plan of what runs
+Explained = Callable[[Plan, Tensor, Tensor, Tensor, bool], Plan]
 
 _PLAIN = (float, int, type(None))  # score options a key can hold (bool is refused later)
 
@@ -203,6 +205,10 @@ class Prepared:
         self.softcap, self.dropout_p = call.softcap, call.dropout_p
         self.kernel = kernel  # the backend's own prepared call, for inputs as given
         self.derived = call.derived  # what the backends derive on the first run
+        # the kernel may multiply hidden weights by values: K and V checked before it runs
+        leaks = None if backend is None or backend.values_exact else may_leak(call)
+        self.checks_values = leaks is not None
+        self._seen_by_all = leaks or (0, 0)
         # set by `bound` (attnkit.prepare): the mask, sinks, and how routed calls run
         self._mask: tuple[MaskArg] | None = None
         self._tensors = MaskTensors(None)
@@ -210,17 +216,19 @@ class Prepared:
         self._route: Route | None = None
         self._routed = False
         self._direct: Kernel | None = None  # the kernel `__call__` runs where inputs fit
-        self._notes: list[str] = []
+        self._explained: Explained | None = None
 
     # ------------------------------------------------------------- the cache's runs
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> tuple[Tensor, Tensor | None]:
         """Attention over inputs of this call's `fit` (unchecked) and its mask."""
-        if self.kernel is not None:
+        finite = not self.checks_values or all_finite(k, v, self._seen_by_all)
+        if self.kernel is not None and finite:
             out = self.kernel(q, k, v)
             if out is not None:
                 return out, None
-        return execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
+        call = self.call(q, k, v, mask)
+        return execute(call, self.backend, need_lse=self.need_lse, finite=finite)
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> AttentionCall:
         """The `AttentionCall` of new inputs: what `normalize_call` would give (unchecked:
@@ -243,7 +251,7 @@ class Prepared:
         sinks: Tensor | None,
         route: Route,
         routed: bool,
-        notes: list[str],
+        explained: Explained | None = None,
     ) -> Prepared:
         """This call for a user to hold: its mask (and sinks) kept, `fit` checked at
         every call. `route` runs the call as `attention` would (under `torch.compile`,
@@ -254,7 +262,7 @@ class Prepared:
         bound_call._tensors = MaskTensors(mask)
         bound_call._route, bound_call._routed = route, routed
         bound_call._direct = None if routed or sinks is not None else bound_call.kernel
-        bound_call._notes = notes
+        bound_call._explained = explained
         return bound_call
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -272,7 +280,12 @@ class Prepared:
             PreparedMismatchError: inputs that do not fit, or a mask tensor changed.
         """
         kernel = self._direct
-        if kernel is not None and not torch.compiler.is_compiling() and self._fits(q, k, v):
+        if (
+            kernel is not None
+            and not torch.compiler.is_compiling()
+            and self._fits(q, k, v)
+            and (not self.checks_values or all_finite(k, v, self._seen_by_all))
+        ):
             out = kernel(q, k, v)  # the prepared kernel itself: nothing else to do
             if out is not None:
                 return out
@@ -297,8 +310,9 @@ class Prepared:
         assert lse is not None
         return out, lse
 
-    def explain(self) -> Plan:
-        """What this call runs and why: the `Plan` of `attnkit.explain` for its arguments."""
+    def explain(self, *, verbose: bool = False) -> Plan:
+        """What this call runs and why: the `Plan` of `attnkit.explain` for its arguments
+        (`verbose`: with the cost model's figures)."""
         mask = self._bound_mask()
         assert self.fit is not None
         shapes, strides = self.fit[0:3], self.fit[3:6]
@@ -308,8 +322,11 @@ class Prepared:
                 torch.empty_strided(s, st, dtype=t, device=d, requires_grad=grad)  # type: ignore[arg-type]
                 for s, st, t, d in zip(shapes, strides, dtypes, devices, strict=True)
             )
-            plan = plan_call(self.call(q, k, v, mask), self.asked, need_lse=self.need_lse)
-        plan.notes.extend(self._notes)
+            plan = plan_call(
+                self.call(q, k, v, mask), self.asked, need_lse=self.need_lse, verbose=verbose
+            )
+            if self._explained is not None:  # what runs: another plan than the row's
+                plan = self._explained(plan, q, k, v, verbose)
         return plan
 
     def _bound_mask(self) -> MaskArg:
@@ -405,42 +422,3 @@ def _choose(call: AttentionCall, name: str, need_lse: bool) -> Backend | None:
             get_backend(name)  # an unknown name still raises
         return None
     return backend_for_run(call, name, need_lse=need_lse)
-
-
-def execute(
-    call: AttentionCall, backend: Backend | None, *, need_lse: bool
-) -> tuple[Tensor, Tensor | None]:
-    """Run `backend` on `call` (None: an empty call, all zeros) and join a result that no
-    input reaches (no query sees a key) to q, k, v with zero gradients."""
-    if backend is None:
-        d = call.dims
-        out = call.q.new_zeros(d.B, d.H, d.L, d.Dv)
-        lse: Tensor | None = call.q.new_full(
-            (d.B, d.H, d.L), -math.inf, dtype=compute_dtype(call.q.dtype)
-        )
-    else:
-        out, lse = backend.run(call, need_lse=need_lse)
-    if out.requires_grad or not torch.is_grad_enabled():
-        return out, lse
-    if not any(t.requires_grad for t in (call.q, call.k, call.v)):
-        return out, lse
-    joined: tuple[Tensor, Tensor | None] = _Constant.apply(  # type: ignore[no-untyped-call]
-        out, lse, call.q, call.k, call.v
-    )
-    return joined
-
-
-class _Constant(torch.autograd.Function):
-    """A result that does not depend on q, k, v, joined to them with zero gradients."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, out: Tensor, lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor
-    ) -> tuple[Tensor, Tensor | None]:
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
-        return out.clone(), None if lse is None else lse.clone()
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        zeros = [torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.inputs]
-        return (None, None, *zeros)

@@ -18,7 +18,7 @@ from attnkit.heads import repeat_kv
 from attnkit.masks import Mask, causal_offset, integer_mask_error, structure
 from attnkit.precision import compute_dtype
 from attnkit.softmax import softmax_with_lse
-from attnkit.visibility import effective_visibility, hide_unseen
+from attnkit.visibility import effective_visibility, hide_unseen, values_poison
 
 __all__ = [
     "attend",
@@ -26,6 +26,7 @@ __all__ = [
     "build_attention_mask",
     "build_causal_mask",
     "scaled_dot_product_attention",
+    "weighted_values",
     "weights_and_lse",
 ]
 
@@ -111,6 +112,12 @@ def weights_and_lse(
     G = q.shape[1] // k.shape[1]
     # cast before repeating: the G heads' key gradients then sum in the compute dtype
     k = repeat_kv(k.to(compute), G)  # (B, H, S, D)
+    # a non-finite key makes the scores of the rows that see it NaN, and nobody else's
+    # (a hidden score's gradient is 0, and 0·NaN would reach the row through q·kᵀ)
+    finite = torch.isfinite(k).all(-1)  # (B, H, S)
+    broken = None if bool(finite.all()) else ~finite.unsqueeze(2)  # (B, H, 1, S)
+    if broken is not None:
+        k = torch.where(broken.transpose(-2, -1), 0.0, k)
     scores = (q.to(compute) @ k.transpose(-2, -1)) * scale  # (B, H, L, S)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)  # Gemma 2's logit softcapping
@@ -118,6 +125,9 @@ def weights_and_lse(
         scores = scores + bias.to(compute)
     if visible is not None:
         scores = scores.masked_fill(~visible, -torch.inf)
+    if broken is not None:
+        seen = broken if visible is None else broken & visible  # (B, H, L, S)
+        scores = scores.masked_fill(seen, torch.nan)
     return softmax_with_lse(scores)
 
 
@@ -143,12 +153,36 @@ def attend(
         out (B, H, L, Dv) and weights (B, H, L, S) in q's dtype; lse (B, H, L) in the
         compute dtype (float32 for half inputs), `-inf` on empty rows.
     """
-    q, k, v, _ = hide_unseen(q, k, v, effective_visibility(visible, bias))
+    effective = effective_visibility(visible, bias)
+    q, k, v, _ = hide_unseen(q, k, v, effective)
     weights, lse = weights_and_lse(q, k, visible, bias, scale=scale, softcap=softcap)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    v = repeat_kv(v.to(weights.dtype), q.shape[1] // v.shape[1])  # (B, H, S, Dv), sums too
-    out = dropped @ v  # (B, H, L, Dv)
+    out = weighted_values(dropped, v, effective)  # (B, H, L, Dv)
     return out.to(q.dtype), weights.to(q.dtype), lse
+
+
+def weighted_values(weights: Tensor, v: Tensor, visible: Tensor | None) -> Tensor:
+    """The weighted sum of the values each row sees, in the weights' dtype.
+
+    A hidden key's weight is 0, but `0 * NaN = NaN`: so the finite values are summed,
+    and a row gets a non-finite value only where it sees its key (`values_poison`).
+
+    Args:
+        weights: (B, H, L, S) attention weights, 0 where hidden.
+        v: (B, Hkv, S, Dv) values, H % Hkv == 0.
+        visible: bool broadcastable to (B, H, L, S), `True` = may attend, or None (all).
+
+    Returns:
+        (B, H, L, Dv).
+    """
+    v = repeat_kv(v.to(weights.dtype), weights.shape[1] // v.shape[1])  # (B, H, S, Dv), sums too
+    finite = torch.isfinite(v)
+    if visible is None or bool(finite.all()):
+        return weights @ v  # (B, H, L, Dv)
+    cols = (~finite).any(-1).any(1).any(0).nonzero().flatten()  # (N,) keys holding one
+    seen = visible[..., cols] if visible.shape[-1] > 1 else visible  # (B|1, H|1, L|1, N|1)
+    out = weights @ torch.where(finite, v, 0.0)  # (B, H, L, Dv)
+    return out + values_poison(seen, v[:, :, cols]).to(out.dtype)
 
 
 def _as_4d(t: Tensor) -> Tensor:

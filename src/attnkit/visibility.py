@@ -10,19 +10,39 @@ blocks), kept by the prepared call for its runs (`call.derived`), and zeroed
 (`zero_unseen`, `cleaned`). A float bias's `-inf` entries hide too
 (`effective_visibility`); backends that build the dense mask anyway take rows and keys
 from it (`hide_unseen`).
+
+A key some rows see and others hide is another matter: zeroing it would change the rows
+that see it. A non-finite value there reaches exactly the rows that see the key: the
+readable loops sum the finite values and add what the others make of each row
+(`values_poison`); a kernel that multiplies hidden weights by the values anyway runs on
+the keys with their non-finite entries zeroed and gets the same addition
+(`run_masking_values`), after one cheap check of K and V finds a non-finite entry
+(`may_leak`, `all_finite`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from attnkit.contracts import AttentionCall
-from attnkit.masks import structure
+from attnkit.masks import Mask, structure
 
-__all__ = ["cleaned", "effective_visibility", "hide_unseen", "seen", "zero_unseen"]
+__all__ = [
+    "all_finite",
+    "cleaned",
+    "effective_visibility",
+    "hide_unseen",
+    "may_leak",
+    "run_masking_values",
+    "seen",
+    "values_poison",
+    "zero_unseen",
+]
 
 Seen = tuple[Tensor, Tensor]  # (B, H|1, L) rows that see a key, (B, H|1, S) keys seen
 
@@ -112,3 +132,113 @@ def cleaned(
     else:
         rows_keys = seen(call)
     return (q, k, v) if rows_keys is None else zero_unseen(q, k, v, *rows_keys)
+
+
+def may_leak(call: AttentionCall) -> tuple[int, int] | None:
+    """Where a non-finite key or value could reach a row that hides its key through a
+    kernel that multiplies hidden weights (0) by it (0·NaN = NaN): None where no key is
+    seen by some rows and hidden from others (no mask; one query row per head under a
+    mask the same for every head: a decoding step), else the keys `[a, b)` that every
+    row sees (a value there reaches every row alike: no check needed; `a == b`: check
+    every key)."""
+    d, mask = call.dims, call.mask
+    if call.bias_tensor is not None:
+        return (0, 0)
+    if mask is None or (d.L == 1 and not mask.head_dependent):
+        return None
+    return call.derived.get("visibility.may_leak", lambda: _seen_by_all(mask, d.B, d.L, d.S))
+
+
+def _seen_by_all(mask: Mask, B: int, L: int, S: int) -> tuple[int, int] | None:
+    if mask.sees_all(L, S):
+        return None
+    spans = None if mask.head_dependent else mask.key_spans(B, L, S)
+    if spans is None or not spans.exact:
+        return (0, 0)
+    a, b = int(spans.lo.max()), int(spans.hi.min())
+    return (a, b) if a < b else (0, 0)
+
+
+def all_finite(k: Tensor, v: Tensor, seen_by_all: tuple[int, int] = (0, 0)) -> bool:
+    """The one cheap check: a sum over K and V outside the keys `seen_by_all` (a decoding
+    chunk checks only its last keys). A NaN or an infinity makes the sum non-finite; an
+    overflow of the dtype is summed again in float64."""
+    a, b = seen_by_all
+    parts = (
+        [k, v] if a >= b else [t[:, :, r] for t in (k, v) for r in (slice(0, a), slice(b, None))]
+    )
+    parts = [t.detach() for t in parts if t.numel()]
+    if math.isfinite(float(sum(t.sum() for t in parts))):
+        return True
+    return math.isfinite(float(sum(t.double().sum() for t in parts)))
+
+
+def values_poison(seen: Tensor, values: Tensor) -> Tensor:
+    """What the non-finite values of some keys add to each row's weighted sum: NaN,
+    `+inf` or `-inf` in a column where the row sees a key holding one there (`+inf` and
+    `-inf` together, or NaN: NaN), 0 elsewhere.
+
+    Args:
+        seen: (B|1, H|1, L|1, N) bool, the query row sees the key.
+        values: (B|1, H|1, N, Dv) those keys' values (finite entries count for nothing).
+
+    Returns:
+        (B, H, L, Dv) float32, added to the sum of the finite values.
+    """
+    hits = seen.to(torch.float32)
+
+    def reaches(where: Tensor) -> Tensor:  # (B, H, L, Dv): some seen key holds it
+        return (hits @ where.to(torch.float32)) > 0
+
+    nan, pos, neg = (
+        reaches(values.isnan()),
+        reaches(values == math.inf),
+        reaches(values == -math.inf),
+    )
+    zero = hits.new_zeros(())
+    signed = torch.where(pos, math.inf, torch.where(neg, -math.inf, zero))
+    return torch.where(nan | (pos & neg), math.nan, signed)
+
+
+Run = Callable[[AttentionCall], tuple[Tensor, Tensor | None]]
+
+
+def run_masking_values(call: AttentionCall, run: Run) -> tuple[Tensor, Tensor | None]:
+    """`run(call)` where K or V hold a non-finite entry, reaching only the rows that see
+    its key: the kernel runs on K and V with those entries zeroed (exact for every row
+    that hides the key), then each row that sees a non-finite key gets NaN (a score of
+    NaN or an infinity: its softmax is NaN) and each row that sees a non-finite value gets
+    it in that column (`values_poison`); their log-sum-exp is NaN where a key was.
+    Gradients flow as through the zeroed inputs."""
+    d = call.dims
+    k_bad = ~torch.isfinite(call.k).all(-1)  # (B, Hkv, S)
+    v_bad = ~torch.isfinite(call.v)  # (B, Hkv, S, Dv)
+    cols = (k_bad | v_bad.any(-1)).any(1).any(0).nonzero().flatten()  # (N,)
+    if cols.numel() == 0:  # the check's sum overflowed: every entry is finite
+        return run(call)
+    k = torch.where(k_bad.unsqueeze(-1), 0.0, call.k)
+    v = torch.where(v_bad, 0.0, call.v)
+    out, lse = run(replace(call, k=k, v=v))
+    seen = _seen_at(call, cols)  # (B|1, H|1, L|1, N)
+    G = d.H // d.Hkv
+    key_rows = (seen & k_bad[:, :, cols].repeat_interleave(G, 1).unsqueeze(2)).any(-1)  # (B, H, L)
+    poison = values_poison(seen, call.v[:, :, cols].repeat_interleave(G, 1))  # (B, H, L, Dv)
+    poison = torch.where(key_rows.unsqueeze(-1), math.nan, poison)
+    out = out + poison.to(out.dtype)
+    if lse is not None:
+        lse = torch.where(key_rows, math.nan, lse)
+    return out, lse
+
+
+def _seen_at(call: AttentionCall, cols: Tensor) -> Tensor:
+    """(B|1, H|1, L|1, N) bool: which rows see the keys `cols`, by the mask and a bias
+    tensor's `-inf` entries."""
+    d = call.dims
+    seen = torch.ones((1, 1, 1, cols.numel()), dtype=torch.bool, device=cols.device)
+    if call.mask is not None:
+        seen = call.mask.dense(d.B, d.H, d.L, d.S, call.q.device, cols=cols)
+    if call.bias_tensor is not None:
+        bias = call.bias_tensor
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        seen = seen & ((bias if bias.shape[-1] == 1 else bias[..., cols]) > -math.inf)
+    return seen

@@ -22,12 +22,11 @@ from torch.utils.checkpoint import checkpoint
 from attnkit import cost
 from attnkit.backends.protocol import Backend, Probe
 from attnkit.contracts import AttentionCall
-from attnkit.heads import repeat_kv
 from attnkit.masks import causal
 from attnkit.masks.structure import key_bounds
 from attnkit.precision import compute_dtype
-from attnkit.reference import weights_and_lse
-from attnkit.visibility import cleaned
+from attnkit.reference import weighted_values, weights_and_lse
+from attnkit.visibility import cleaned, effective_visibility
 
 __all__ = ["BlockwiseBackend"]
 
@@ -39,6 +38,7 @@ class BlockwiseBackend(Backend):
     """Serves every call on any device, like `reference`, without an L×S tensor."""
 
     name = "blockwise"
+    values_exact = True
     # per pair: the reference's math over key spans; per block: a call of Python and ops
     # (what a tiled group's costs: `attnkit calibrate` takes tiled's measurement);
     # `backward`: forward+backward over forward, taken as tiled's (the same autograd ops)
@@ -114,7 +114,7 @@ class _Block:
         weights, lse = weights_and_lse(q, k, visible, bias, scale=call.scale, softcap=call.softcap)
         if call.dropout_p > 0:  # checkpoint replays the RNG: the backward sees the same mask
             weights = F.dropout(weights, call.dropout_p)
-        out = weights @ repeat_kv(v.to(weights.dtype), d.H // d.Hkv)  # (B, H, R, Dv)
+        out = weighted_values(weights, v, effective_visibility(visible, bias))  # (B, H, R, Dv)
         return out.to(q.dtype), lse
 
 

@@ -32,6 +32,7 @@ from attnkit.masks.biases import alibi_rows
 from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
 from attnkit.native.backward import span_backward
+from attnkit.native.loader import version as kernels_version
 from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward, spans
 from attnkit.precision import HALF
 
@@ -145,6 +146,7 @@ class NativeBackend(Backend):
     """attnkit's C++ kernels: one key interval per row, block-sparse, forward and backward."""
 
     name = "native"
+    values_exact = True
     # against dense SDPA's per pair: `pair` per pair computed (every block's or group's
     # rows by its keys, masked corners included), `piece` per whole block or cut group,
     # `call` per call (the spans' checks, the threads' start, the op's dispatch). Fitted
@@ -164,6 +166,11 @@ class NativeBackend(Backend):
     # `backward`, `backward_half`: forward+backward over forward (`training_factor`), the
     # medians over every pattern at S = 1024 and 4096 on a 2-core AVX512-BF16 CPU (float32
     # 2.2-4.8, half 2.4-6.2: half inputs convert in the backward's every block)
+
+    @property
+    def version(self) -> int:
+        """1 once the kernels are loaded (a background build finishing re-plans calls)."""
+        return kernels_version()
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if (reason := unavailable()) is not None:

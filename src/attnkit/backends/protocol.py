@@ -121,6 +121,10 @@ class Backend:
     # the cheapest per pair on a dense call (no mask reaches a kernel): `auto` takes it
     # for such a call without pricing the others, where it can serve
     dense_fastest: bool = False
+    # its kernel never multiplies a hidden weight by a value (0·NaN): a non-finite key or
+    # value reaches only the rows that see it; else `execute.run_backend` runs it on K and V
+    # with those entries zeroed where a check finds one (`visibility.run_masking_values`)
+    values_exact: bool = False
     # the factors `cost` prices with, as built in per kind of CPU (none: its cost needs none)
     cost_factors: ClassVar[cost.Factors] = cost.Factors()
 

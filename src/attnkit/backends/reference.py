@@ -17,6 +17,7 @@ class ReferenceBackend(Backend):
     """Serves every call: any mask, bias, softcap, dropout, GQA, log-sum-exp, any device."""
 
     name = "reference"
+    values_exact = True
     # per pair: the readable loop materializes (B, H, L, S) scores; `backward`: autograd
     # through its four steps, forward+backward over forward (estimated, not timed)
     cost_factors = cost.Factors({"pair": 6.0, "backward": 3.0}, {"amx": {"pair": 4.20}})

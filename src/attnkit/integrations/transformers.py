@@ -33,11 +33,12 @@ from torch import Tensor
 from attnkit.dispatch import StepCalls
 from attnkit.documents import documents
 from attnkit.errors import MaskError
-from attnkit.functional import attention, attention_probs
+from attnkit.functional import attention
 from attnkit.integrations import ModFn, structure
-from attnkit.masks import Mask, causal, document, from_hf_attention_mask, key_padding
+from attnkit.masks import Mask, causal, document, from_hf_attention_mask
 from attnkit.masks.algebra import _Combine
 from attnkit.masks.base import as_mask
+from attnkit.probs import attention_probs
 
 __all__ = ["TESTED_VERSIONS", "attention_forward", "mask_function", "register", "structure"]
 
@@ -84,7 +85,7 @@ def register(name: str = "attnkit") -> str:
     except ImportError as err:  # the optional extra
         raise ImportError(
             "attnkit.integrations.transformers needs transformers: pip install "
-            f"'attnkit[transformers]' (tested: transformers{TESTED_VERSIONS})."
+            f"'/path/to/attnkit[transformers]' (a checkout; tested: transformers{TESTED_VERSIONS})."
         ) from err
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"name must be a plain identifier such as 'attnkit', got {name!r}.")
@@ -293,7 +294,7 @@ def _padding(attention_mask: Tensor | None, B: int, S: int, kv_offset: int) -> M
         valid = torch.nn.functional.pad(valid, (0, S - valid.shape[1]), value=False)
     if bool(valid.all()):
         return None
-    return key_padding(valid.expand(B, S))
+    return from_hf_attention_mask(valid.expand(B, S))  # 1 = real token: a row may be all pad
 
 
 # ------------------------------------------------------------------ the attention function

@@ -8,10 +8,12 @@ tokens, sorted document ids and row spans.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
-from attnkit.errors import MaskError, ShapeContractError
+from attnkit.errors import MaskConventionWarning, MaskError, ShapeContractError
 from attnkit.masks.base import Mask, Predicate
 from attnkit.masks.checks import batch_of, check_batch
 from attnkit.masks.spans import Spans
@@ -101,7 +103,9 @@ def key_padding(valid: Tensor) -> Mask:
     Args:
         valid: (B, S) bool with `True` = real token, or (B,) integer lengths (the first
             `valid[b]` keys of row b are real). nn.MultiheadAttention's `key_padding_mask`
-            (`True` = ignore) enters through `from_key_padding_mask`.
+            (`True` = ignore) enters through `from_key_padding_mask`; a bool mask whose
+            rows hide every key while other rows keep theirs (that convention read as
+            this one) warns with `MaskConventionWarning`.
 
     Returns:
         A `Mask` holding `valid`, for calls of batch B (or 1) and S keys.
@@ -122,7 +126,26 @@ def key_padding(valid: Tensor) -> Mask:
         >>> print(ak.key_padding(valid).draw(1, 3, batch=0))
         ■ ■ ·
     """
+    if valid.dtype == torch.bool:
+        _warn_if_inverted(valid)
     return _KeyPadding(valid)
+
+
+def _warn_if_inverted(valid: Tensor) -> None:
+    """Warn where some rows hide every key and others keep theirs: what PyTorch's
+    `key_padding_mask` (True = padding) gives for rows without padding."""
+    real = valid.any(-1)  # (B,)
+    if bool(real.all()) or not bool(real.any()):
+        return
+    empty = (~real).nonzero().flatten().tolist()
+    warnings.warn(
+        f"key_padding: batch row(s) {empty[:8]} hide every key (all False) while other rows "
+        "keep theirs; those rows will output zeros. attnkit reads True = real token; "
+        "PyTorch's key_padding_mask reads True = padding: if this mask is one, pass ~mask "
+        "(or from_key_padding_mask(mask)).",
+        MaskConventionWarning,
+        stacklevel=3,
+    )
 
 
 class _Document(Mask):

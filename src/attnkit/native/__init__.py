@@ -4,11 +4,12 @@
 The composed backends stay the fallback and the readable account of what the kernels
 compute: `attnkit.reference` is their specification, and the `native` backend serves
 `auto` only where the kernels are built and loaded (`unavailable()` says why not).
-`python -m attnkit.native build` builds them ahead.
+`python -m attnkit.native build` builds them ahead; a process that finds them unbuilt
+builds them in the background while the composed backends serve (`loader`).
 """
 
 from __future__ import annotations
 
-from attnkit.native.build import library, unavailable
+from attnkit.native.loader import library, unavailable
 
 __all__ = ["library", "unavailable"]

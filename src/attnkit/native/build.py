@@ -1,4 +1,4 @@
-"""Build attnkit's C++ kernels for the CPU they run on, once, and load them.
+"""Build attnkit's C++ kernels for the CPU they run on, once.
 
 The sources in this folder are compiled by PyTorch's own extension builder
 (`torch.utils.cpp_extension`, with ninja) with the host's flags (`-O3 -march=native
@@ -7,17 +7,21 @@ The sources in this folder are compiled by PyTorch's own extension builder
 `$XDG_CACHE_HOME/attnkit/native` (else `~/.cache/attnkit/native`), under a key of the
 sources, torch's version, the compiler, the CPU's features and the flags, so a process
 that finds it built only loads it (no `cpp_extension` import). A build runs in a child
-process, with a line on stderr while it runs (about half a minute on 2 cores); a failed
-one is remembered under its key (until `python -m attnkit.native build` retries) with
-the compiler's first error line, which `explain` gives as the reason `native` is
-unavailable, and the composed backends serve instead.
-`ATTNKIT_NATIVE=off` disables the kernels (`=sanitize` builds them with AddressSanitizer
-and UndefinedBehaviorSanitizer, for `make sanitize`).
+process that holds the key's lock (two processes never build the same key at once: the
+second finds the library when the lock frees), saying how long it has run every ten
+seconds (about half a minute on 2 cores); a failed one is remembered under its key
+(until `python -m attnkit.native build` retries) with the compiler's first error line,
+which `explain` gives as the reason `native` is unavailable, and the composed backends
+serve instead. When a process loads the kernels, and whether a call waits for a build,
+is `loader`'s.
+`ATTNKIT_NATIVE`: `on` (the default: built ahead, else in the background while the
+composed backends serve), `wait` (a first call waits for the build), `off` (no
+kernels), `sanitize` (built with AddressSanitizer and UndefinedBehaviorSanitizer, for
+`make sanitize`; waited for).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -26,29 +30,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "SANITIZE",
-    "SOURCES",
-    "build",
-    "cache_dir",
-    "flags",
-    "library",
-    "setting",
-    "unavailable",
-]
+try:  # POSIX: the key's lock (elsewhere two processes may both build, harmlessly)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["SANITIZE", "SOURCES", "Home", "build", "cache_dir", "flags", "home", "setting"]
 
 SOURCES = ("csrc/span_attention.cpp", "csrc/span_backward.cpp", "csrc/paged_decode.cpp")
 HEADERS = ("csrc/common.h", "csrc/micro.h")  # every header: a test checks the list
 NAME = "attnkit_native"
-MODES = ("on", "off", "sanitize")
+MODES = ("on", "wait", "off", "sanitize")
+PROGRESS_EVERY = 10.0  # seconds between a blocking build's lines on stderr
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
 
 
 def setting() -> str:
-    """`ATTNKIT_NATIVE`: on (the default), off, or sanitize; anything else raises."""
+    """`ATTNKIT_NATIVE`: on (the default), wait, off, or sanitize; anything else raises."""
     mode = os.environ.get("ATTNKIT_NATIVE", "on").strip().lower() or "on"
     if mode not in MODES:
         raise ValueError(f"ATTNKIT_NATIVE={mode!r}: use one of {', '.join(MODES)}.")
@@ -142,74 +144,106 @@ def _first_error(log: str) -> str:
     return (compiler or errors or lines or ["no output"])[0][:300]
 
 
-def build(*, quiet: bool = False, retry: bool = False) -> tuple[Path | None, str | None]:
-    """The built library's path (building it where it is not: in a child process, once
-    per key), or None and the reason it cannot be had. A failed build is remembered
-    under its key; `retry` (`python -m attnkit.native build`) forgets it first."""
+class Home(NamedTuple):
+    """The folder of this key: the library, the remembered failure, the lock."""
+
+    folder: Path
+
+    @property
+    def lib(self) -> Path:
+        return self.folder / f"{NAME}.so"
+
+    @property
+    def failed(self) -> Path:
+        return self.folder / "failed.txt"
+
+    def state(self) -> tuple[Path | None, str | None]:
+        """(the library, None) where built, (None, why) where its build failed, else
+        (None, None): not built yet."""
+        if self.lib.exists():
+            return self.lib, None
+        if self.failed.exists():
+            return None, f"the build failed: {self.failed.read_text().strip()}"
+        return None, None
+
+
+def home() -> tuple[Home | None, str | None]:
+    """This key's folder (the setting's flags, the compiler, the CPU), or None and the
+    reason no build can be had (disabled, no compiler)."""
     mode = setting()
     if mode == "off":
         return None, "disabled by ATTNKIT_NATIVE=off"
     compiler = _compiler()
     if compiler is None:
         return None, "no C++ compiler (c++ or $CXX) on PATH: install g++ or clang++"
-    home = cache_dir() / _key(mode, compiler)
-    lib, failed = home / f"{NAME}.so", home / "failed.txt"
+    return Home(cache_dir() / _key(_flag_mode(mode), compiler)), None
+
+
+def _flag_mode(mode: str) -> str:
+    """The flags' mode of a setting (`on` and `wait` build the same library)."""
+    return "on" if mode == "wait" else mode
+
+
+def build(*, quiet: bool = False, retry: bool = False) -> tuple[Path | None, str | None]:
+    """The built library's path (building it where it is not: in a child process, once
+    per key, under the key's lock), or None and the reason it cannot be had. A failed
+    build is remembered under its key; `retry` (`python -m attnkit.native build`)
+    forgets it first."""
+    where, reason = home()
+    if where is None:
+        return None, reason
     if retry:
-        failed.unlink(missing_ok=True)
-    if lib.exists():
-        return lib, None
-    if failed.exists():
-        return None, f"the build failed: {failed.read_text().strip()}"
-    home.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        print(
-            "attnkit: building its native kernels for this CPU (once; about half a minute)...",
-            file=sys.stderr,
-            flush=True,
-        )
-    start, name = time.monotonic(), f"{NAME}_{home.name}"
+        where.failed.unlink(missing_ok=True)
+    lib, reason = where.state()
+    if lib is not None or reason is not None:
+        return lib, reason
+    where.folder.mkdir(parents=True, exist_ok=True)
+    with open(where.folder / "lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process's build: wait for it
+        lib, reason = where.state()
+        if lib is not None or reason is not None:
+            return lib, reason
+        return _compile(where, quiet)
+
+
+def _compile(where: Home, quiet: bool) -> tuple[Path | None, str | None]:
+    """Run the compiler's child process and keep what it built (or why it failed)."""
+    mode = _flag_mode(setting())
+    compiler = _compiler()
+    assert compiler is not None  # `home` found it
+    folder = where.folder
+
+    def say(text: str) -> None:
+        if not quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    say("attnkit: building its native kernels for this CPU (once; about half a minute)...")
+    start, name = time.monotonic(), f"{NAME}_{folder.name}"
     env = dict(os.environ)
     if (ninja := _ninja_dir()) is not None:
         env["PATH"] = ninja + os.pathsep + env.get("PATH", "")
     if mode == "sanitize":  # the child loads what it built: their runtimes must come first
         env["LD_PRELOAD"] = " ".join(_sanitizer_runtimes(compiler[0]))
         env.setdefault("ASAN_OPTIONS", "detect_leaks=0")  # the interpreter's own, not ours
-    child = [sys.executable, "-m", "attnkit.native.compile", str(home / "build"), name, mode]
-    (home / "build").mkdir(exist_ok=True)
-    done = subprocess.run(child, capture_output=True, text=True, env=env)
-    built = home / "build" / f"{name}.so"
-    if done.returncode != 0 or not built.exists():
-        reason = _first_error(done.stderr + done.stdout)
-        (home / "build.log").write_text(done.stdout + done.stderr)
-        failed.write_text(f"{reason} (log: {home / 'build.log'})")
-        return None, f"the build failed: {failed.read_text().strip()}"
-    partial = home / f"{NAME}.so.partial"
+    child = [sys.executable, "-m", "attnkit.native.compile", str(folder / "build"), name, mode]
+    (folder / "build").mkdir(exist_ok=True)
+    log = folder / "build.log"
+    with open(log, "w") as out:
+        running = subprocess.Popen(child, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+        while True:
+            try:
+                running.wait(timeout=PROGRESS_EVERY)
+                break
+            except subprocess.TimeoutExpired:
+                say(f"attnkit: still building ({time.monotonic() - start:.0f} s)...")
+    built = folder / "build" / f"{name}.so"
+    if running.returncode != 0 or not built.exists():
+        reason = _first_error(log.read_text())
+        where.failed.write_text(f"{reason} (log: {log})")
+        return None, f"the build failed: {where.failed.read_text().strip()}"
+    partial = folder / f"{NAME}.so.partial"
     shutil.copyfile(built, partial)
-    partial.replace(lib)  # whole or absent for a process that looks at the same time
-    if not quiet:
-        took = time.monotonic() - start
-        print(f"attnkit: native kernels built in {took:.0f} s: {lib}", file=sys.stderr)
-    return lib, None
-
-
-@functools.cache
-def library() -> tuple[Path | None, str | None]:
-    """The kernels loaded into this process (built first where they are not), or None and
-    the reason they are unavailable: once per process."""
-    path, reason = build()
-    if path is None:
-        return None, reason
-    try:
-        torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
-    except (OSError, RuntimeError) as error:
-        return None, f"the built library does not load: {str(error).splitlines()[0][:300]}"
-    from attnkit.native import backward, ops
-
-    ops.register_fakes()
-    backward.register_autograd()
-    return path, None
-
-
-def unavailable() -> str | None:
-    """Why the native kernels cannot run in this process, or None where they can."""
-    return library()[1]
+    partial.replace(where.lib)  # whole or absent for a process that looks at the same time
+    say(f"attnkit: native kernels built in {time.monotonic() - start:.0f} s: {where.lib}")
+    return where.lib, None

@@ -154,7 +154,7 @@ def span_forward(
     bias: ALiBi | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
-    library must be loaded: `attnkit.native.build.library()`); row i of batch row b sees
+    library must be loaded: `attnkit.native.library()`); row i of batch row b sees
     keys [visible.lo[b, i], visible.hi[b, i]), every key where `visible` is None; softcap
     0 = none; `tiles` (rows, keys) as `blocking` picks them unless given; `bias` ALiBi's
     terms (`alibi`) or None."""

@@ -10,7 +10,7 @@ import html
 import importlib
 from typing import Any
 
-INSTALL = "pip install 'attnkit[widgets]'"
+INSTALL = "pip install 'ipywidgets>=8' (from a checkout of attnkit: pip install '.[widgets]')"
 BLUE = "31,119,180"  # matplotlib's tab:blue, as attnkit.plot draws
 PANEL = "font: 11px monospace; line-height: 1.1"
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
-from attnkit.functional import attention_probs
 from attnkit.masks import Mask
+from attnkit.probs import attention_probs
 from attnkit.widgets._common import BLUE, PANEL, error_html, ipywidgets, show
 
 __all__ = ["AttentionExplorer", "AttentionView", "attention_explorer"]
@@ -225,7 +225,7 @@ def attention_explorer(
     `output_attentions=True`: one (B, H, L, S) tensor a layer; load the model with
     `attn_implementation="eager"`, whose kernels return them). Hovering a cell shows the
     query token, the key token and the weight. Needs ipywidgets
-    (`pip install 'attnkit[widgets]'`).
+    (`pip install '.[widgets]' from a checkout`).
 
     Args:
         q: (B, H, L, D) queries.

@@ -25,12 +25,12 @@ from attnkit.widgets._common import BLUE, PANEL, error_html, ipywidgets, show, s
 
 __all__ = ["KINDS", "MaskExplorer", "MaskView", "mask_explorer"]
 
-# label shown -> constructor
+# label shown (the names of `attnkit mask KIND`) -> constructor
 KINDS = {
     "causal": "causal",
-    "sliding window": "sliding_window",
+    "sliding": "sliding_window",
     "chunked": "chunked",
-    "prefix-LM": "prefix_lm",
+    "prefix": "prefix_lm",
     "documents": "document",
     "padding": "key_padding",
 }
@@ -293,7 +293,7 @@ def mask_explorer(
     Shows the L×S picture (dark = may attend; hover a cell for its pair), `str(mask)`,
     its density and what `attnkit.explain` would run for q (1, 1, L, D) and k, v
     (1, 1, S, D), with every other backend's reason. What the library refuses shows its
-    error message instead. Needs ipywidgets (`pip install 'attnkit[widgets]'`).
+    error message instead. Needs ipywidgets (`pip install '.[widgets]' from a checkout`).
 
     Args:
         kind: `"causal"`, `"sliding_window"`, `"chunked"`, `"prefix_lm"`, `"document"`
