@@ -384,7 +384,7 @@ def test_the_build_key_reads_every_source_and_header():
 
 def test_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "maybe")
-    with pytest.raises(ValueError, match="ATTNKIT_NATIVE=.maybe.: use one of on, wait, off"):
+    with pytest.raises(ValueError, match=r"ATTNKIT_NATIVE=.maybe.: use one of on, wait, off"):
         build.setting()
 
 
