@@ -312,8 +312,8 @@ def _prepare(
     assert key is not None  # validated: plain numbers
     explained = None
     if packed is not None:
-        numeric = dict(scale=scale, softcap=softcap, dropout_p=dropout_p)
-        explained = partial(_documents_plan, packed, numeric, backend, lse)
+        numbers_of_call = (scale, softcap, dropout_p)
+        explained = partial(_documents_plan, packed, numbers_of_call, backend, lse)
     return prepared.bound(
         mask, fit=key, sinks=sinks, route=route, routed=packed is not None, explained=explained
     )
@@ -321,7 +321,7 @@ def _prepare(
 
 def _documents_plan(
     packed: Documents,
-    numeric: dict[str, float | None],
+    numbers: tuple[float | None, float | None, float],
     backend: str,
     need_lse: bool,
     row: Plan,
@@ -336,7 +336,9 @@ def _documents_plan(
     density the row's."""
     plans: dict[int, Plan] = {}
     for n in sorted({n for lengths in packed.lengths for n in lengths}):
-        call = normalize_call(q[:1, :, :n], k[:1, :, :n], v[:1, :, :n], packed.inner, **numeric)
+        scale, softcap, dropout_p = numbers
+        one = (q[:1, :, :n], k[:1, :, :n], v[:1, :, :n])  # (1, H|Hkv, n, D|Dv)
+        call = normalize_call(*one, packed.inner, scale=scale, softcap=softcap, dropout_p=dropout_p)
         plans[n] = plan_call(call, backend, need_lse=need_lse, verbose=verbose)
     counts: Counter[str] = Counter()
     work: Counter[str] = Counter()
