@@ -172,3 +172,16 @@ def test_a_call_without_non_finite_entries_runs_as_it_was():
 
     run_masking_values(call, run)
     assert runs[0] is call  # nothing to zero: the call as it was
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "reference", "blockwise"])
+def test_a_mask_broadcast_over_the_keys_keeps_it_to_its_rows(backend):
+    """A bool mask of one key column (the fuzz harness's case 57 of seed 48): the rows it
+    hides see nothing, the others every key."""
+    q, k, v = _inputs(torch.float32, "v", math.inf)
+    v[0, :, BAD + 1, 0] = math.nan  # two keys: the mask's one column stands for both
+    rows = torch.arange(L) % 3 != 0  # (L,): rows 0, 3, 6, ... see nothing
+    mask = rows.view(L, 1)  # (L, 1): broadcast over S
+    out = ak.attention(q, k, v, mask, backend=backend)
+    assert (out[:, :, ~rows] == 0).all()
+    assert (~torch.isfinite(out[0][:, rows])).any(-1).all() and torch.isfinite(out[1]).all()

@@ -179,13 +179,13 @@ def values_poison(seen: Tensor, values: Tensor) -> Tensor:
     `-inf` together, or NaN: NaN), 0 elsewhere.
 
     Args:
-        seen: (B|1, H|1, L|1, N) bool, the query row sees the key.
+        seen: (B|1, H|1, L|1, N|1) bool, the query row sees the key.
         values: (B|1, H|1, N, Dv) those keys' values (finite entries count for nothing).
 
     Returns:
         (B, H, L, Dv) float32, added to the sum of the finite values.
     """
-    hits = seen.to(torch.float32)
+    hits = seen.to(torch.float32).expand(*seen.shape[:-1], values.shape[-2])  # a mask of any S
 
     def reaches(where: Tensor) -> Tensor:  # (B, H, L, Dv): some seen key holds it
         return (hits @ where.to(torch.float32)) > 0
