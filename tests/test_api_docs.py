@@ -16,14 +16,14 @@ import torch
 
 import attnkit as ak
 
-REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference"  # a page a topic
 
 
 def _public() -> list[tuple[str, str, Any]]:
     """(module, name, object) of every name the reference page documents: a module's
     `__all__`, or the members its `::: module` entry lists."""
     found = []
-    text = REFERENCE.read_text()
+    text = "\n".join(page.read_text() for page in sorted(REFERENCE.glob("*.md")))
     for match in re.finditer(r"^::: ([\w.]+)\n((?:    .*\n)*)", text, re.MULTILINE):
         module = importlib.import_module(match.group(1))
         listed = re.search(r"members: \[([^\]]*)\]", match.group(2))
@@ -56,10 +56,18 @@ def _returns_something(obj: Any) -> bool:
     return annotation not in (None, "None", inspect.Signature.empty)
 
 
-def test_the_reference_page_lists_every_public_module():
+def test_the_reference_pages_list_every_public_module_and_name_once():
     modules = {m for m, _, _ in PUBLIC}
     assert {"attnkit", "attnkit.masks", "attnkit.dropins", "attnkit.widgets"} <= modules
     assert len(PUBLIC) >= 90
+    top = [n for m, n, _ in PUBLIC if m == "attnkit"]
+    assert len(top) == len(set(top))  # a name on one page
+    assert set(ak.__all__) - set(top) == {"flash_attn"}  # the module: its own entry
+
+
+def test_the_calls_page_opens_with_attention():
+    calls = (REFERENCE / "calls.md").read_text()
+    assert re.search(r"members: \[attention,", calls)
 
 
 @pytest.mark.parametrize(("module", "name", "obj"), DOCUMENTED, ids=lambda x: str(x)[:40])

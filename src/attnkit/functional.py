@@ -47,7 +47,7 @@ def attention(
     """Exact attention, on the fastest backend that can serve the call.
 
     Query head `h` reads key/value head `h // G`, G = H // Hkv (GQA); conventions:
-    [Design §2](DESIGN.md#2-semantics-that-never-change).
+    [Design §2][2-semantics-that-never-change].
 
     Args:
         q: (B, H, L, D) queries: float16, bfloat16, float32 or float64.

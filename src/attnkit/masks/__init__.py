@@ -5,7 +5,7 @@ evaluated by broadcasting `arange`s, so a causal mask over L=S=4 costs a (1, 1, 
 tensor and a key-padding mask a (B, 1, 1, S) one, and nothing needs to build the full
 (B, H, L, S) tensor unless asked to (`materialize`).
 
-Conventions ([Design §2](DESIGN.md#2-semantics-that-never-change)):
+Conventions ([Design §2][2-semantics-that-never-change]):
 - causal alignment `top_left`: `j <= i`; `bottom_right`: `j <= i + (S - L)`. They agree
   when L == S; when L != S you must choose one, attnkit never guesses.
 - `sliding_window(left, right)` is inclusive: a query sees `left + 1 + right` keys.

@@ -94,7 +94,7 @@ def causal(align: Align | None = None, *, offset: int | None = None) -> Mask:
     """Query `i` may attend to keys up to its own (aligned) position.
 
     With L == S both alignments agree and `align` may be left out; with L != S it must
-    be given: attnkit never guesses ([Design §2](DESIGN.md#2-semantics-that-never-change)).
+    be given: attnkit never guesses ([Design §2][2-semantics-that-never-change]).
 
     Args:
         align: `"top_left"`: key `j` visible to query `i` iff `j <= i` (SDPA's
