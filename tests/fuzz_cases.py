@@ -85,6 +85,7 @@ class Case:
     seed: int
     rows: tuple[int, ...] = ()  # rows asked of attention_probs
     flex: bool = False
+    leak: str | None = None  # "k" or "v": NaN at a key some rows see and others hide
 
     def __str__(self) -> str:
         return (
@@ -92,6 +93,7 @@ class Case:
             f"Dv={self.Dv} {str(self.dtype)[6:]} layouts={','.join(self.layouts)} "
             f"mask={self.mask} |logit|~{self.magnitude:g} scale={self.scale} "
             f"softcap={self.softcap} poison={self.poison} seed={self.seed}"
+            + (f" leak={self.leak}" if self.leak else "")
         )
 
 
@@ -292,6 +294,7 @@ def draw_case(draw: Draw, *, flex_percent: int = 0) -> Case:
         seed=draw.int(0, 2**31 - 1),
         rows=rows,
         flex=chance(draw, flex_percent),
+        leak=draw.choice((None, None, "k", "v")),  # drawn last: the other fields as before
     )
 
 

@@ -21,6 +21,7 @@ from attnkit.backends import backend_names
 from attnkit.documents import documents
 from attnkit.precision import HALF, compute_dtype, kernel_dtype
 from fuzz_cases import Built, Case, build
+from fuzz_leak import Leak, checked_gradients, checked_outputs, leak
 
 FUSED = ("sdpa", "tiled", "flex", "auto")
 # flex compiles for seconds a shape: only the cases that ask (`case.flex`) run it
@@ -244,6 +245,16 @@ def run_case(case: Case, only: tuple[str, ...] = ()) -> list[Outcome]:
             )
             result.backend, result.what = backend, result.what or what
             outcomes.append(result)
+    leaked = leak(case, b)
+    for backend in names if leaked is not None else ():
+        for what in ("leak forward", "leak backward"):
+            result = _call(
+                lambda backend=backend, what=what: _check_leak(
+                    case, b, leaked, truth, ref, backend, what, kwargs
+                )
+            )
+            result.backend, result.what = backend, what
+            outcomes.append(result)
     checks = (("probs", _check_probs), ("explain", _check_explain), ("blocks", _check_blocks))
     for what, fn in () if only else checks:
         result = _call(lambda fn=fn: fn(case, b, truth, ref, kwargs))  # type: ignore[misc]
@@ -311,6 +322,35 @@ def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str,
     problems = [
         compare(n, g, t, r, dtype, x, truth.max_logit)
         for n, g, t, r, x in zip(names, got, want, ref_grads, slack, strict=True)
+    ]
+    return _outcome(what, problems)
+
+
+def _check_leak(
+    case: Case,
+    b: Built,
+    leaked: Leak,
+    truth: Truth,
+    ref: Truth,
+    backend: str,
+    what: str,
+    kwargs: dict[str, float | None],
+) -> Outcome:
+    """`fuzz_leak`: the rows and keys a NaN at a key some rows hide may not reach keep the
+    rule against the truth of the clean inputs."""
+    moved = reordered(backend, b.mask, b.q, b.k)
+    rounding = _rounding(case, truth, backend) if moved else 0.0
+    if what == "leak forward":
+        out, problems = checked_outputs(backend, leaked, b.mask, kwargs, truth.out)
+        slack = rounding * truth.sensitivity_out
+        problems.append(compare("out", out, truth.out, ref.out, case.dtype, slack, truth.max_logit))
+        return _outcome(what, problems)
+    grads = checked_gradients(backend, leaked, b.mask, kwargs, b.dout, truth.grads)
+    problems = [
+        compare(n, g, t, r, case.dtype, rounding * x, truth.max_logit)
+        for n, g, t, r, x in zip(
+            ("dq", "dk", "dv"), grads, truth.grads, ref.grads, truth.sensitivity, strict=True
+        )
     ]
     return _outcome(what, problems)
 
