@@ -67,6 +67,7 @@ def test_benchmarks_page_names_the_command_and_cpu_of_each_table(site: Path):
     for path in included:
         assert (ROOT / path).exists(), path
     for command in ("make bench", "benchmarks/small_calls.py", "benchmarks/dropins.py",
+                    "benchmarks/masked_values.py",
                     "benchmarks/block_mask.py", "benchmarks/paged.py",
                     "benchmarks/context_parallel.py"):  # fmt: skip
         assert command in page, command
