@@ -55,6 +55,27 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def test_explain_plans_without_the_inputs_values(monkeypatch, capsys):
+    """The command's q, k, v hold one row of numbers (planning reads sizes, strides and
+    dtypes), so a long call costs no L·D memory; the plan keeps the full-size shapes."""
+    made = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: made.append(a) or real_empty(*a, **kw))
+    assert main(["explain", "causal", "-L", "100000", "--dim", "64"]) == 0
+    assert "q (1, 8, 100000, 64)" in capsys.readouterr().out
+    assert made[0] == (64,)  # one row, expanded to q, k, v
+    assert not any(100_000 in size for size in made)  # nothing of L allocated for them
+
+
+@pytest.mark.slow
+def test_explain_a_call_of_a_hundred_million_queries():
+    """`attnkit explain causal -L 100000000` plans (q, k, v of 200 GB never exist)."""
+    command = [sys.executable, "-m", "attnkit.cli", "explain", "causal", "-L", "100000000"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "q (1, 8, 100000000, 64)" in done.stdout and "chosen" in done.stdout
+
+
 def test_version_names_attnkit_and_torch(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])

@@ -52,7 +52,8 @@ class BlockwiseBackend(Backend):
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d = call.dims
         rows = _rows(call)
-        pairs = sum((hi - lo) * (r1 - r0) for r0, r1, lo, hi in _blocks(call, rows))
+        first, last, lo, hi = _block_bounds(call, rows)  # (T,) each
+        pairs = int(((hi - lo).clamp(min=0) * (last + 1 - first)).sum())
         factors = self.factors()
         return factors["pair"] * d.B * d.H * pairs + factors["call"] * math.ceil(d.L / rows)
 
@@ -127,14 +128,17 @@ def _rows(call: AttentionCall) -> int:
 
 def _blocks(call: AttentionCall, rows: int) -> list[tuple[int, int, int, int]]:
     """(r0, r1, lo, hi) of each block: its rows and the keys any batch row's may see."""
+    bounds = (t.tolist() for t in _block_bounds(call, rows))
+    return [(f, t + 1, a, b) for f, t, a, b in zip(*bounds, strict=True)]
+
+
+def _block_bounds(call: AttentionCall, rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Each block's first and last row and the keys [lo, hi) any batch row's may see,
+    (T,) each: tensors, so pricing a call of any length walks no block in Python."""
     d = call.dims
     first = torch.arange(0, d.L, rows)
     last = (first + rows).clamp(max=d.L) - 1
     if call.mask is None:
-        lo, hi = torch.zeros_like(first), torch.full_like(first, d.S)
-    else:
-        lo_b, hi_b = key_bounds(call.mask, d.B, d.L, d.S, first, last)  # (B|1, T)
-        lo, hi = lo_b.amin(0), hi_b.amax(0)
-    return [
-        (int(f), int(t) + 1, int(a), int(b)) for f, t, a, b in zip(first, last, lo, hi, strict=True)
-    ]
+        return first, last, torch.zeros_like(first), torch.full_like(first, d.S)
+    lo_b, hi_b = key_bounds(call.mask, d.B, d.L, d.S, first, last)  # (B|1, T)
+    return first, last, lo_b.amin(0), hi_b.amax(0)
