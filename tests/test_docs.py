@@ -101,3 +101,13 @@ def test_the_first_example_prints_the_plan_its_page_shows(page, section):
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert done.stdout == shown
+
+
+def test_a_page_named_in_the_text_is_a_link():
+    """ "the Benchmarks page" and its kind link to the page they name."""
+    titles = ("Benchmarks", "Conventions", "Design", "Backends")
+    for page in (ROOT / "docs").glob("*.md"):
+        text = page.read_text()
+        for title in titles:
+            bare = re.findall(rf"(?<!\[)\b[Tt]he {title} page", text)
+            assert not bare, f"{page.name}: 'the {title} page' is no link"
