@@ -116,6 +116,7 @@ def weights_and_lse(
     # (a hidden score's gradient is 0, and 0·NaN would reach the row through q·kᵀ)
     finite = torch.isfinite(k).all(-1)  # (B, H, S)
     broken = None if bool(finite.all()) else ~finite.unsqueeze(2)  # (B, H, 1, S)
+    # (a row hides a key by the mask or by a bias of -inf)
     if broken is not None:
         k = torch.where(broken.transpose(-2, -1), 0.0, k)
     scores = (q.to(compute) @ k.transpose(-2, -1)) * scale  # (B, H, L, S)
@@ -126,7 +127,7 @@ def weights_and_lse(
     if visible is not None:
         scores = scores.masked_fill(~visible, -torch.inf)
     if broken is not None:
-        seen = broken if visible is None else broken & visible  # (B, H, L, S)
+        seen = broken & effective_visibility(visible, bias)  # (B, H, L, S)
         scores = scores.masked_fill(seen, torch.nan)
     return softmax_with_lse(scores)
 
