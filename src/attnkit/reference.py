@@ -127,7 +127,8 @@ def weights_and_lse(
     if visible is not None:
         scores = scores.masked_fill(~visible, -torch.inf)
     if broken is not None:
-        seen = broken & effective_visibility(visible, bias)  # (B, H, L, S)
+        hidden_by = effective_visibility(visible, bias)
+        seen = broken if hidden_by is None else broken & hidden_by  # (B, H, L, S)
         scores = scores.masked_fill(seen, torch.nan)
     return softmax_with_lse(scores)
 
