@@ -15,7 +15,7 @@ against the same module with SDPA; compiled training steps of `examples/tiny_gpt
 model against the same model with SDPA; transformers `generate` tokens/s of a tiny
 Llama with `attn_implementation` attnkit, sdpa and eager (B=1, and B=4 left-padded).
 
-    python benchmarks/small_calls.py                       # everything, about 15 minutes
+    python benchmarks/small_calls.py     # everything, about 15 minutes: small_calls_<kind>.md
     python benchmarks/small_calls.py --parts decode --batches 1 --sizes 512 --runs 50
 """
 
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from bench import cpu_description  # beside this file
 
 import attnkit as ak
+from attnkit._compat import cpu_kind
 from attnkit.benchmark import round_robin
 
 H, HKV, D = 8, 2, 64
@@ -67,6 +68,7 @@ def decode_row(B: int, S: int, padded: bool, runs: int) -> dict[str, Any]:
         "prepared_us": times["prepared"] * 1e6,
         "prepared_ratio": times["sdpa"] / times["prepared"],
         "prepared_overhead_us": (times["prepared"] - times["sdpa"]) * 1e6,
+        "picks": ak.explain(q, k, v, mask).backend,
     }  # fmt: skip
 
 
@@ -265,7 +267,8 @@ def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
     cpu = meta["cpu"]
     features = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())
     lines = [
-        f"CPU: {cpu['model']} ({features}); torch {meta['torch']}, {meta['threads']} threads; "
+        f"CPU kind: **{meta['kind']}** ({cpu['model']}: {features}); torch {meta['torch']}, "
+        f"{meta['threads']} threads; "
         f"medians of round-robin runs (× SDPA: the plain call's time over attnkit's, >= 1 "
         "means attnkit is at least as fast).",
     ]
@@ -273,16 +276,17 @@ def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
         lines += [
             "",
             f"Decode step, H={H}, Hkv={HKV}, D={D}, L=1, float32, {meta['runs']} calls; "
-            "overhead: attnkit's time minus SDPA's (the same kernel), µs; prepared: the "
+            "overhead: attnkit's time minus SDPA's, µs; prepared: the "
             "call of `attnkit.prepare(...)` a model's layers of one step share.",
             "",
-            "| B | S | padding | SDPA (µs) | attnkit (µs) | × SDPA | overhead (µs) "
+            "| B | S | padding | SDPA (µs) | attnkit (µs) | picks | × SDPA | overhead (µs) "
             "| prepared (µs) | × SDPA | overhead (µs) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [
             f"| {r['B']} | {r['S']} | {'yes' if r['padding'] else 'no'} | {r['sdpa_us']:.0f} | "
-            f"{r['attnkit_us']:.0f} | {r['ratio']:.2f} | {r['overhead_us']:.0f} | "
+            f"{r['attnkit_us']:.0f} | {r.get('picks', '')} | {r['ratio']:.2f} | "
+            f"{r['overhead_us']:.0f} | "
             f"{r['prepared_us']:.0f} | {r['prepared_ratio']:.2f} | "
             f"{r['prepared_overhead_us']:.1f} |"
             for r in results["decode"]
@@ -333,7 +337,7 @@ def main() -> int:
     parser.add_argument("--model-runs", type=int, default=7, help="runs of the model rows")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    meta = {"cpu": cpu_description(), "torch": torch.__version__,
+    meta = {"cpu": cpu_description(), "kind": cpu_kind(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "runs": args.runs}  # fmt: skip
     results: dict[str, Any] = {}
     if "decode" in args.parts:
@@ -355,9 +359,10 @@ def main() -> int:
     if "generate" in args.parts:
         results["generate"] = generate_rows(args.model_runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "small_calls.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
+    name = f"small_calls_{cpu_kind()}"  # one table per kind of CPU
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
     table = markdown(meta, results)
-    (args.out / "small_calls.md").write_text(table)
+    (args.out / f"{name}.md").write_text(table)
     print(table)
     return 0
 

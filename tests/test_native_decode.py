@@ -88,21 +88,33 @@ def test_span_kernel_without_spans_sees_every_key(dtype):
     assert torch.equal(dense[0], spanned[0]) and torch.equal(dense[1], spanned[1])
 
 
-def test_auto_routes_a_float32_decoding_step_by_its_shared_reads():
-    """A float32 step whose B·G query heads share each key read at least SHARED_READS
-    times (GQA) runs on the kernel, unpriced, at every key length (the exact result); one
-    sequence's step, and MHA, stay with SDPA."""
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(
+    ("B", "H", "Hkv", "S", "backend"),
+    [
+        (4, 8, 2, 300, "native"),  # B·G·bucket(S) = 16·512: the shared reads pay
+        (4, 8, 2, 40, "sdpa"),  # 16·64
+        (1, 8, 2, 1000, "sdpa"),  # 4·1024: one sequence's step of a short cache
+        (1, 8, 2, 1500, "native"),  # 4·2048
+        (32, 8, 8, 1500, "sdpa"),  # MHA: the two run about even
+    ],
+)
+def test_auto_routes_a_float32_decoding_step_by_its_shared_reads(B, H, Hkv, S, backend, padded):
+    """A float32 GQA step whose B·G query heads sharing each key read times the key
+    length's bucket reach SHARED_KEYS runs on the kernel, unpriced, padded or not (the
+    exact result); a shorter one, and MHA, stay with SDPA."""
     import attnkit as ak
-    from attnkit.backends.native import SHARED_READS
+    from attnkit.backends.native import SHARED_KEYS
+    from attnkit.steps import bucket
 
+    assert (H > Hkv and B * H // Hkv * bucket(S) >= SHARED_KEYS) == (backend == "native")
     mask = ak.causal(align="bottom_right")
+    if padded:
+        mask = mask & ak.key_padding(torch.arange(B) * 7 % (S // 2) + S // 2)
     g = torch.Generator().manual_seed(4)
-    for B, H, Hkv, backend in ((4, 8, 2, "native"), (1, 8, 2, "sdpa"), (32, 8, 8, "sdpa")):
-        assert (H > Hkv and B * H // Hkv >= SHARED_READS) == (backend == "native")
-        q = torch.randn(B, H, 1, 32, generator=g)
-        k, v = (torch.randn(B, Hkv, 300, 32, generator=g) for _ in range(2))
-        for S in (40, 300):
-            assert f"backend '{backend}'" in str(ak.explain(q, k[:, :, :S], v[:, :, :S], mask))
-            got = ak.attention(q, k[:, :, :S], v[:, :, :S], mask)
-            want = ak.attention(q, k[:, :, :S], v[:, :, :S], mask, backend="reference")
-            assert (got - want).abs().max() < 1e-5
+    q = torch.randn(B, H, 1, 32, generator=g)
+    k, v = (torch.randn(B, Hkv, S, 32, generator=g) for _ in range(2))
+    assert f"backend '{backend}'" in str(ak.explain(q, k, v, mask))
+    got = ak.attention(q, k, v, mask)
+    want = ak.attention(q, k, v, mask, backend="reference")
+    assert (got - want).abs().max() < 1e-5

@@ -12,15 +12,19 @@ anew, by its value with its tensors' identity; held weakly: they go when the mas
 its tensors go), at most `PREPARED_PER_MASK` each, and never hold the mask or q, k, v
 themselves.
 
-A call where every query sees every key by the mask's structure alone (a decoding step:
-bottom-right causal at L = 1; no mask) runs one unmasked kernel whatever the mask and the
-number of keys S: kept under a key without either (`_any_length_key`, beside the calls without a
-mask), it serves the next step of a growing cache (one more key, a new mask
-object each step: transformers builds one per forward) with no validation or planning
-but its own checks.
+A decoding step (`attnkit.steps`: few queries, a mask that sees every key but key
+padding) is planned once per bucket of S, the power of two at or above it: its plan is
+kept under a key without the mask or S (`_step_key`, beside the calls without a mask)
+and serves the next steps of a growing cache (one more key, a new mask object each
+step: transformers builds one per forward) with no validation or planning but its own
+checks. A *dense* step (every key seen: bottom-right causal at L = 1; no mask) runs its
+plan's unmasked kernel whatever the mask; a *padded* step makes its call from the mask
+it is given and runs it on its plan's backend (`Prepared.at_length`), where that backend
+can serve it. The backend of a step is chosen by a rule that reads S only by its
+bucket (`Backend.takes_step`), so a plan made afresh chooses the backend that served it.
 
 Bounds: `PREPARED_PER_MASK` fits per mask, four times that for calls without a mask, and
-`permask.STRUCTURES_KEPT` masks found by value. The any-length key checks only what it
+`permask.STRUCTURES_KEPT` masks found by value. The step key checks only what it
 leaves out: S >= 1, the same S in k and v, and the mask's own check. The compiled op and
 the context-parallel pieces' backward take their calls from this cache too (the op's
 implementation plans as if autograd recorded: `grad=`). The planner computes only the
@@ -41,8 +45,10 @@ from torch import Tensor
 from attnkit.bounded import Bounded
 from attnkit.contracts import normalize_call
 from attnkit.masks import Mask
-from attnkit.permask import PerMask
-from attnkit.prepared import MaskTensors, Prepared, fit, inputs_kind, prepare_call
+from attnkit.permask import MaskTensors, PerMask
+from attnkit.planner import step_order
+from attnkit.prepared import Prepared, fit, inputs_kind, prepare_call
+from attnkit.steps import StepKind, bucket, step_kind
 
 __all__ = ["PREPARED_PER_MASK", "StepCalls", "attention_call", "clear", "prepared_call"]
 
@@ -144,15 +150,16 @@ def _lookup(
     grad: bool | None,
     any_length_ok: bool,
 ) -> Prepared:
-    """`prepared_call`; `any_length_ok`: a decoding step may be served by a call
-    prepared for another S (then only `run` it: its sizes are another's)."""
+    """`prepared_call`; `any_length_ok`: a decoding step may be served by the plan of a
+    step of its bucket (then only `run` it: a dense step's sizes are another's). A step
+    planned here serves the later steps of its bucket either way."""
     plain = type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-    any_length = None
-    if any_length_ok and plain and grad is None and (mask is None or isinstance(mask, Mask)):
-        any_length = _any_length_key(q, k, v, mask, options)
-        prepared = None if any_length is None else _CALLS.of(None).plans.get(any_length)
-        if prepared is not None:
-            return prepared
+    steps = plain and grad is None and (mask is None or isinstance(mask, Mask))
+    kind: StepKind = "dense"
+    step = _step_key(q, k, v, mask, options, kind) if steps else None  # type: ignore[arg-type]
+    step_plan = None if step is None or not any_length_ok else _CALLS.of(None).plans.get(step)
+    if step_plan is not None:  # a dense step: the kernel of its bucket
+        return step_plan
     calls = _calls_of(mask)
     plain = plain and calls is not None
     key = None
@@ -160,13 +167,37 @@ def _lookup(
         state = calls.state()  # type: ignore[union-attr]
         key = fit(q, k, v, q.shape, k.shape, v.shape, state, options, grad)
     prepared = None if key is None else calls.plans.get(key)  # type: ignore[union-attr]
+    if prepared is None and steps and step is None:  # a padded step: its bucket's backend
+        kind = "padded"
+        step = _step_key(q, k, v, mask, options, kind)  # type: ignore[arg-type]
+        step_plan = None if step is None or not any_length_ok else _CALLS.of(None).plans.get(step)
+        if step_plan is not None:
+            prepared = step_plan.at_length(q, k, v, mask)  # type: ignore[arg-type]
+        if prepared is not None:
+            if key is not None:
+                calls.plans.put(key, prepared)  # type: ignore[union-attr]
+            return prepared
     if prepared is None:
         prepared = _prepared(q, k, v, mask, options, key, grad)
         if key is not None:
             calls.plans.put(key, prepared)  # type: ignore[union-attr]
-    if any_length is not None and prepared.kernel is not None and prepared.kernel.serves_any_length:
-        _CALLS.of(None).plans.put(any_length, prepared)  # any mask that sees every key
+    if step is not None and _serves_steps(prepared, kind, q, k, v, mask):
+        _CALLS.of(None).plans.put(step, prepared)  # the steps of its bucket, any mask
     return prepared
+
+
+def _serves_steps(
+    prepared: Prepared, kind: StepKind, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg
+) -> bool:
+    """Whether a step's plan serves the later steps of its bucket: a dense step's kernel
+    that takes any S; a padded step's backend where the rule put it first (a backend
+    the rule would take but this mask's tensors refused is no answer for the next)."""
+    if kind == "dense":
+        return prepared.kernel is not None and prepared.kernel.serves_any_length
+    if prepared.backend is None:
+        return False
+    order = step_order(prepared.call(q, k, v, mask)) if prepared.asked == "auto" else []
+    return prepared.asked != "auto" or (bool(order) and order[0] is prepared.backend)
 
 
 def _prepared(
@@ -195,14 +226,20 @@ def _prepared(
     )  # fmt: skip
 
 
-def _any_length_key(
-    q: Tensor, k: Tensor, v: Tensor, mask: Mask | None, options: tuple[object, ...]
+def _step_key(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Mask | None,
+    options: tuple[object, ...],
+    kind: StepKind,
 ) -> tuple[object, ...] | None:
-    """The key of a call any S serves, or None where the call is not one: a mask with a bias,
-    one that may hide a pair whatever its tensors hold (`sees_all`), no keys, or k and v
-    of other lengths. The key holds no mask (any mask that sees every key runs the same
-    unmasked kernel) and no S; what it leaves out is checked here: S >= 1, the same in k
-    and v, and the mask's own check for it."""
+    """The key of a decoding step of `kind` (`steps.step_kind`: every key seen, or key
+    padding alone), or None where the call is not one: a bias, no keys, k and v of other
+    lengths, the log-sum-exp asked. The key holds no mask (a dense step runs the same
+    unmasked kernel under any mask that sees every key; a padded step makes its call
+    from the mask it is given) and S only by its bucket; what it leaves out is checked
+    here: S >= 1, the same in k and v, and the mask's own check."""
     _, _, _, _, need_lse, _ = options  # scale, softcap, dropout_p, backend, ..., check_bias
     if need_lse:  # no kernel
         return None
@@ -216,14 +253,16 @@ def _any_length_key(
         if mask.has_bias:
             return None
         try:
-            if not mask.sees_all(L, S):
+            if ("dense" if mask.sees_all(L, S) else step_kind(mask, L, S)) != kind:
                 return None
             mask.check(q_shape[0], q_shape[1], L, S)
         except (ValueError, TypeError):  # the full path raises it, in its order
             return None
+    elif kind != "dense":
+        return None
     k_rest = (k_shape[0], k_shape[1], k_shape[3])  # (B, Hkv, D): S left out
     v_rest = (v_shape[0], v_shape[1], v_shape[3])
-    return fit(q, k, v, q_shape, k_rest, v_rest, (), options)
+    return fit(q, k, v, q_shape, k_rest, v_rest, (kind, bucket(S)), options)
 
 
 # ------------------------------------------------------------------ the cache

@@ -246,6 +246,9 @@ def prepare(
     Returns:
         A `Prepared`: call it as `attention`, `.with_lse` as `attention_with_lse`; a
         call whose inputs do not fit raises `PreparedMismatchError`, naming what changed.
+        A decoding step's call (`attnkit.steps`: few queries, a mask that sees every
+        key but key padding) takes k and v of any length S, the cache growing step by
+        step, planned once per bucket of S as `attention` plans it.
 
     Raises:
         ShapeContractError: and the other errors of `attention`, for the same causes.

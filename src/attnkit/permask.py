@@ -18,6 +18,10 @@ A mask's value is its public attributes (`Mask._fields`); what a kind remembers 
 itself (the caller's tensor, a tensor mask's row intervals per version) is private and
 no part of it. The caller's tensor is kept by every wrapper `as_mask` makes of it
 (`masks.tensor.given_tensor`).
+
+`MaskTensors` finds the tensors a mask's state is made of once, and gives that state
+(`mask_state`: their identity, version and size), which every key of a prepared call
+holds.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from attnkit.masks import Mask
 from attnkit.masks.structure import value_key
 from attnkit.masks.tensor import given_tensor
 
-__all__ = ["STRUCTURES_KEPT", "PerMask"]
+__all__ = ["STRUCTURES_KEPT", "MaskTensors", "PerMask", "mask_state"]
+
+MaskArg = Mask | Tensor | None
 
 STRUCTURES_KEPT = 64  # masks remembered by value, per cache
 
@@ -116,3 +122,54 @@ class PerMask(Generic[H]):
                 by_value.pop(key)
 
         return drop
+
+
+# ------------------------------------------------------------------ a mask's state
+
+
+class MaskTensors:
+    """The tensors a mask's state is made of, found once: the caller's tensor given as
+    the mask (or wrapped by `as_mask`), else every tensor the mask holds. `weak`: they
+    are held weakly (a cache keyed by them must not keep them alive; it is asked while
+    the mask lives)."""
+
+    def __init__(self, mask: MaskArg, *, weak: bool = False) -> None:
+        given = mask if isinstance(mask, Tensor) else None
+        if isinstance(mask, Mask):
+            given = given_tensor(mask)
+        self._given = given is not None
+        tensors: tuple[Tensor, ...] = (given,) if given is not None else ()
+        if given is None and isinstance(mask, Mask):
+            tensors = mask.tensors()
+        self._tensors = tuple(map(weakref.ref, tensors)) if weak else tuple(map(_Kept, tensors))
+        self.has_tensors = bool(tensors)  # a mask of numbers alone: its state is ()
+
+    def state(self) -> tuple[object, ...]:
+        """The identity, version and size of each: a tensor changed in place has a new
+        version, so a key that holds it finds nothing."""
+        tensors = [ref() for ref in self._tensors]
+        if any(t is None for t in tensors):  # gone: a state no key holds
+            return (object(),)
+        if self._given:
+            given = tensors[0]
+            assert given is not None  # found by it: alive
+            return (given.data_ptr(), given._version, given.shape, given.stride(),
+                    given.dtype, given.device)  # fmt: skip
+        return tuple((t.data_ptr(), t._version, t.shape) for t in tensors if t is not None)
+
+
+class _Kept:
+    """A tensor held strongly, read as a weak reference is (`kept()`)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def __call__(self) -> Tensor:
+        return self.tensor
+
+
+def mask_state(mask: MaskArg) -> tuple[object, ...]:
+    """`MaskTensors(mask).state()`: what a fit holds of the mask."""
+    return MaskTensors(mask).state()

@@ -21,8 +21,9 @@ from attnkit import cost
 from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
 from attnkit.contracts import AttentionCall
 from attnkit.masks.structure import count_allowed_pairs
+from attnkit.steps import step_of
 
-__all__ = ["Plan", "backend_for_run", "choose_backend", "cost_summary", "plan_call"]
+__all__ = ["Plan", "backend_for_run", "choose_backend", "cost_summary", "plan_call", "step_order"]
 
 WIDTH = 88  # `print(plan)`'s lines at most (a terminal, the docs' code blocks)
 
@@ -130,8 +131,8 @@ def _human_bytes(n: int) -> str:
 
 def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backend:
     """The backend `choose_backend` would choose, without the reasons for the others. A
-    dense call (`is_dense`: decoding steps among them) goes straight to a backend that
-    `takes_dense` it, else to the one whose dense kernel is the cheapest per pair
+    dense call or a decoding step (`steps.step_of`) goes straight to a backend that
+    `takes_step` it, else to the one whose dense kernel is the cheapest per pair
     (`Backend.dense_fastest`: sdpa), where it can serve it. A prepared call keeps the
     choice."""
     if name == "auto" and (backend := _dense_shortcut(call, need_lse)) is not None:
@@ -139,13 +140,19 @@ def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backen
     return _pick(call, name, need_lse)[0]
 
 
+def step_order(call: AttentionCall) -> list[Backend]:
+    """The backends a dense call or decoding step runs on unpriced, in order (the first
+    that can serve it); [] for a call that is priced. Reads neither the mask's tensors
+    nor S but by its bucket: the same for every step of a bucket."""
+    if call.softcap is not None or not (call.is_dense or step_of(call) is not None):
+        return []
+    takers = [b for b in BACKENDS.values() if b.takes_step(call)]
+    return takers + [b for b in BACKENDS.values() if b.dense_fastest]
+
+
 def _dense_shortcut(call: AttentionCall, need_lse: bool) -> Backend | None:
-    """The backend a dense call runs on unpriced, or None (priced)."""
-    if not call.is_dense or call.softcap is not None:
-        return None
-    takers = [b for b in BACKENDS.values() if b.takes_dense(call)]
-    fastest = [b for b in BACKENDS.values() if b.dense_fastest]
-    for backend in takers + fastest:  # a backend that takes this call comes first
+    """The backend a dense call or decoding step runs on unpriced, or None (priced)."""
+    for backend in step_order(call):  # a backend that takes this call comes first
         if backend.can_use(call, need_lse=need_lse) is None:
             return backend
     return None
@@ -190,9 +197,10 @@ def choose_backend(
     shortcut = _dense_shortcut(call, need_lse) if name == "auto" else None
     if shortcut is not None and shortcut is not backend:
         own = max(costs.get(shortcut.name, 1.0), 1.0)
+        kind = "a dense call" if call.is_dense else "a decoding step"
         for n, estimate in costs.items():  # explain says what runs: the dense call's rule
             reasons[n] = (
-                f"a dense call runs on '{shortcut.name}' unpriced "
+                f"{kind} runs on '{shortcut.name}' unpriced "
                 f"(estimated {estimate / own:.1f}× its cost)"
             )
         reasons[shortcut.name] = None

@@ -23,9 +23,9 @@ is shared by every `AttentionCall` it builds.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -37,15 +37,14 @@ from attnkit.errors import PreparedMismatchError
 from attnkit.execute import execute
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
-from attnkit.masks.tensor import given_tensor
+from attnkit.permask import MaskTensors, mask_state
 from attnkit.planner import Plan, backend_for_run, plan_call
 from attnkit.precision import HALF, kernel_dtype
 from attnkit.softmax import add_sinks
+from attnkit.steps import step_kind, step_padding
 from attnkit.visibility import all_finite, may_leak
 
-__all__ = [
-    "FIT_FIELDS", "Prepared", "fit", "inputs_kind", "mask_state", "prepare_call",
-]  # fmt: skip
+__all__ = ["FIT_FIELDS", "Prepared", "fit", "inputs_kind", "mask_state", "prepare_call"]
 
 MaskArg = Mask | Tensor | None
 Route = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
@@ -64,6 +63,7 @@ FIT_FIELDS = (
     "the backends registered and their state",
 )  # fmt: skip
 _STRIDES = range(3, 6)  # other strides: the same call without the prepared kernel
+_LENGTHS = {1, 2}  # k's and v's shapes: a decoding step's cache grows
 _VERSION = len(FIT_FIELDS) - 1  # a backend turning warm: the plan is still exact
 
 
@@ -107,54 +107,6 @@ def inputs_kind(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
         q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
         v.dtype, q.device, k.device, v.device,
     )  # fmt: skip
-
-
-class MaskTensors:
-    """The tensors a mask's state is made of, found once: the caller's tensor given as
-    the mask (or wrapped by `as_mask`), else every tensor the mask holds. `weak`: they
-    are held weakly (a cache keyed by them must not keep them alive; it is asked while
-    the mask lives)."""
-
-    def __init__(self, mask: MaskArg, *, weak: bool = False) -> None:
-        given = mask if isinstance(mask, Tensor) else None
-        if isinstance(mask, Mask):
-            given = given_tensor(mask)
-        self._given = given is not None
-        tensors: tuple[Tensor, ...] = (given,) if given is not None else ()
-        if given is None and isinstance(mask, Mask):
-            tensors = mask.tensors()
-        self._tensors = tuple(map(weakref.ref, tensors)) if weak else tuple(map(_Kept, tensors))
-        self.has_tensors = bool(tensors)  # a mask of numbers alone: its state is ()
-
-    def state(self) -> tuple[object, ...]:
-        """The identity, version and size of each: a tensor changed in place has a new
-        version, so a key that holds it finds nothing."""
-        tensors = [ref() for ref in self._tensors]
-        if any(t is None for t in tensors):  # gone: a state no key holds
-            return (object(),)
-        if self._given:
-            given = tensors[0]
-            assert given is not None  # found by it: alive
-            return (given.data_ptr(), given._version, given.shape, given.stride(),
-                    given.dtype, given.device)  # fmt: skip
-        return tuple((t.data_ptr(), t._version, t.shape) for t in tensors if t is not None)
-
-
-class _Kept:
-    """A tensor held strongly, read as a weak reference is (`kept()`)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-
-    def __call__(self) -> Tensor:
-        return self.tensor
-
-
-def mask_state(mask: MaskArg) -> tuple[object, ...]:
-    """`MaskTensors(mask).state()`: what a fit holds of the mask."""
-    return MaskTensors(mask).state()
 
 
 class Prepared:
@@ -229,6 +181,23 @@ class Prepared:
                 return out, None
         call = self.call(q, k, v, mask)
         return execute(call, self.backend, need_lse=self.need_lse, finite=finite)
+
+    def at_length(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | None) -> Prepared | None:
+        """The plan of a decoding step of this one's bucket (`attnkit.steps`: another S, a
+        mask of the same kind, checked by the caller): this backend, its call made anew;
+        None where the backend cannot serve it (the full path plans it)."""
+        q, k, v, scale = normalize_inputs(q, k, v, self.scale)
+        dims = replace(self.dims, S=k.shape[2])
+        if mask is not None:  # what it sees: its key paddings (the rest sees every key)
+            mask = step_padding(mask, dims.L, dims.S) or mask
+        call = AttentionCall(q, k, v, mask, None, scale, self.softcap, self.dropout_p, dims)
+        assert self.backend is not None  # a step is never empty
+        if self.backend.can_use(call, need_lse=self.need_lse) is not None:
+            return None
+        asked, need_lse = self.asked, self.need_lse
+        return Prepared(
+            None, call, self.backend, asked=asked, need_lse=need_lse, scale=self.scale, kernel=None
+        )
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> AttentionCall:
         """The `AttentionCall` of new inputs: what `normalize_call` would give (unchecked:
@@ -349,6 +318,8 @@ class Prepared:
         assert now is not None  # the options are the prepared call's own
         changed = [i for i, (a, b) in enumerate(zip(now, self.fit, strict=True)) if a != b]
         wrong = [i for i in changed if i not in _STRIDES and i != _VERSION]
+        if wrong and set(wrong) <= _LENGTHS and self._grows(k.shape, v.shape):
+            return self._with_sinks(*self._route(q, k, v))  # a step's cache grew
         if wrong:
             i = wrong[0]
             raise PreparedMismatchError(
@@ -360,6 +331,20 @@ class Prepared:
             return self._with_sinks(*self._route(q, k, v))
         out, lse = execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
         return self._with_sinks(out, lse)  # other strides: the kernel takes none as given
+
+    def _grows(self, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> bool:
+        """k and v of this decoding step's sizes but S (`attnkit.steps`: the cache grew)."""
+        assert self.fit is not None
+        k_was, v_was = cast(torch.Size, self.fit[1]), cast(torch.Size, self.fit[2])
+        if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[2] != v_shape[2]:
+            return False
+        mask = self._bound_mask()
+        return (
+            (k_shape[:2], k_shape[3], v_shape[:2], v_shape[3])
+            == (k_was[:2], k_was[3], v_was[:2], v_was[3])
+            and not isinstance(mask, Tensor)
+            and step_kind(mask, self.dims.L, self.dims.S) is not None
+        )
 
     def _fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """The fit of plain tensors (what `fit` would build, but the options, the prepared

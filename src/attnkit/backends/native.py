@@ -17,7 +17,6 @@ compiler, a failed build, `ATTNKIT_NATIVE=off`) it refuses with the reason.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,22 +32,32 @@ from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
 from attnkit.native.backward import span_backward
 from attnkit.native.loader import version as kernels_version
-from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward, spans
+from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward
 from attnkit.precision import HALF
+from attnkit.steps import DECODE_ROWS, bucket, step_of
 
 __all__ = ["NativeBackend"]
 
 BIG = 2**62  # past any key index
-DECODE_ROWS = 16  # a call of at most this many queries is priced as a decoding step
-SHARED_READS = 16  # a float32 decoding step's B·G from which the kernel takes it unpriced
+SHARED_KEYS = 8192  # a float32 decoding step's B·G·bucket(S) from which the kernel takes it
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What the kernel reads of a call's mask: each row's key interval (`visible`; None:
+    every key, a dense call) and the mask's ALiBi per row (None: no bias)."""
+
+    visible: Spans | None
+    bias: ALiBi | None = None
 
 
 @dataclass(frozen=True)
 class Tiles:
-    """A call's spans (B, L), its blocking (`ops.blocking`), and per batch row and tile of
-    `rows` queries the hull of their intervals (start, width: (B, tiles))."""
+    """The work of a call's blocking (`ops.blocking`): per batch row and tile of `rows`
+    queries the hull of their intervals (start, width: (B, tiles)), what the cost model
+    and `explain` read (a run needs only `Rows`)."""
 
-    visible: Spans
+    L: int
     rows: int
     keys: int
     group_rows: int
@@ -56,16 +65,14 @@ class Tiles:
     widths: Tensor
     pairs: int  # query-key pairs computed per head: every block's or group's rows by its keys
     pieces: int  # per K/V head: the whole blocks (a GEMM pair each) and the cut groups
-    bias: ALiBi | None = None  # the mask's ALiBi, per row
 
     @property
     def hulls(self) -> tuple[tuple[int, int, int, int, int], ...]:
         """Each tile: (batch, first row, rows, hull start, hull width); width 0: no key."""
         B, tiles = self.widths.shape
-        L = self.visible.lo.shape[1]
         starts, widths = self.starts.tolist(), self.widths.tolist()
         return tuple(
-            (b, t * self.rows, min(self.rows, L - t * self.rows), starts[b][t], widths[b][t])
+            (b, t * self.rows, min(self.rows, self.L - t * self.rows), starts[b][t], widths[b][t])
             for b in range(B)
             for t in range(tiles)
         )
@@ -108,23 +115,20 @@ def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
 def _dense_tiles(B: int, L: int, S: int, rows: int, keys: int, group_rows: int) -> Tiles:
     """`_tiles` of a call where every row sees every key, counted without a tensor
     reduction (a decoding step with a growing cache plans a new call every step)."""
-    zeros = torch.zeros(1, L, dtype=torch.long)
     tiles, groups = -(-L // rows), -(-L // group_rows)
     starts = torch.zeros(B, tiles, dtype=torch.long)
     pieces = B * (tiles * -(-S // keys) + groups) if S else 0
-    visible = spans(zeros, zeros + S, B, L, S)
-    return Tiles(visible, rows, keys, group_rows, starts, starts + S, B * L * S, pieces)
+    return Tiles(L, rows, keys, group_rows, starts, starts + S, B * L * S, pieces)
 
 
-def _tiles(lo: Tensor, hi: Tensor, S: int, rows: int, keys: int, group_rows: int) -> Tiles:
+def _tiles(lo: Tensor, hi: Tensor, rows: int, keys: int, group_rows: int) -> Tiles:
     """The blocking's work: the pairs computed, and the pieces (each tile's blocks, plus
     one per group of `group_rows` rows for the cut blocks at its edges)."""
     starts, widths, _ = _hulls(lo, hi, rows)
     _, piece_widths, piece_counts = _hulls(lo, hi, group_rows)
     pairs = int((piece_widths * piece_counts).sum())
     pieces = int((-(-widths // keys)).sum() + (piece_widths > 0).sum())
-    B, L = lo.shape
-    return Tiles(spans(lo, hi, B, L, S), rows, keys, group_rows, starts, widths, pairs, pieces)
+    return Tiles(lo.shape[1], rows, keys, group_rows, starts, widths, pairs, pieces)
 
 
 @dataclass(frozen=True)
@@ -181,33 +185,44 @@ class NativeBackend(Backend):
             return f"the native kernels take float32, bfloat16 or float16 (got {call.q.dtype})"
         if call.bias_tensor is not None or call.dropout_p > 0:
             return "no additive bias tensor or dropout in the native kernel (ALiBi it adds)"
-        if (tiles := self._tiles(call)) is None:
+        if (rows := self._rows(call)) is None:
             if call.has_bias and _alibi(call) is None:
                 return "the only bias the native kernel adds is one ALiBi (alibi(H) with `&`)"
             return "the mask is not one interval of keys per row (or differs between heads)"
-        if call.requires_grad and tiles.bias is not None and tiles.bias.slopes.requires_grad:
+        if call.requires_grad and rows.bias is not None and rows.bias.slopes.requires_grad:
             return "the native backward takes ALiBi's slopes as constants (these require grad)"
         return None
 
-    def _tiles(self, call: AttentionCall) -> Tiles | None:
-        """The call's spans and tiles: made once per prepared call."""
+    def _rows(self, call: AttentionCall) -> Rows | None:
+        """What the kernel reads of the call's mask, or None where it cannot serve it:
+        made once per prepared call (a decoding step's: its intervals alone)."""
 
-        def make() -> Tiles | None:
-            d = call.dims
+        def make() -> Rows | None:
             if call.is_dense:
-                return _dense_tiles(d.B, d.L, d.S, *blocking(d.L, d.groups))
+                return Rows(None)
             intervals = _spans(call)
             bias = _alibi(call) if call.has_bias else None
             if intervals is None or (call.has_bias and bias is None):
                 return None
-            tiles = _tiles(*intervals, call.dims.S, *blocking(call.dims.L, call.dims.groups))
-            return dataclasses.replace(tiles, bias=bias)
+            return Rows(Spans(*intervals, call.dims.S), bias)  # `_spans` clamps them
+
+        return call.derived.get("native.rows", make)
+
+    def _tiles(self, call: AttentionCall) -> Tiles:
+        """The work of the call's blocking (a call it can serve): made once per prepared
+        call, for the cost model and `explain`."""
+
+        def make() -> Tiles:
+            d, rows = call.dims, self._rows(call)
+            assert rows is not None
+            if rows.visible is None:
+                return _dense_tiles(d.B, d.L, d.S, *blocking(d.L, d.groups))
+            return _tiles(rows.visible.lo, rows.visible.hi, *blocking(d.L, d.groups))
 
         return call.derived.get("native.tiles", make)
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         tiles, factors, d = self._tiles(call), self.factors(), call.dims
-        assert tiles is not None
         if d.L <= DECODE_ROWS:
             keys = factors["kv"] * d.Hkv + factors["head"] * d.H
             return keys * tiles.pairs + factors["step"]
@@ -217,25 +232,27 @@ class NativeBackend(Backend):
     def cost_floor(self, call: AttentionCall) -> float:
         return self.factors()["step" if call.dims.L <= DECODE_ROWS else "call"]
 
-    def takes_dense(self, call: AttentionCall) -> bool:
-        """A decoding step the kernel wins at every key length measured (`python
-        benchmarks/native.py`'s decoding grid): half inputs (SDPA's step takes 2-14× the
-        kernel's time on AVX2, converting the whole cache to float32 each step, and
-        1.9-8.5× on AVX512-BF16, where it computes bfloat16 as it is), and float32 GQA
-        steps whose B·G query heads share each key read (G = H / Hkv > 1) at least
-        SHARED_READS times (8:2 from B = 4 up: 1.2-1.9× SDPA; a single sequence's step
-        stays with SDPA, 0.7× at S = 512; MHA too, where the two run about even)."""
+    def takes_step(self, call: AttentionCall) -> bool:
+        """The decoding steps the kernel wins (`python benchmarks/native.py`'s decoding
+        grid, AVX2 and AVX512-BF16 alike): half inputs at every key length (SDPA's step
+        takes 2-14× the kernel's time on AVX2, converting the whole cache to float32
+        each step, and 2.7-9.8× on AVX512-BF16, where it computes bfloat16 as it is), and
+        float32 GQA steps (G = H / Hkv > 1) whose B·G query heads sharing each key read
+        times the key length's bucket reach SHARED_KEYS (B = 4 from 512 keys: 1.0-1.9×
+        SDPA; B = 1 from 1,025: 1.1-1.6×, where at 512 SDPA takes 0.5-0.8× the kernel's
+        time; MHA stays with SDPA, about even). Padded steps alike: the kernel reads the
+        real keys only, SDPA every key and the mask."""
         q, d = call.q, call.dims
-        if d.L > DECODE_ROWS or call.requires_grad or q.device.type != "cpu":
+        if call.requires_grad or q.device.type != "cpu" or step_of(call) is None:
             return False
         if q.dtype not in DTYPES or unavailable() is not None:
             return False
-        shared = d.groups > 1 and d.B * d.groups >= SHARED_READS
+        shared = d.groups > 1 and d.B * d.groups * bucket(d.S) >= SHARED_KEYS
         return q.dtype in HALF or (q.dtype == torch.float32 and shared)
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""
-        if need_lse or not call.is_dense or call.has_bias or self._tiles(call) is None:
+        if need_lse or not call.is_dense or call.has_bias or self._rows(call) is None:
             return None
         return _DenseKernel(call.scale, call.softcap or 0.0)
 
@@ -249,17 +266,17 @@ class NativeBackend(Backend):
         return out + 16 * d.B * d.L + 4 * scratch * torch.get_num_threads()
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-        tiles = self._tiles(call)
-        assert tiles is not None
+        rows, d = self._rows(call), call.dims
+        assert rows is not None
         out, lse = span_forward(
             call.q,
             call.k,
             call.v,
-            None if call.is_dense else tiles.visible,  # None: every key, no spans to read
+            rows.visible,  # None: every key, no spans to read
             call.scale,
             call.softcap or 0.0,
-            (tiles.rows, tiles.keys),
-            tiles.bias,
+            blocking(d.L, d.groups)[:2],
+            rows.bias,
         )
         return out, lse if need_lse else None
 
@@ -271,19 +288,18 @@ class NativeBackend(Backend):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """dq, dk, dv from the rows' output and log-sum-exp, whichever backend computed them
         (a context-parallel piece's: the global ones): span_backward.cpp, deterministic."""
-        tiles = self._tiles(call)
-        assert tiles is not None
+        rows = self._rows(call)
+        assert rows is not None
         q, k, v = (t.detach() for t in (call.q, call.k, call.v))
         dtype = q.dtype
         return span_backward(
             q, k, v, out.detach().to(dtype), dout.to(dtype), lse.detach().float(),
-            None if call.is_dense else tiles.visible, call.scale,
-            None if dlse is None else dlse.float(), call.softcap or 0.0, tiles.bias,
+            rows.visible, call.scale,
+            None if dlse is None else dlse.float(), call.softcap or 0.0, rows.bias,
         )  # fmt: skip
 
     def notes(self, call: AttentionCall) -> list[str]:
         tiles, d = self._tiles(call), call.dims
-        assert tiles is not None
         share = tiles.pairs / max(d.L * d.S, 1) / d.B
         return [
             f"native: tiles of {tiles.rows} query rows × {d.groups} head(s), key blocks of"
@@ -292,9 +308,9 @@ class NativeBackend(Backend):
         ]
 
     def work(self, call: AttentionCall) -> Work | None:
-        tiles = self._tiles(call)
-        if tiles is None:
+        if self._rows(call) is None:
             return None
+        tiles = self._tiles(call)
         blocks = tuple(Block(b, r0, rows, k0, w) for b, r0, rows, k0, w in tiles.hulls if w)
         return Work(blocks, 1, tiles.rows)
 

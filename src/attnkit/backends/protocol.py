@@ -16,8 +16,9 @@ kernels turning warm), which cached plans carry.
 `serves_backward` says whether `backward` takes a call (`sdpa`: one fused call for dense
 and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
 in the registry that serves); `dense_fastest` marks the backend cheapest per pair on a
-dense call, which `auto` takes for such a call without pricing (`sdpa`), unless a backend
-`takes_dense` that call (`native`: decoding steps it wins at every key length); `work` is read
+dense call, which `auto` takes for such a call and for a decoding step (`attnkit.steps`)
+without pricing (`sdpa`), unless a backend `takes_step` that step (`native`: the steps it
+wins, by a rule that reads S only by its bucket); `work` is read
 by `plot.computed_regions` and the calibration. A backend keeps no cache of its own:
 what it derives lives in the call's `derived`. Nothing outside `backends/` names a
 concrete backend class or looks one up by a literal name; `backends.register(backend)`
@@ -175,10 +176,11 @@ class Backend:
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         raise NotImplementedError
 
-    def takes_dense(self, call: AttentionCall) -> bool:
-        """Whether `auto` runs this dense call here, unpriced, ahead of the `dense_fastest`
-        backend: O(1), and the same for every key length S (a call prepared for one step
-        of a growing cache serves the next)."""
+    def takes_step(self, call: AttentionCall) -> bool:
+        """Whether `auto` runs this decoding step (`steps.step_of`) here, unpriced, ahead
+        of the `dense_fastest` backend: O(1), reading neither the mask's tensors nor S
+        but by its `steps.bucket` (a plan made for one step of a growing cache serves the
+        steps of its bucket, and chooses as a plan made afresh)."""
         return False
 
     def cost_floor(self, call: AttentionCall) -> float:
