@@ -253,7 +253,8 @@ def _step_key(
         if mask.has_bias:
             return None
         try:
-            if ("dense" if mask.sees_all(L, S) else step_kind(mask, L, S)) != kind:
+            dense = mask.sees_all(L, S)  # else a padded step, or none
+            if dense != (kind == "dense") or (not dense and step_kind(mask, L, S) != kind):
                 return None
             mask.check(q_shape[0], q_shape[1], L, S)
         except (ValueError, TypeError):  # the full path raises it, in its order
