@@ -270,6 +270,16 @@ def train_rows(args: argparse.Namespace) -> list[dict[str, object]]:
     ]
 
 
+def kernel_rows(args: argparse.Namespace) -> list[dict[str, object]]:
+    """The forward rows: every dtype, size and pattern asked."""
+    return [
+        kernel_row(p, S, dtype, args.repeats, not args.no_flex)
+        for dtype in DTYPES
+        for S in args.sizes
+        for p in args.patterns
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
@@ -286,6 +296,9 @@ def main() -> None:
     parser.add_argument(
         "--train-only", action="store_true", help="rerun forward+backward into this kind's JSON"
     )
+    parser.add_argument(
+        "--forward-only", action="store_true", help="rerun the forward rows into this kind's JSON"
+    )
     args = parser.parse_args()
     if args.table is not None:
         return rewrite(args.table)
@@ -298,12 +311,9 @@ def main() -> None:
         return rerun(kept, "decode", lambda: decode_rows(args.repeats))
     if args.train_only:
         return rerun(kept, "train", lambda: train_rows(args))
-    kernels = [
-        kernel_row(p, S, dtype, args.repeats, not args.no_flex)
-        for dtype in DTYPES
-        for S in args.sizes
-        for p in args.patterns
-    ]
+    if args.forward_only:
+        return rerun(kept, "kernels", lambda: kernel_rows(args))
+    kernels = kernel_rows(args)
     result = {
         "kind": kind,
         "cpu": cpu_description(),
@@ -325,7 +335,7 @@ def main() -> None:
 
 
 def rerun(path: Path, part: str, rows: Callable[[], list[dict[str, object]]]) -> None:
-    """Rows of one part of a kept JSON of this kind again (`decode`, `train`), each in
+    """Rows of one part of a kept JSON of this kind again (`kernels`, `decode`, `train`), each in
     the place of the kept row that measured the same cell (new cells at the end), and
     its table."""
     result = json.loads(path.read_text())

@@ -62,7 +62,7 @@ def _padded_loop(B, H, Hkv, lengths, dtype=torch.float32, seed=0):
     v = torch.randn(B, Hkv, S_max, 16, generator=g).to(dtype)
     real = torch.ones(B, S_max, dtype=torch.long)
     for b in range(B):
-        real[b, : 7 * b] = 0  # row b: 7·b tokens of left padding
+        real[b, : 7 * b + 3] = 0  # row b: 7·b + 3 tokens of left padding
     for S in lengths:
         q = torch.randn(B, H, 1, 16, generator=g).to(dtype)
         mask = ak.causal(offset=S - 1) & from_hf_attention_mask(real[:, :S].clone())
@@ -110,16 +110,18 @@ def test_a_step_the_plans_backend_cannot_serve_is_planned_in_full(plans):
     assert plans[0] == 2 and _ran(q, k, v, mask) != "native"
 
 
-def test_a_padded_step_keeps_nan_at_padding_from_its_row():
-    """A NaN value at a padded key of one batch row reaches no row (each row's K/V are
-    its own: the row that hides it sees none of it), on the step plan's path too."""
+@pytest.mark.parametrize(("B", "backend"), [(1, "sdpa"), (4, "native")])
+def test_a_padded_step_keeps_nan_at_padding_from_its_row(B, backend):
+    """A NaN key or value at a padded position of a batch row reaches no row (each row's
+    K/V are its own: the row that hides it sees none of it), on the step plan's path
+    too, whichever backend the rule takes."""
     with torch.no_grad():
-        steps = list(_padded_loop(4, 8, 2, [700, 701]))
-        for q, k, v, mask in steps:
-            v = v.clone()
-            v[3, :, 0] = float("nan")  # row 3's first key: padding
-            out = ak.attention(q, k, v, mask)
-            assert torch.isfinite(out).all()
+        for q, k, v, mask in _padded_loop(B, 8, 2, [700, 701, 702]):
+            k, v = k.clone(), v.clone()
+            v[B - 1, :, 0] = float("nan")  # the last row's first key: padding
+            k[B - 1, :, 1] = float("inf")
+            assert _ran(q, k, v, mask) == backend
+            assert torch.isfinite(ak.attention(q, k, v, mask)).all()
 
 
 def test_a_prepared_step_takes_a_growing_cache(plans):

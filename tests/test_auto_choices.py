@@ -1,0 +1,88 @@
+"""`auto` never slower than the plain call: on every kind of CPU with a table of
+`benchmarks/native.py`, the backend `auto` plans for each measured call (patterns none,
+causal, sliding, padding and prefix at S = 1024 and 4096, float32 and bfloat16, forward
+and forward+backward) is within the noise of the fastest backend measured there.
+
+The tables are the benchmark's own (`benchmarks/results/native_<kind>.json`), priced
+with the kind's built-in cost table: a change of the cost model that moves a choice off
+the fastest backend fails here, and so does a table measured anew where the kernels
+changed the ranking. Packed documents are left out: `auto` runs them one call per
+document (a sequence's result the same wherever it is packed), a path no column of the
+table times.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import attnkit as ak
+from attnkit import cost
+
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+NOISE = 1.10  # repeated runs of one table move a ratio by about ±0.05
+BACKENDS = ("sdpa", "tiled", "native")
+PATTERNS = ("none", "causal", "sliding", "padding", "prefix")
+
+
+def _rows() -> list[tuple[str, str, dict[str, object]]]:
+    rows = []
+    for path in sorted(RESULTS.glob("native_*.json")):
+        table = json.loads(path.read_text())
+        for part in ("kernels", "train"):
+            for row in table.get(part, []):
+                if row["pattern"] in PATTERNS and row["S"] in (1024, 4096):
+                    rows.append((table["kind"], part, row))
+    return rows
+
+
+ROWS = _rows()
+
+
+@pytest.fixture
+def case_of(monkeypatch):
+    """The benchmark's own case of a row (its masks and sizes)."""
+    monkeypatch.syspath_prepend(str(RESULTS.parent))
+    sys.modules.pop("bench", None)
+    from bench import D, H, make_case
+
+    def make(row: dict[str, object]) -> tuple[ak.Mask | None, torch.Tensor]:
+        case = make_case(row["pattern"], row["S"], getattr(torch, row["dtype"]))
+        q = torch.empty(case.B, H, case.S, D, dtype=case.dtype)
+        return case.mask, q
+
+    return make
+
+
+def test_the_tables_cover_every_measured_kind():
+    kinds = {kind for kind, _, _ in ROWS}
+    assert {"avx2", "avx512_bf16"} <= kinds
+    assert {part for _, part, _ in ROWS} == {"kernels", "train"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "part", "row"),
+    ROWS,
+    ids=[f"{k}-{p}-{r['dtype']}-{r['pattern']}-{r['S']}" for k, p, r in ROWS],
+)
+def test_auto_plans_the_fastest_backend_measured(kind, part, row, case_of):
+    mask, q = case_of(row)
+    cost.use(cost.built_in(kind))
+    try:
+        grad = part == "train"
+        q = q.requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            picked = ak.explain(q, q, q, mask).backend
+    finally:
+        cost.use(None)
+    times = {name: row[f"{name}_ms"] for name in BACKENDS if row.get(f"{name}_ms")}
+    if row["auto"] == picked:  # the auto column timed the same call again: the better
+        times[picked] = min(times[picked], row["auto_ms"])
+    fastest = min(times, key=times.__getitem__)
+    assert times[picked] <= NOISE * times[fastest], (
+        f"auto plans {picked} ({times[picked]:.1f} ms) where {fastest} took {times[fastest]:.1f} ms"
+    )
