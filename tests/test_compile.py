@@ -175,3 +175,36 @@ def test_new_document_ids_reuse_the_compiled_graph():
     with torch.compiler.set_stance("fail_on_recompile"):
         got = compiled(x, mask=other)
     torch.testing.assert_close(got, model(x, mask=other))
+
+
+def test_the_backward_op_runs_the_backward_of_the_forwards_backend(monkeypatch):
+    """The compiled op's gradients come from the backend that ran its forward, where its
+    backward serves (the one `auto` priced the call with), before any other's."""
+    from attnkit.backends import BACKENDS
+    from helpers import span_backend
+
+    ran = []
+    for name, backend in BACKENDS.items():
+        original = backend.backward
+
+        def counting(*args, name=name, original=original):
+            ran.append(name)
+            return original(*args)
+
+        monkeypatch.setattr(backend, "backward", counting)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 512, 16, generator=g, requires_grad=True) for _ in range(3))
+    mask = ak.causal()  # sdpa's backward serves it too (one call, no mask)
+    backend = ak.explain(q, k, v, mask).backend
+    tensors: list[torch.Tensor] = []
+    spec = encode(mask, tensors)
+    out, lse, kept = attention_op(q, k, v, tensors, spec, "auto", None, None, False, True)
+    assert bool(kept) and backend == span_backend()
+    dout = torch.randn_like(out)
+    grads = attention_backward_op(
+        dout, lse.new_empty(0), out, lse, kept, q, k, v, tensors, spec, "auto", None, None, False
+    )
+    assert ran == [backend]
+    want = torch.autograd.grad(ak.attention(q, k, v, mask, backend="reference"), (q, k, v), dout)
+    for got, expected in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -24,12 +24,13 @@ softcap, need_lse, requires_grad) -> (out, lse, lse_kept)`; its fake implementat
 checks static shapes as the eager call does and gives (B, H, L, Dv), (B, H, L) (lse in
 the compute dtype; `(0,)` when neither `need_lse` nor `requires_grad` asks for one) and
 a bool scalar. The backward op, `attention_gradients(dout, dlse, out, lse, lse_kept, q,
-k, v, ...)`, takes one CPU flash backward over the whole batch for calls whose kernel
-needs no mask (dense, top-left causal: `SdpaBackend.backward`) or tiled's blockwise
-backward from out and lse (`TiledBackend.backward`), both exact for any backend's
-forward; without a kept lse, on GPU, with D != Dv, softcap or a scale <= 0 it reruns the
-eager call with autograd in a worker thread (an op's implementation runs with autograd's
-dispatch keys excluded). Both ops pass `torch.library.opcheck`.
+k, v, ...)`, takes the fused backward of the backend that ran the forward where it
+serves (the one `auto` priced the call with: the native kernel's, one CPU flash backward
+for calls whose kernel needs no mask, tiled's blockwise one), else another's, each exact
+for any backend's forward from out and lse; without a kept lse, on GPU, with D != Dv,
+softcap or a scale <= 0 it reruns the eager call with autograd in a worker thread (an
+op's implementation runs with autograd's dispatch keys excluded). Both ops pass
+`torch.library.opcheck`.
 
 Maintainers: PyTorch's AOT cache keys a compiled graph by the forward, not by the
 structure our Python autograd formula traces to; a change of the backward op's arguments
@@ -253,11 +254,12 @@ def attention_backward_op(
     (one fused backward) where it kept one and a fused backward takes the call, else
     the eager call rerun with autograd."""
     mask = decode(mask_spec, mask_tensors)
-    call = _prepared(q, k, v, mask, backend, scale, softcap, need_lse, True).call(q, k, v, mask)
+    prepared = _prepared(q, k, v, mask, backend, scale, softcap, need_lse, True)
+    call = prepared.call(q, k, v, mask)
     lse_grad = dlse if need_lse and dlse.numel() else None
     grads = None
-    if bool(lse_kept) and serves(call, scale):
-        grads = fused_gradients(call, out, lse, dout, lse_grad)
+    if bool(lse_kept) and serves(call, scale):  # the forward's backend first
+        grads = fused_gradients(call, out, lse, dout, lse_grad, prepared.backend)
     if grads is None:  # no lse kept, or a call the fused backward cannot take
 
         def recompute() -> tuple[Tensor | None, ...]:

@@ -6,15 +6,16 @@ of its keys are P = exp(s - lse), and the score gradients dS = P ⊙ (dP − row
 given O and lse. So a call's gradients, or those of any rectangle of a larger problem
 (a context-parallel piece: the rows' global O and lse, a shard of keys), come from one
 fused backward: one call for the whole batch where no mask is needed (`sdpa`), block by
-block over the mask's spans otherwise (`tiled`). Each backend says whether its `backward`
-takes a call (`Backend.serves_backward`); the first in the registry that does runs it.
+block over the mask's spans otherwise (`tiled`, `native`). Each backend says whether its
+`backward` takes a call (`Backend.serves_backward`); the backend that ran the forward
+runs it where it does, else the first in the registry that does.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit.backends import BACKENDS
+from attnkit.backends import BACKENDS, Backend
 from attnkit.contracts import AttentionCall
 
 __all__ = ["fused_gradients", "serves"]
@@ -30,12 +31,20 @@ def serves(call: AttentionCall, scale: float | None) -> bool:
 
 
 def fused_gradients(
-    call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None
+    call: AttentionCall,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    first: Backend | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """dq, dk, dv of `call` (as `normalize_call` made it) from the output and
     log-sum-exp of its rows (the call's own, or a larger problem's), in the inputs'
-    dtypes; None where no backend's fused backward takes the call."""
-    for backend in BACKENDS.values():  # sdpa (one call: dense, causal) before tiled
+    dtypes; None where no backend's fused backward takes the call. `first`: the backend
+    that ran the forward, asked before the others (its backward is the one `auto`
+    priced the call with)."""
+    others = [b for b in BACKENDS.values() if b is not first]
+    for backend in ([first] if first is not None else []) + others:  # then sdpa, tiled
         if backend.serves_backward(call):
             grads = backend.backward(call, out, lse, dout, dlse)
             if grads is not None:
