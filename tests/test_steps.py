@@ -9,9 +9,11 @@ import torch
 import attnkit as ak
 from attnkit import dispatch
 from attnkit.masks import from_hf_attention_mask
+from attnkit.native import unavailable
 from attnkit.steps import bucket, step_kind
 
 OPTIONS = (None, None, 0.0, "auto", False, True)  # scale, softcap, dropout, backend, lse, bias
+native = pytest.mark.skipif(unavailable() is not None, reason="the native kernels: not built")
 
 
 @pytest.fixture
@@ -81,6 +83,7 @@ def test_a_padded_cache_is_planned_once_per_bucket_and_stays_exact(plans, dtype)
     assert plans[0] == 3
 
 
+@native
 def test_a_step_runs_on_the_backend_a_fresh_plan_chooses():
     """One sequence's float32 GQA step: SDPA up to 1,024 keys, the kernel from 1,025 (its
     bucket reaches the shared reads): the step plan that served each step chose as
@@ -91,6 +94,7 @@ def test_a_step_runs_on_the_backend_a_fresh_plan_chooses():
         assert [_ran(*s) for s in _padded_loop(1, 8, 2, [1024, 1025])] == ["sdpa", "native"]
 
 
+@native
 def test_a_step_the_plans_backend_cannot_serve_is_planned_in_full(plans):
     """Padding with a hole (not one interval of keys): the kernel that served the steps
     before refuses it, and the call is planned and exact."""
@@ -110,7 +114,7 @@ def test_a_step_the_plans_backend_cannot_serve_is_planned_in_full(plans):
     assert plans[0] == 2 and _ran(q, k, v, mask) != "native"
 
 
-@pytest.mark.parametrize(("B", "backend"), [(1, "sdpa"), (4, "native")])
+@pytest.mark.parametrize(("B", "backend"), [(1, "sdpa"), pytest.param(4, "native", marks=native)])
 def test_a_padded_step_keeps_nan_at_padding_from_its_row(B, backend):
     """A NaN key or value at a padded position of a batch row reaches no row (each row's
     K/V are its own: the row that hides it sees none of it), on the step plan's path
