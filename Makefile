@@ -62,7 +62,7 @@ sanitize: $(STAMP)
 	ATTNKIT_NATIVE=sanitize $(PY) -m attnkit.native build
 	ATTNKIT_NATIVE=sanitize LD_PRELOAD="$(SANITIZERS)" ASAN_OPTIONS=detect_leaks=0 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_decode.py tests/test_native_backward.py -k "not suite_passes"
+		$(PY) -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_half.py tests/test_native_decode.py tests/test_native_backward.py -k "not suite_passes"
 
 bench: $(STAMP)
 	cd benchmarks && ../$(PY) bench.py && ../$(PY) small_calls.py && ../$(PY) block_mask.py && ../$(PY) tile_levers.py && ../$(PY) dropins.py && ../$(PY) native.py

@@ -54,6 +54,7 @@ import attnkit as ak
 from attnkit._compat import cpu_kind
 from attnkit.benchmark import round_robin
 from attnkit.native import unavailable
+from attnkit.native.ops import on_half_units
 
 H, D = 8, 64
 PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix")
@@ -186,14 +187,26 @@ def load_seconds(runs: int = 5) -> float:
     return sorted(times)[runs // 2]
 
 
+def half_units() -> bool:
+    """Whether this process's kernels multiply bfloat16 on the CPU's half units."""
+    return on_half_units(torch.empty(0, dtype=torch.bfloat16), alibi=False)
+
+
+def roofline_of(result: dict[str, object], dtype: str) -> float:
+    """The matrix-product roofline of the dtype the kernel multiplies a row's inputs in."""
+    half = dtype == "bfloat16" and result.get("half_units")
+    return float(result["roofline_bf16" if half else "roofline_fp32"])  # type: ignore[arg-type]
+
+
 def markdown(result: dict[str, object]) -> str:
     cpu = result["cpu"]
     lines = [
         f"CPU kind: **{result['kind']}** ({cpu['model']}; {result['threads']} threads; "  # type: ignore[index]
         f"torch {result['torch']}); fp32 roofline {result['roofline_fp32']:.0f} GFLOP/s, "
         f"bf16 {result['roofline_bf16']:.0f} GFLOP/s (matrix products measured in the run; "
-        "roofline = native's useful GFLOP/s over the fp32 one: it computes in float32 "
-        "whatever the dtype); the built kernels "
+        "roofline = native's useful GFLOP/s over the one of the dtype it multiplies in: "
+        f"{'bf16 for bfloat16' if result.get('half_units') else 'fp32 for every dtype'}"
+        "); the built kernels "
         f"load in {result['load_s'] * 1e3:.0f} ms in a fresh process.",
         "",
         "Forward, B = 1 (4 for padding), H = 8, D = 64: median ms; per pair = native's time "
@@ -205,7 +218,7 @@ def markdown(result: dict[str, object]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["kernels"]:  # type: ignore[attr-defined]
-        roof = result["roofline_fp32"]  # the kernel computes in float32 whatever the dtype
+        roof = roofline_of(result, r["dtype"])
         flex = f"{r['flex_ms']:.1f}" if "flex_ms" in r else "-"
         lines.append(
             f"| {r['dtype']} | {r['pattern']} | {r['S']} | {r['sdpa_ms']:.1f} | {flex} | "
@@ -244,14 +257,14 @@ def train_markdown(result: dict[str, object]) -> list[str]:
         "Forward+backward, the same calls (the output's gradient all ones): median ms; per "
         "pair = native's time per visible pair against dense SDPA's forward+backward; vs "
         "best = the better of SDPA and tiled over native; roofline = useful work (3.5× the "
-        "forward's) over the fp32 roofline.",
+        "forward's) over the roofline of the dtype it multiplies in.",
         "",
         "| dtype | pattern | S | SDPA | tiled | native | auto (picks) | per pair | vs best "
         "| roofline |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    roof = result["roofline_fp32"]
     for r in rows:  # type: ignore[attr-defined]
+        roof = roofline_of(result, r["dtype"])
         lines.append(
             f"| {r['dtype']} | {r['pattern']} | {r['S']} | {r['sdpa_ms']:.1f} | "
             f"{r['tiled_ms']:.1f} | {r['native_ms']:.1f} | {r['auto_ms']:.1f} ({r['auto']}) | "
@@ -322,6 +335,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "roofline_fp32": roofline_gflops(args.repeats),
         "roofline_bf16": roofline_gflops(args.repeats, torch.bfloat16),
+        "half_units": half_units(),
         "load_s": load_seconds(),
         "kernels": kernels,
         "train": [] if args.no_train else train_rows(args),
@@ -339,6 +353,7 @@ def rerun(path: Path, part: str, rows: Callable[[], list[dict[str, object]]]) ->
     the place of the kept row that measured the same cell (new cells at the end), and
     its table."""
     result = json.loads(path.read_text())
+    result["half_units"] = half_units()  # the kernels the fresh rows ran
     fresh = {_cell(r): r for r in rows()}
     kept = [fresh.pop(_cell(r), r) for r in result.get(part, [])]
     result[part] = kept + list(fresh.values())

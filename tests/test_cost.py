@@ -22,7 +22,8 @@ def test_every_cpu_kind_has_a_table_that_names_its_source():
         near = cost.NEAREST.get(kind, kind)
         for backend in BACKENDS.values():
             mine = table.of(backend.name, backend.cost_factors)
-            assert mine == cost.TABLES[near].of(backend.name, backend.cost_factors)
+            own = backend.cost_factors.kinds.get(kind, {})  # a nearest-priced kind's own
+            assert mine == {**cost.TABLES[near].of(backend.name, backend.cost_factors), **own}
             assert mine.keys() == backend.cost_factors.default.keys()
             assert all(value > 0 for value in mine.values())
     assert cost.built_in("avx2") is cost.BUILT_IN
@@ -36,6 +37,10 @@ def test_a_kinds_factors_are_its_own_over_the_defaults():
     assert factors.built_in("amx") == {"pair": 2.0, "call": 10.0}
     assert factors.built_in("avx512") == factors.built_in("amx")  # the nearest measured
     assert factors.built_in("other") == factors.built_in("avx2")
+    mixed = cost.Factors(
+        {"pair": 1.0, "call": 10.0}, {"amx": {"pair": 2.0, "call": 5.0}, "avx512": {"pair": 3.0}}
+    )
+    assert mixed.built_in("avx512") == {"pair": 3.0, "call": 5.0}  # its own over the nearest's
 
 
 def test_measured_factors_override_the_built_in_ones_by_backend_name():

@@ -292,8 +292,9 @@ def test_opcheck_and_compile_fullgraph():
     slopes, at = torch.rand(2, 33, 4), torch.arange(33)[None].expand(2, 33).contiguous() + 17
     for dtype in DTYPES:
         for bias in ((None, None), (slopes, at)):
-            args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, *bias, 0.25, 0.0, 16, 32)
-            torch.library.opcheck(torch.ops.attnkit_native.span_forward, args)
+            for half in (False, True):  # the half units (bfloat16 where built), or float32
+                args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, *bias, 0.25, 0.0, 16, 32)
+                torch.library.opcheck(torch.ops.attnkit_native.span_forward, (*args, half))
 
     def fn(q, k, v):
         return ops.span_forward(q, k, v, visible, 0.25)[0] * 2

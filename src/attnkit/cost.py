@@ -61,14 +61,18 @@ NEAREST = {"avx512_bf16": "amx", "avx512": "amx", "other": "avx2"}
 @dataclass(frozen=True)
 class Factors:
     """One backend's cost factors as built in: `default`, timed on a 2-core AVX2 CPU, and
-    for each other measured kind (`amx`) the values that differ there."""
+    for each other measured kind (`amx`) the values that differ there; a kind priced
+    with its nearest measured kind's factors may still have some of its own (the native
+    kernel's bfloat16 factor on `avx512_bf16`), which take precedence."""
 
     default: Mapping[str, float] = field(default_factory=dict)
     kinds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def built_in(self, kind: str) -> dict[str, float]:
-        """The factors built in for a kind of CPU (the nearest measured kind's)."""
-        return {**self.default, **self.kinds.get(NEAREST.get(kind, kind), {})}
+        """The factors built in for a kind of CPU (the nearest measured kind's, then its
+        own)."""
+        nearest = self.kinds.get(NEAREST.get(kind, kind), {})
+        return {**self.default, **nearest, **self.kinds.get(kind, {})}
 
 
 @dataclass(frozen=True)

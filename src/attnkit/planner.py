@@ -147,6 +147,8 @@ def step_order(call: AttentionCall) -> list[Backend]:
     if call.softcap is not None or not (call.is_dense or step_of(call) is not None):
         return []
     takers = [b for b in BACKENDS.values() if b.takes_step(call)]
+    if not takers and any(b.beats_dense(call) for b in BACKENDS.values()):
+        return []  # priced: a kernel may beat the dense-fastest one here
     return takers + [b for b in BACKENDS.values() if b.dense_fastest]
 
 

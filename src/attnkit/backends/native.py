@@ -32,14 +32,29 @@ from attnkit.masks.spans import exact_spans
 from attnkit.native import unavailable
 from attnkit.native.backward import span_backward
 from attnkit.native.loader import version as kernels_version
-from attnkit.native.ops import DTYPES, ALiBi, Spans, alibi, blocking, span_forward
+from attnkit.native.ops import (
+    DTYPES,
+    ALiBi,
+    Spans,
+    alibi,
+    blocking,
+    on_half_units,
+    span_forward,
+)
 from attnkit.precision import HALF
 from attnkit.steps import DECODE_ROWS, bucket, step_of
 
-__all__ = ["NativeBackend"]
+__all__ = ["NativeBackend", "half_units"]
 
 BIG = 2**62  # past any key index
+BF16_AVX512 = 0.55  # the native kernel's bfloat16 factor on AVX512-BF16 (see `cost_factors`)
 SHARED_KEYS = 8192  # a float32 decoding step's B·G·bucket(S) from which the kernel takes it
+
+
+def half_units(call: AttentionCall) -> bool:
+    """Whether the kernel multiplies this call's blocks on the CPU's bfloat16 units (the
+    op's own rule, `ops.on_half_units`; ALiBi is the only bias the kernel takes)."""
+    return on_half_units(call.q, alibi=call.has_bias)
 
 
 @dataclass(frozen=True)
@@ -159,7 +174,8 @@ class NativeBackend(Backend):
     # them on this machine
     cost_factors = cost.Factors(
         {"pair": 1.05, "piece": 300.0, "call": 68_000.0, "kv": 0.36, "head": 0.57,
-         "step": 5_000.0, "backward": 3.6, "backward_half": 4.5}
+         "step": 5_000.0, "backward": 3.6, "backward_half": 4.5, "bf16": 1.0},
+        {"amx": {"bf16": 2.9}, "avx512_bf16": {"bf16": BF16_AVX512}},
     )  # fmt: skip
     # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
     # key of each K/V head (read once for its G query heads), `head` per key of each query
@@ -169,7 +185,13 @@ class NativeBackend(Backend):
     # faster at B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without).
     # `backward`, `backward_half`: forward+backward over forward (`training_factor`), the
     # medians over every pattern at S = 1024 and 4096 on a 2-core AVX512-BF16 CPU (float32
-    # 2.2-4.8, half 2.4-6.2: half inputs convert in the backward's every block)
+    # 2.2-4.8; bfloat16 on the half units 2.9-5.7, median 4.45, as the converting kernel's)
+    # `bf16`: the kernel's work on bfloat16 inputs that run on the half units (`half_units`)
+    # over its float32 work, each against SDPA's in the same dtype; 1 where blocks convert
+    # to float32 (AVX2). On AMX it is the converting kernel's measured 2.9 (SDPA multiplies
+    # bfloat16 on AMX's tiles), an upper bound until an AMX CPU times the half units'
+    # kernel; on AVX512-BF16 `BF16_AVX512`, the forward's per-pair times over float32's
+    # (`python benchmarks/native.py`: 0.48-0.67 at S = 1024 and 4096, packed documents aside)
 
     @property
     def version(self) -> int:
@@ -227,7 +249,11 @@ class NativeBackend(Backend):
             keys = factors["kv"] * d.Hkv + factors["head"] * d.H
             return keys * tiles.pairs + factors["step"]
         work = factors["pair"] * d.H * tiles.pairs + factors["piece"] * d.Hkv * tiles.pieces
-        return work + factors["call"]
+        return work * self._dtype_factor(call) + factors["call"]
+
+    def _dtype_factor(self, call: AttentionCall) -> float:
+        """The kernel's work for the call's dtype over float32's: `bf16` on the half units."""
+        return self.factors()["bf16"] if half_units(call) else 1.0
 
     def cost_floor(self, call: AttentionCall) -> float:
         return self.factors()["step" if call.dims.L <= DECODE_ROWS else "call"]
@@ -249,6 +275,11 @@ class NativeBackend(Backend):
             return False
         shared = d.groups > 1 and d.B * d.groups * bucket(d.S) >= SHARED_KEYS
         return q.dtype in HALF or (q.dtype == torch.float32 and shared)
+
+    def beats_dense(self, call: AttentionCall) -> bool:
+        """A bfloat16 call on the half units, where they run faster than SDPA's kernel
+        (`bf16` below 1: AVX512-BF16), is priced like any other."""
+        return half_units(call) and self.factors()["bf16"] < 1.0
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""

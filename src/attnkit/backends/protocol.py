@@ -183,6 +183,11 @@ class Backend:
         steps of its bucket, and chooses as a plan made afresh)."""
         return False
 
+    def beats_dense(self, call: AttentionCall) -> bool:
+        """Whether this backend may beat the `dense_fastest` one on this dense call (not a
+        decoding step), so `auto` prices the call instead of taking that one unpriced."""
+        return False
+
     def cost_floor(self, call: AttentionCall) -> float:
         """A lower bound on `cost` in O(1) (the planner skips `cost` where another
         backend's whole call costs no more); -inf: none cheaper than `cost` itself."""

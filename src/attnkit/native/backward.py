@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.native.ops import ALiBi, Spans, _check, _unit_last
+from attnkit.native.ops import ALiBi, Spans, _check, _unit_last, on_half_units
 
 __all__ = ["backward_blocking", "register_autograd", "span_backward"]
 
@@ -63,10 +63,11 @@ def span_backward(
     rows, keys = backward_blocking(L, H // k.shape[1])
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
+    half = on_half_units(q, alibi=bias is not None)
     grads: tuple[Tensor, Tensor, Tensor] = torch.ops.attnkit_native.span_backward(
         _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out), _unit_last(dout),
         lse.contiguous(), None if glse is None else glse.contiguous(), lo, hi,
-        slopes, positions, float(scale), float(softcap), rows, keys,
+        slopes, positions, float(scale), float(softcap), rows, keys, half,
     )  # fmt: skip
     return grads
 
@@ -76,7 +77,7 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, lo, hi, slopes, positions, scale, softcap, _, _ = inputs
+    q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]  # then rows, keys, half
     ctx.scale, ctx.softcap = scale, softcap
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
@@ -86,7 +87,7 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
     visible = None if lo is None else Spans(lo, hi, k.shape[2])
     bias = None if slopes is None else ALiBi(slopes, positions)
     grads = span_backward(q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias)
-    return *grads, None, None, None, None, None, None, None, None
+    return *grads, None, None, None, None, None, None, None, None, None
 
 
 def register_autograd() -> None:

@@ -6,8 +6,9 @@ batch row b sees keys `[lo[b, i], hi[b, i])` (checked once by `spans`, kept by a
 prepared call; `None` for every key), GQA by head groups, in tiles of `rows`
 query rows (of every head of a K/V head) and blocks of `keys` keys (`blocking` picks
 them), output in q's dtype and the log-sum-exp in float32 (0 and -inf on a row that sees
-nothing). The checks make the C++ side's
-assumptions true (one dtype, CPU, unit last strides, spans within the keys, sizes within
+nothing); bfloat16 products on the CPU's half units (AVX512-BF16) where
+`precision.kernel_dtype` runs half natively, in float32 elsewhere. The checks make the
+C++ side's assumptions true (one dtype, CPU, unit last strides, spans within the keys, sizes within
 its int32 GEMMs) or raise `ValueError` naming the argument; the fake implementation gives
 shapes to `torch.compile` and `opcheck`.
 """
@@ -20,12 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit.precision import HALF, kernel_dtype
+
 __all__ = [
     "DTYPES",
     "ALiBi",
     "Spans",
     "alibi",
     "blocking",
+    "on_half_units",
     "paged_decode",
     "register_fakes",
     "span_forward",
@@ -55,6 +59,14 @@ def blocking(L: int, groups: int) -> tuple[int, int, int]:
 
 def _unit_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def on_half_units(q: Tensor, *, alibi: bool) -> bool:
+    """Whether the kernels multiply q's blocks on the CPU's bfloat16 units: bfloat16 where
+    `kernel_dtype` runs half natively, without ALiBi (its bias stays in float32); a build
+    without the units converts to float32 whatever this says."""
+    dtype = q.dtype
+    return dtype == torch.bfloat16 and kernel_dtype(dtype, q.device, bias=alibi) in HALF
 
 
 def _check_kind(names: str, *tensors: Tensor) -> None:
@@ -177,8 +189,9 @@ def span_forward(
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
+    half = on_half_units(q, alibi=bias is not None)
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
-        q, k, v, lo, hi, slopes, positions, float(scale), float(softcap), rows, keys
+        q, k, v, lo, hi, slopes, positions, float(scale), float(softcap), rows, keys, half
     )
     return out
 
@@ -288,6 +301,7 @@ def _span_forward_fake(
     softcap: float,
     rows: int,
     keys: int,
+    half: bool = False,
 ) -> tuple[Tensor, Tensor]:
     B, H, L, _ = q.shape
     out = q.new_empty(B, H, L, v.shape[3])

@@ -21,18 +21,20 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace attnkit_native {
 
-// Scratch floats left uninitialised: every kernel writes them before it reads them (a
-// zeroed std::vector of a thread's blocks costs more than a small call's whole work).
-class Buffer {
+// Scratch left uninitialised: every kernel writes it before it reads it (a zeroed
+// std::vector of a thread's blocks costs more than a small call's whole work).
+template <typename E>
+class BufferOf {
  public:
-  explicit Buffer(int64_t n) : data_(n > 0 ? new float[n] : nullptr) {}
-  float* data() const { return data_.get(); }
-  float* begin() const { return data_.get(); }
-  float& operator[](int64_t i) const { return data_[i]; }
+  explicit BufferOf(int64_t n) : data_(n > 0 ? new E[n] : nullptr) {}
+  E* data() const { return data_.get(); }
+  E* begin() const { return data_.get(); }
+  E& operator[](int64_t i) const { return data_[i]; }
 
  private:
-  std::unique_ptr<float[]> data_;
+  std::unique_ptr<E[]> data_;
 };
+using Buffer = BufferOf<float>;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

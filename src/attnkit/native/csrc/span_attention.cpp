@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "common.h"
+#include "half.h"
 #include "micro.h"
 
 namespace attnkit_native {
@@ -58,18 +59,27 @@ struct Item {
 };
 
 // A thread's scratch: scaled queries, a block's scores, K and V as float, the running
-// output, max and sum of every stacked row.
+// output, max and sum of every stacked row; on the half units (half.h) the queries, K
+// and V as pairs and the weights in bfloat16 instead.
 struct Scratch {
   Buffer q, s, k, v, kt, o, m, l;
-  Scratch(const Sizes& z, bool convert)  // convert: K and V need a float32 copy
-      : q(z.G * z.R * z.D), s(z.G * z.R * z.SL), k(convert ? z.KB * z.D : 0),
-        v(convert ? z.KB * z.Dv : 0), kt(z.D * z.SL), o(z.G * z.R * z.Dv), m(z.G * z.R),
-        l(z.G * z.R) {}
+  BufferOf<Pair> qp, kp, vp;
+  BufferOf<Pair> ph;
+  Scratch(const Sizes& z, bool convert, bool pairs)  // convert: K and V need a float32 copy
+      : q(pairs ? 0 : z.G * z.R * z.D), s(z.G * z.R * z.SL), k(convert ? z.KB * z.D : 0),
+        v(convert ? z.KB * z.Dv : 0), kt(pairs ? 0 : z.D * z.SL), o(z.G * z.R * z.Dv),
+        m(z.G * z.R), l(z.G * z.R), qp(pairs ? z.G * z.R * pair_count(z.D) : 0),
+        kp(pairs ? pair_count(z.D) * z.SL : 0), vp(pairs ? pair_count(z.KB) * z.Dv : 0),
+        ph(pairs ? z.G * z.R * pair_count(z.SL) : 0) {}
 };
 
 template <typename T>
 struct Kernel {
+  // bfloat16 products on the half units where built (half.h) and asked (`pairs`), else
+  // every block in float32
+  static constexpr bool kHalfUnits = kPairDots && std::is_same_v<T, at::BFloat16>;
   const Sizes z;
+  bool pairs;
   const T *q, *k, *v;
   const int64_t *lo, *hi;  // (B, L) contiguous, or null: every row sees every key
   int64_t qs[4], ks[4], vs[4];  // strides (elements); the last is 1
@@ -80,12 +90,22 @@ struct Kernel {
   float* lse;  // (B, H, L) contiguous
 
   // The stacked row r of an item is query row r0 + r / G of query head hkv·G + r % G: a
-  // run of query rows is a run of stacked rows, for every head.
+  // run of query rows is a run of stacked rows, for every head. Scaled float32, or the
+  // row's own pairs on the half units (scaled with the scores).
   void load_queries(const Item& it, Scratch& w) const {
     for (int64_t i = 0; i < it.rows; ++i)
       for (int64_t g = 0; g < z.G; ++g) {
         const T* src = q + it.b * qs[0] + (it.hkv * z.G + g) * qs[1] + (it.r0 + i) * qs[2];
-        float* dst = w.q.data() + (i * z.G + g) * z.D;
+        const int64_t r = i * z.G + g;
+#ifdef ATTNKIT_PAIR_DOTS
+        if constexpr (kHalfUnits) {
+          if (pairs) {
+            pack_row_pairs(src, z.D, w.qp.data() + r * pair_count(z.D));
+            continue;
+          }
+        }
+#endif
+        float* dst = w.q.data() + r * z.D;
         for (int64_t d = 0; d < z.D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
       }
   }
@@ -122,6 +142,7 @@ struct Kernel {
         std::fill(s + a, s + e, 0.0f);
         continue;
       }
+      if (pairs) scale_inplace(s + ra, re - ra, scale);  // scores of unscaled pairs
       if (softcap > 0) softcap_inplace(s + ra, re - ra, softcap);
       if (slopes != nullptr) alibi(it, r, k0, s, ra, re);
       const float mx = row_max(s + ra, re - ra);
@@ -143,8 +164,9 @@ struct Kernel {
   // O += P·V for rows [r0, r1) whose weights over keys [a, e) may skip keys some row
   // sees: where those V rows hold a non-finite value, 0·NaN would leak it, so each row
   // then sums its own keys only.
+  template <typename E>  // V's element: float32, or T where the half units read it
   void exact_values(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e,
-                    int64_t k0, const float* vb, int64_t ldv) const {
+                    int64_t k0, const E* vb, int64_t ldv) const {
     for (int64_t r = r0; r < r1; ++r) {
       int64_t ra = 0, re = 0;
       local(it, r / z.G, k0, z.KB, &ra, &re);
@@ -152,7 +174,7 @@ struct Kernel {
       float* o = w.o.data() + r * z.Dv;
       const float* p = w.s.data() + r * z.SL;
       for (int64_t j = ra; j < re; ++j)
-        for (int64_t d = 0; d < z.Dv; ++d) o[d] += p[j] * vb[j * ldv + d];
+        for (int64_t d = 0; d < z.Dv; ++d) o[d] += p[j] * static_cast<float>(vb[j * ldv + d]);
     }
   }
 
@@ -165,6 +187,26 @@ struct Kernel {
     gemm_nn_add(rows, z.Dv, n, w.s.data(), z.SL, vb, ldv, w.o.data(), z.Dv);
   }
 
+  // The hull [a, e) of the intervals of stacked rows [r0, r1) in the block [k0, k0 + n)
+  // (a >= e where none of them sees a key of it).
+  std::pair<int64_t, int64_t> group_hull(const Item& it, int64_t r0, int64_t r1, int64_t k0,
+                                         int64_t n) const {
+    int64_t a = n, e = 0;
+    for (int64_t i = r0 / z.G; i <= (r1 - 1) / z.G; ++i) {
+      int64_t ra = 0, re = 0;
+      local(it, i, k0, n, &ra, &re);
+      if (ra < re) a = std::min(a, ra), e = std::max(e, re);
+    }
+    return {a, e};
+  }
+
+  // A tile's columns [c0, c1) for keys [a, e): whole vectors from a's vector boundary, a
+  // multiple of the tile's width (at most ldt: n rounded up, plus a tile).
+  static std::pair<int64_t, int64_t> columns(int64_t a, int64_t e) {
+    const int64_t c0 = a - a % Vec::size();
+    return {c0, c0 + (e - c0 + kMicroCols - 1) / kMicroCols * kMicroCols};
+  }
+
   // A block some row sees in part: groups of MR stacked rows (micro.h), each over the
   // hull [a, e) of its rows' intervals in the block, scores from K transposed once.
   void cut(const Item& it, Scratch& w, int64_t n, int64_t k0, const float* kb, int64_t ldk,
@@ -175,16 +217,9 @@ struct Kernel {
     const int64_t M = z.G * it.rows;
     for (int64_t r0 = 0; r0 < M; r0 += kMicroRows) {
       const int64_t r1 = std::min(M, r0 + kMicroRows);
-      int64_t a = n, e = 0;
-      for (int64_t i = r0 / z.G; i <= (r1 - 1) / z.G; ++i) {
-        int64_t ra = 0, re = 0;
-        local(it, i, k0, n, &ra, &re);
-        if (ra < re) a = std::min(a, ra), e = std::max(e, re);
-      }
+      const auto [a, e] = group_hull(it, r0, r1, k0, n);
       if (a >= e) continue;
-      // whole vectors from a's vector boundary: at most ldt (n rounded up, plus a tile)
-      const int64_t c0 = a - a % Vec::size();
-      const int64_t c1 = c0 + (e - c0 + kMicroCols - 1) / kMicroCols * kMicroCols;
+      const auto [c0, c1] = columns(a, e);
       float* s = w.s.data() + r0 * z.SL;
       by_rows<Scores>(r1 - r0, w.q.data() + r0 * z.D, z.D, w.kt.data(), ldt, c0, c1, s, z.SL);
       weigh(it, w, r0, r1, a, e, k0, true);
@@ -194,6 +229,44 @@ struct Kernel {
         exact_values(it, w, r0, r1, a, e, k0, vb, ldv);
     }
   }
+
+#ifdef ATTNKIT_PAIR_DOTS
+  // A key block on the half units: K and V packed as pairs once (half.h), then groups of
+  // MR stacked rows, each over the hull of its rows' intervals in the block (all of it
+  // where every row sees it whole: `full`), P rounded to bfloat16 for P·V. As in `cut`, a
+  // group whose V rows hold a non-finite value sums each row's own keys instead.
+  void on_pairs(const Item& it, Scratch& w, int64_t n, int64_t k0, const T* kb, const T* vb,
+                bool full) const {
+    const int64_t D2 = pair_count(z.D), ldt = z.SL, ldv = vs[2];
+    pack_key_pairs(kb, n, z.D, ks[2], w.kp.data(), ldt);
+    pack_value_pairs(vb, n, z.Dv, ldv, w.vp.data());
+    const bool finite_v = all_finite_half(vb, n, z.Dv, ldv);
+    const int64_t M = z.G * it.rows;
+    for (int64_t r0 = 0; r0 < M; r0 += kMicroRows) {
+      const int64_t r1 = std::min(M, r0 + kMicroRows);
+      const auto [a, e] = full ? std::pair<int64_t, int64_t>{0, n} : group_hull(it, r0, r1, k0, n);
+      if (a >= e) continue;
+      const auto [c0, c1] = columns(a, e);
+      float* s = w.s.data() + r0 * ldt;
+      by_rows<PairScores>(r1 - r0, w.qp.data() + r0 * D2, D2, w.kp.data(), ldt, c0, c1, s, ldt);
+      weigh(it, w, r0, r1, a, e, k0, !full);
+      const int64_t pa = a - a % 2, pe = e + e % 2;  // whole pairs: pa <= a, e <= pe <= c1
+      if (!finite_v && !all_finite_half(vb + pa * ldv, std::min(pe, n) - pa, z.Dv, ldv)) {
+        exact_values(it, w, r0, r1, a, e, k0, vb, ldv);
+        continue;
+      }
+      const int64_t ldp = pair_count(ldt);  // a row of weights as pairs
+      for (int64_t r = r0; r < r1; ++r) {
+        float* p = w.s.data() + r * ldt;
+        p[pa] = pa < a ? 0.0f : p[pa];
+        p[pe - 1] = e < pe ? 0.0f : p[pe - 1];
+        weights_pairs(p, pa, pe, w.ph.data() + r * ldp);
+      }
+      by_rows<PairProducts>(r1 - r0, w.ph.data() + r0 * ldp, ldp, int64_t{1}, pa / 2, pe / 2,
+                            w.vp.data(), z.Dv, w.o.data() + r0 * z.Dv, z.Dv);
+    }
+  }
+#endif
 
   // A key block [k0, k0 + n): whole where every row sees all of it, else cut; nothing
   // where no row sees a key of it.
@@ -207,6 +280,11 @@ struct Kernel {
       full &= a == 0 && e == n;
     }
     if (!any) return;
+#ifdef ATTNKIT_PAIR_DOTS
+    if constexpr (kHalfUnits) {
+      if (pairs) return on_pairs(it, w, n, k0, kh + k0 * ks[2], vh + k0 * vs[2], full);
+    }
+#endif
     int64_t ldk = 0, ldv = 0;
     const float* kb = as_float(kh + k0 * ks[2], n, z.D, ks[2], w.k.data(), &ldk);
     const float* vb = as_float(vh + k0 * vs[2], n, z.Dv, vs[2], w.v.data(), &ldv);
@@ -266,10 +344,11 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
              const std::optional<at::Tensor>& slopes,
              const std::optional<at::Tensor>& positions, double scale, double softcap, int64_t rows,
-             int64_t keys, at::Tensor& out, at::Tensor& lse) {
+             int64_t keys, bool half, at::Tensor& out, at::Tensor& lse) {
   Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
           q.size(3), v.size(3), rows, keys};
-  Kernel<T> kern{z,
+  const bool pairs = Kernel<T>::kHalfUnits && half;
+  Kernel<T> kern{z, pairs,
                  q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
                  lo ? lo->data_ptr<int64_t>() : nullptr, hi ? hi->data_ptr<int64_t>() : nullptr,
                  {}, {}, {},
@@ -287,7 +366,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w(z, !std::is_same_v<T, float>);
+    Scratch w(z, !std::is_same_v<T, float> && !pairs, pairs);
     for (int64_t t = next++; t < count; t = next++) kern.run(items[t], w);
   });
 }
@@ -300,7 +379,7 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
                                                 const std::optional<at::Tensor>& hi,
                                                 const std::optional<at::Tensor>& slopes,
                                                 const std::optional<at::Tensor>& positions, double scale,
-                                                double softcap, int64_t rows, int64_t keys) {
+                                                double softcap, int64_t rows, int64_t keys, bool half) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -334,13 +413,13 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   switch (q.scalar_type()) {
     case at::kFloat: 
-      forward<float>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, out, lse);
+      forward<float>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out, lse);
       break;
     case at::kBFloat16: 
-      forward<at::BFloat16>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, out, lse);
+      forward<at::BFloat16>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out, lse);
       break;
     case at::kHalf: 
-      forward<at::Half>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, out, lse);
+      forward<at::Half>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out, lse);
       break;
     default: TORCH_CHECK(false, "attnkit_native::span_forward: float32, bfloat16 or float16");
   }
@@ -353,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
 TORCH_LIBRARY(attnkit_native, m) {
   m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
         "Tensor? positions, float scale, "
-        "float softcap, int rows, int keys) -> (Tensor, Tensor)");
+        "float softcap, int rows, int keys, bool half=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

@@ -41,12 +41,14 @@
 #include <vector>
 
 #include "common.h"
+#include "half.h"
 
 namespace attnkit_native {
 namespace {
 
 struct Sizes {
   int64_t B, H, Hkv, G, L, S, D, Dv, R, KB;
+  int64_t KW = (KB + 31) / 32 * 32;  // a row of a block's P and dS: whole tiles of 32 keys
 };
 
 // Query rows [r0, r0 + rows) of batch row b, whose intervals' hull is [kmin, kmax).
@@ -55,29 +57,46 @@ struct Tile {
 };
 
 // The call's rows in float32, stacked as the tiles read them (B, Hkv, L·G: query row i's
-// G heads side by side): scaled queries, dO, Δ and lse, made once for both passes.
+// G heads side by side): scaled queries, dO, Δ and lse, made once for both passes; on the
+// half units (half.h) also the queries (unscaled) and dO as they are, and as pairs along
+// D and Dv.
 struct Rows {
   std::vector<float> q, dout, delta, lse;
-  explicit Rows(const Sizes& z)
+  std::vector<Pair> qp, dop;
+  std::vector<at::BFloat16> qh, doh;
+  Rows(const Sizes& z, bool pairs)
       : q(z.B * z.H * z.L * z.D), dout(z.B * z.H * z.L * z.Dv), delta(z.B * z.H * z.L),
-        lse(z.B * z.H * z.L) {}
+        lse(z.B * z.H * z.L), qp(pairs ? z.B * z.H * z.L * pair_count(z.D) : 0),
+        dop(pairs ? z.B * z.H * z.L * pair_count(z.Dv) : 0), qh(pairs ? z.B * z.H * z.L * z.D : 0),
+        doh(pairs ? z.B * z.H * z.L * z.Dv : 0) {}
 };
 
-// A thread's scratch: a block's P and dS (stacked rows × KB), a row's softcap derivative
-// t', K and V as float (half dtypes), and the accumulated gradients.
+// A thread's scratch: a block's P and dS (stacked rows × KW), a row's softcap derivative
+// t', K and V as float (half dtypes), and the accumulated gradients; on the half units
+// the block's K and V as pairs along D (kp, vp: for S and dP) and K as pairs of keys (kn:
+// for dQ), two rows of P or dS interleaved (tp), two rows of dO or Q (rp), dS as pairs of
+// keys (dsp).
 struct Scratch {
   Buffer p, ds, cap, k, v, dq, dk, dv;
-  explicit Scratch(const Sizes& z)
-      : p(z.G * z.R * z.KB), ds(z.G * z.R * z.KB), cap(z.KB), k(z.KB * z.D), v(z.KB * z.Dv),
-        dq(z.G * z.R * z.D), dk(z.KB * z.D), dv(z.KB * z.Dv) {}
+  BufferOf<Pair> kp, vp, kn, tp, rp, dsp;
+  Scratch(const Sizes& z, bool pairs)
+      : p(z.G * z.R * z.KW), ds(z.G * z.R * z.KW), cap(z.KB), k(pairs ? 0 : z.KB * z.D),
+        v(pairs ? 0 : z.KB * z.Dv), dq(z.G * z.R * z.D), dk(z.KB * z.D), dv(z.KB * z.Dv),
+        kp(pairs ? pair_count(z.D) * z.KW : 0), vp(pairs ? pair_count(z.Dv) * z.KW : 0),
+        kn(pairs ? pair_count(z.KB) * z.D : 0), tp(pairs ? pair_count(z.G * z.R) * z.KB : 0),
+        rp(pairs ? pair_count(z.G * z.R) * std::max(z.D, z.Dv) : 0),
+        dsp(pairs ? z.G * z.R * pair_count(z.KW) : 0) {}
 };
 
 // One tile's stacked rows (of K/V head hkv) in Rows, and one block's keys and values as
-// float (row strides).
+// float (row strides); on the half units the rows' pairs and bfloat16 copies, and the
+// block's keys as they are (row stride ldk).
 struct View {
   const float *q, *dout, *delta, *lse;
   const float *k, *v;
   int64_t ldk, ldv, hkv;
+  const Pair *qp = nullptr, *dop = nullptr;
+  const at::BFloat16 *qh = nullptr, *doh = nullptr, *kh = nullptr;
 };
 
 // Row-major C (m × n) += Aᵀ·B (A is k × m, B is k × n).
@@ -92,7 +111,10 @@ inline void gemm_tn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t
 
 template <typename T>
 struct Backward {
+  // bfloat16 products on the half units where built (half.h) and asked (`pairs`)
+  static constexpr bool kHalfUnits = kPairDots && std::is_same_v<T, at::BFloat16>;
   const Sizes z;
+  bool pairs;
   const T *q, *k, *v, *out, *dout;
   const float *lse, *glse;  // (B, H, L) contiguous; glse may be null
   const int64_t *lo, *hi;   // (B, L) contiguous, or null: every row sees every key
@@ -132,6 +154,16 @@ struct Backward {
       }
       rows.delta[r] = (std::is_same_v<T, float> ? dot : 0.0f) - (glse ? glse[at] : 0.0f);
       rows.lse[r] = lse[at];
+#ifdef ATTNKIT_PAIR_DOTS
+      if constexpr (kHalfUnits) {
+        if (pairs) {
+          pack_row_pairs(qi, z.D, rows.qp.data() + r * pair_count(z.D));
+          pack_row_pairs(di, z.Dv, rows.dop.data() + r * pair_count(z.Dv));
+          std::copy(qi, qi + z.D, rows.qh.begin() + r * z.D);
+          std::copy(di, di + z.Dv, rows.doh.begin() + r * z.Dv);
+        }
+      }
+#endif
     }
   }
 
@@ -140,6 +172,17 @@ struct Backward {
     View x{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, hkv};
     const T* kh = k + b * ks[0] + hkv * ks[1] + k0 * ks[2];
     const T* vh = v + b * vs[0] + hkv * vs[1] + k0 * vs[2];
+#ifdef ATTNKIT_PAIR_DOTS
+    if constexpr (kHalfUnits) {
+      if (pairs) {  // packed once for every tile of the block
+        pack_key_pairs(kh, n, z.D, ks[2], w.kp.data(), z.KW);
+        pack_key_pairs(vh, n, z.Dv, vs[2], w.vp.data(), z.KW);
+        pack_value_pairs(kh, n, z.D, ks[2], w.kn.data());
+        x.kh = kh, x.ldk = ks[2];
+        return x;
+      }
+    }
+#endif
     x.k = as_float(kh, n, z.D, ks[2], w.k.data(), &x.ldk);
     x.v = as_float(vh, n, z.Dv, vs[2], w.v.data(), &x.ldv);
     return x;
@@ -150,6 +193,10 @@ struct Backward {
     const int64_t r = ((t.b * z.Hkv + x.hkv) * z.L + t.r0) * z.G;
     x.q = rows.q.data() + r * z.D, x.dout = rows.dout.data() + r * z.Dv;
     x.delta = rows.delta.data() + r, x.lse = rows.lse.data() + r;
+    if (pairs) {
+      x.qp = rows.qp.data() + r * pair_count(z.D), x.dop = rows.dop.data() + r * pair_count(z.Dv);
+      x.qh = rows.qh.data() + r * z.D, x.doh = rows.doh.data() + r * z.Dv;
+    }
     return x;
   }
 
@@ -181,17 +228,17 @@ struct Backward {
   bool weights(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n,
                bool chain = true) const {
     const int64_t M = z.G * t.rows;
-    gemm_nt(M, n, z.D, x.q, z.D, x.k, x.ldk, w.p.data(), z.KB, 0.0f);
-    gemm_nt(M, n, z.Dv, x.dout, z.Dv, x.v, x.ldv, w.ds.data(), z.KB, 0.0f);
+    products(x, w, M, n);
     bool full = true;
     for (int64_t r = 0; r < M; ++r) {
       int64_t a = 0, e = 0;
       local(t, r, k0, n, &a, &e);
       full &= a == 0 && e == n;
-      float *p = w.p.data() + r * z.KB, *s = w.ds.data() + r * z.KB;
+      float *p = w.p.data() + r * z.KW, *s = w.ds.data() + r * z.KW;
       std::fill(p, p + a, 0.0f), std::fill(s, s + a, 0.0f);
       std::fill(p + e, p + n, 0.0f), std::fill(s + e, s + n, 0.0f);
       if (a >= e) continue;
+      if (pairs) scale_inplace(p + a, e - a, scale);  // scores of unscaled pairs
       transform(t, x, r, k0, p, a, e, w);
       gradient_weights(p + a, s + a, e - a, x.lse[r], x.delta[r]);
       if (chain && softcap > 0)
@@ -199,6 +246,20 @@ struct Backward {
                              w.cap.data() + a, e - a);
     }
     return full;
+  }
+
+  // S = Q·Kᵀ and dP = dO·Vᵀ of the tile's M stacked rows against the block's n keys, in
+  // w.p and w.ds: BLAS on float32, or the half units' tiles (S unscaled).
+  void products(const View& x, Scratch& w, int64_t M, int64_t n) const {
+#ifdef ATTNKIT_PAIR_DOTS
+    if (pairs) {
+      pair_gemm_nt(M, n, pair_count(z.D), x.qp, w.kp.data(), z.KW, w.p.data(), z.KW);
+      pair_gemm_nt(M, n, pair_count(z.Dv), x.dop, w.vp.data(), z.KW, w.ds.data(), z.KW);
+      return;
+    }
+#endif
+    gemm_nt(M, n, z.D, x.q, z.D, x.k, x.ldk, w.p.data(), z.KW, 0.0f);
+    gemm_nt(M, n, z.Dv, x.dout, z.Dv, x.v, x.ldv, w.ds.data(), z.KW, 0.0f);
   }
 
   // p = exp(p − m) and s = p · (s − delta) over n entries.
@@ -229,7 +290,7 @@ struct Backward {
       x.delta = zero.data();  // dS = P·(dP − 0) = P·dP
       weights(t, x, w, k0, n, false);
       for (int64_t r = 0; r < M; ++r)
-        for (int64_t j = 0; j < n; ++j) sum[r] += w.ds[r * z.KB + j];
+        for (int64_t j = 0; j < n; ++j) sum[r] += w.ds[r * z.KW + j];
     }
     for (int64_t r = 0; r < M; ++r) rows.delta[r0 + r] += sum[r];
   }
@@ -248,11 +309,11 @@ struct Backward {
       const bool full = weights(t, x, w, k0, n);
       if (dq_rows != nullptr) queries(t, x, w, k0, n, full, dq_rows + t.r0 * z.G * z.D);
       if (full || all_finite(x.dout, M, z.Dv, z.Dv))
-        gemm_tn_add(n, z.Dv, M, w.p.data(), z.KB, x.dout, z.Dv, w.dv.data(), z.Dv);
+        over_rows(w, w.p.data(), 1.0f, x.dout, x.doh, M, n, z.Dv, w.dv.data());
       else
         exact(t, w.p.data(), x.dout, z.Dv, w.dv.data(), k0, n);
       if (full || all_finite(x.q, M, z.D, z.D))
-        gemm_tn_add(n, z.D, M, w.ds.data(), z.KB, x.q, z.D, w.dk.data(), z.D);
+        over_rows(w, w.ds.data(), scale, x.q, x.qh, M, n, z.D, w.dk.data());
       else
         exact(t, w.ds.data(), x.q, z.D, w.dk.data(), k0, n);
     }
@@ -264,6 +325,22 @@ struct Backward {
     }
   }
 
+  // acc (n × width) += xᵀ·y over the M stacked rows: x a block's P or dS (M × n, row
+  // stride KW), y the rows' dO or scaled Q in float32 (yf) or, on the half units, as they
+  // are (yh, then times a: the scale Q leaves out).
+  void over_rows(Scratch& w, const float* x, float a, const float* yf, const at::BFloat16* yh,
+                 int64_t M, int64_t n, int64_t width, float* acc) const {
+#ifdef ATTNKIT_PAIR_DOTS
+    if (pairs) {
+      interleave_rows(x, M, n, z.KW, a, w.tp.data());     // (M/2 × n) pairs of rows
+      pack_value_pairs(yh, M, width, width, w.rp.data());  // (M/2 × width)
+      pair_gemm_add(n, width, pair_count(M), w.tp.data(), 1, n, w.rp.data(), acc, width);
+      return;
+    }
+#endif
+    gemm_tn_add(n, width, M, x, z.KW, yf, width, acc, width);
+  }
+
   // acc[j] += Σ_r x[r, j] · y[r] over each stacked row's own keys j (pass 1's exact loop).
   void exact(const Tile& t, const float* x, const float* y, int64_t width, float* acc, int64_t k0,
              int64_t n) const {
@@ -271,24 +348,46 @@ struct Backward {
       int64_t a = 0, e = 0;
       local(t, r, k0, n, &a, &e);
       for (int64_t j = a; j < e; ++j)
-        for (int64_t d = 0; d < width; ++d) acc[j * width + d] += x[r * z.KB + j] * y[r * width + d];
+        for (int64_t d = 0; d < width; ++d) acc[j * width + d] += x[r * z.KW + j] * y[r * width + d];
     }
   }
 
   // acc (the tile's stacked rows × D) += dS·K of the block in w.ds; an exact loop over
   // each row's own keys where the block is cut and holds a non-finite key.
-  void queries(const Tile& t, const View& x, const Scratch& w, int64_t k0, int64_t n,
+  void queries(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n,
                bool full, float* acc) const {
     const int64_t M = z.G * t.rows;
-    if (full || all_finite(x.k, n, z.D, x.ldk)) {
-      gemm_nn_add(M, z.D, n, w.ds.data(), z.KB, x.k, x.ldk, acc, z.D);
+#ifdef ATTNKIT_PAIR_DOTS
+    if (pairs) {
+      if (!full && !all_finite_half(x.kh, n, z.D, x.ldk))
+        return queries_exact(t, w, k0, n, x.kh, x.ldk, acc);
+      const int64_t ldp = pair_count(z.KW), pe = n + n % 2;
+      for (int64_t r = 0; r < M; ++r) {
+        float* s = w.ds.data() + r * z.KW;
+        if (n % 2) s[n] = 0.0f;  // the last key's missing partner
+        weights_pairs(s, 0, pe, w.dsp.data() + r * ldp);
+      }
+      pair_gemm_add(M, z.D, pe / 2, w.dsp.data(), ldp, 1, w.kn.data(), acc, z.D);
       return;
     }
-    for (int64_t r = 0; r < M; ++r) {
+#endif
+    if (full || all_finite(x.k, n, z.D, x.ldk)) {
+      gemm_nn_add(M, z.D, n, w.ds.data(), z.KW, x.k, x.ldk, acc, z.D);
+      return;
+    }
+    queries_exact(t, w, k0, n, x.k, x.ldk, acc);
+  }
+
+  // acc += dS·K over each stacked row's own keys (K float32, or bfloat16 as it is).
+  template <typename E>
+  void queries_exact(const Tile& t, const Scratch& w, int64_t k0, int64_t n, const E* kb,
+                     int64_t ldk, float* acc) const {
+    for (int64_t r = 0; r < z.G * t.rows; ++r) {
       int64_t a = 0, e = 0;
       local(t, r, k0, n, &a, &e);
       for (int64_t j = a; j < e; ++j)
-        for (int64_t d = 0; d < z.D; ++d) acc[r * z.D + d] += w.ds[r * z.KB + j] * x.k[j * x.ldk + d];
+        for (int64_t d = 0; d < z.D; ++d)
+          acc[r * z.D + d] += w.ds[r * z.KW + j] * static_cast<float>(kb[j * ldk + d]);
     }
   }
 
@@ -347,11 +446,11 @@ bool one_pass(int64_t items) {
 // Items run on at::parallel_for's threads, each taking the next of a list (an atomic
 // counter); an item writes its own rows of the output only.
 template <typename F>
-void run_items(int64_t count, const Sizes& z, const F& f) {
+void run_items(int64_t count, const Sizes& z, bool pairs, const F& f) {
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w(z);
+    Scratch w(z, pairs);
     for (int64_t t = next++; t < count; t = next++) f(t, w);
   });
 }
@@ -361,11 +460,11 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
               const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
               const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-              double scale, double softcap, int64_t rows, int64_t keys, at::Tensor& dq,
+              double scale, double softcap, int64_t rows, int64_t keys, bool half, at::Tensor& dq,
               at::Tensor& dk, at::Tensor& dv) {
   const Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
                 q.size(3), v.size(3), rows, keys};
-  Backward<T> kern{z,
+  Backward<T> kern{z, Backward<T>::kHalfUnits && half,
                    q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
                    dout.data_ptr<T>(), lse.data_ptr<float>(),
                    glse ? glse->data_ptr<float>() : nullptr,
@@ -382,28 +481,28 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     kern.os[d] = out.stride(d);
     kern.ds[d] = dout.stride(d);
   }
-  Rows stacked(z);
+  Rows stacked(z, kern.pairs);
   at::parallel_for(0, z.B * z.H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) kern.stack(bh / z.H, bh % z.H, stacked);
   });
   const std::vector<Tile> tiles = tiles_of(z, kern.lo, kern.hi);
   const int64_t count = static_cast<int64_t>(tiles.size());
   if (!std::is_same_v<T, float>)
-    run_items(count * z.Hkv, z, [&](int64_t t, Scratch& w) {
+    run_items(count * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
       kern.delta_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
     });
   if (one_pass(z.B * z.Hkv)) {
-    run_items(z.B * z.Hkv, z, [&](int64_t t, Scratch& w) {
+    run_items(z.B * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
       kern.head_pass(stacked, tiles, t / z.Hkv, t % z.Hkv, w);
     });
     return;
   }
   const int64_t blocks = (z.S + z.KB - 1) / z.KB;
-  run_items(z.B * z.Hkv * blocks, z, [&](int64_t t, Scratch& w) {
+  run_items(z.B * z.Hkv * blocks, z, kern.pairs, [&](int64_t t, Scratch& w) {
     const int64_t b = t / (z.Hkv * blocks), hkv = t / blocks % z.Hkv, k0 = t % blocks * z.KB;
     kern.keys_pass(stacked, tiles, b, hkv, k0, std::min(z.KB, z.S - k0), w);
   });
-  run_items(count * z.Hkv, z, [&](int64_t t, Scratch& w) {
+  run_items(count * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
     kern.queries_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
   });
 }
@@ -415,7 +514,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
     const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
     const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-    double scale, double softcap, int64_t rows, int64_t keys) {
+    double scale, double softcap, int64_t rows, int64_t keys, bool half) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   for (const at::Tensor* t : {&q, &k, &v, &out, &dout}) {
     check(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
@@ -452,7 +551,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
   const auto run = [&](auto zero) {
     backward<decltype(zero)>(q, k, v, out, dout, lse, glse, lo, hi, slopes, positions, scale,
-                             softcap, rows, keys, dq, dk, dv);
+                             softcap, rows, keys, half, dq, dk, dv);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -469,7 +568,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
 TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
   m.def("span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
         "Tensor? glse, Tensor? lo, Tensor? hi, Tensor? slopes, Tensor? positions, float scale, "
-        "float softcap, int rows, int keys) "
+        "float softcap, int rows, int keys, bool half=False) "
         "-> (Tensor, Tensor, Tensor)");
 }
 
