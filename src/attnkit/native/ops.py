@@ -8,9 +8,9 @@ query rows (of every head of a K/V head) and blocks of `keys` keys (`blocking` p
 them), output in q's dtype and the log-sum-exp in float32 (0 and -inf on a row that sees
 nothing); bfloat16 products on the CPU's half units (AVX512-BF16) where
 `precision.kernel_dtype` runs half natively, in float32 elsewhere. The checks make the
-C++ side's assumptions true (one dtype, CPU, unit last strides, spans within the keys, sizes within
-its int32 GEMMs) or raise `ValueError` naming the argument; the fake implementation gives
-shapes to `torch.compile` and `opcheck`.
+C++ side's assumptions true (one dtype, CPU, unit last strides, spans within the keys,
+sizes within its int32 GEMMs) or raise `ValueError` naming the argument; the fake
+implementation gives shapes to `torch.compile` and `opcheck`.
 """
 
 from __future__ import annotations
