@@ -76,12 +76,16 @@ fuzz: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
+# the kernels' C++, in the style .clang-format names
+CSRC = src/attnkit/native/csrc/*.cpp src/attnkit/native/csrc/*.h
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
 	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
 	$(VENV)/bin/mypy
+	$(VENV)/bin/clang-format --dry-run --Werror $(CSRC)
 
 format: $(STAMP)
+	$(VENV)/bin/clang-format -i $(CSRC)
 	$(VENV)/bin/ruff format src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
 	$(VENV)/bin/ruff check --fix src tests benchmarks examples docs/hooks.py docs/notebook_pages.py docs/check_site.py
 

@@ -383,6 +383,12 @@ def test_the_build_key_reads_every_source_and_header():
     assert files == set(build.SOURCES) | set(build.HEADERS)
 
 
+def test_python_and_cpp_agree_on_the_block_sizes():
+    """The sizes both sides name (ops.py for the cost model and blocking, the kernels'
+    headers for their loops) are the same numbers."""
+    assert dict(torch.ops.attnkit_native.block_sizes()) == {"group_rows": ops.GROUP_ROWS}
+
+
 def test_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "maybe")
     with pytest.raises(ValueError, match=r"ATTNKIT_NATIVE=.maybe.: use one of on, wait, off"):

@@ -42,7 +42,8 @@ except ImportError:  # pragma: no cover - Windows
 __all__ = ["SANITIZE", "SOURCES", "Home", "build", "cache_dir", "flags", "home", "setting"]
 
 SOURCES = ("csrc/span_attention.cpp", "csrc/span_backward.cpp", "csrc/paged_decode.cpp")
-HEADERS = ("csrc/common.h", "csrc/half.h", "csrc/micro.h")  # every header: a test checks the list
+# every header (a test checks the list)
+HEADERS = ("csrc/common.h", "csrc/half.h", "csrc/micro.h", "csrc/queue.h")
 NAME = "attnkit_native"
 MODES = ("on", "wait", "off", "sanitize")
 PROGRESS_EVERY = 10.0  # seconds between a blocking build's lines on stderr

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
@@ -16,8 +17,15 @@
 // BLAS's single-precision GEMM (column-major), as PyTorch links it (MKL or OpenBLAS).
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c,
-                       const int* ldc);
+                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
+
+// The dtypes the kernels take, switched on by PyTorch's dispatch macros: the body sees
+// the element type as scalar_t; any other dtype raises (attnkit.native's checks keep one
+// from getting here).
+#define ATTNKIT_DISPATCH(TYPE, NAME, ...)                                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                                 \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE( \
+                         at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 namespace attnkit_native {
 
@@ -44,7 +52,7 @@ inline int ld(int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); }
 
 // Row-major C (m × n) = A (m × k) · Bᵀ (B is n × k) + beta · C.
 inline void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-             int64_t ldb, float* c, int64_t ldc, float beta) {
+                    int64_t ldb, float* c, int64_t ldc, float beta) {
   const char ta = 'T', tb = 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
   const int la = ld(ldb), lb = ld(lda), lc = ld(ldc);
@@ -53,8 +61,8 @@ inline void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda
 }
 
 // Row-major C (m × n) += A (m × k) · B (k × n).
-inline void gemm_nn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float* c, int64_t ldc) {
+inline void gemm_nn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                        const float* b, int64_t ldb, float* c, int64_t ldc) {
   const char t = 'N';
   const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
   const int la = ld(ldb), lb = ld(lda), lc = ld(ldc);
@@ -95,7 +103,8 @@ inline float exp_sum(float* s, int64_t n, float m) {
 inline void softcap_inplace(float* s, int64_t n, float cap) {
   const Vec vc(cap), inv(1.0f / cap);
   int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) (vc * (Vec::loadu(s + j) * inv).tanh()).store(s + j);
+  for (; j + Vec::size() <= n; j += Vec::size())
+    (vc * (Vec::loadu(s + j) * inv).tanh()).store(s + j);
   for (; j < n; ++j) s[j] = cap * std::tanh(s[j] / cap);
 }
 
@@ -128,7 +137,8 @@ inline bool all_finite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * ld;
     int64_t c = 0;
-    for (; c + Vec::size() <= cols; c += Vec::size()) acc = at::vec::fmadd(Vec::loadu(row + c), zero, acc);
+    for (; c + Vec::size() <= cols; c += Vec::size())
+      acc = at::vec::fmadd(Vec::loadu(row + c), zero, acc);
     for (; c < cols; ++c) tail += row[c] * 0.0f;
   }
   float lanes[Vec::size()];
@@ -139,8 +149,8 @@ inline bool all_finite(const float* x, int64_t rows, int64_t cols, int64_t ld) {
 
 // The hull [kmin, kmax) of the key intervals of query rows [r0, r0 + rows) of batch row b
 // (lo, hi: (B, L), or null for [0, S) every row); (0, 0) where no row sees a key.
-inline std::pair<int64_t, int64_t> hull(const int64_t* lo, const int64_t* hi, int64_t b,
-                                        int64_t L, int64_t S, int64_t r0, int64_t rows) {
+inline std::pair<int64_t, int64_t> hull(const int64_t* lo, const int64_t* hi, int64_t b, int64_t L,
+                                        int64_t S, int64_t r0, int64_t rows) {
   int64_t kmin = S, kmax = 0;
   for (int64_t i = r0; i < r0 + rows; ++i) {
     const int64_t a = lo ? lo[b * L + i] : 0, e = hi ? hi[b * L + i] : S;

@@ -72,7 +72,8 @@ inline void pack_key_pairs(const at::BFloat16* k, int64_t n, int64_t D, int64_t 
     for (int64_t d2 = 0; d2 < D / 2; ++d2)
       for (int64_t j = j0; j < j1; ++j) kp[d2 * ldt + j] = pair_at(k + j * ldk + 2 * d2);
     if (D % 2)
-      for (int64_t j = j0; j < j1; ++j) kp[(D2 - 1) * ldt + j] = pair_of(k + j * ldk + D - 1, nullptr);
+      for (int64_t j = j0; j < j1; ++j)
+        kp[(D2 - 1) * ldt + j] = pair_of(k + j * ldk + D - 1, nullptr);
   }
 }
 
@@ -85,8 +86,10 @@ inline void pack_value_pairs(const at::BFloat16* v, int64_t n, int64_t Dv, int64
     Pair* dst = vp + j / 2 * Dv;
     int64_t c = 0;
     for (; c + kLanes <= Dv; c += kLanes) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + c)));
-      const __m512i hi = second ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + c)))
+      const __m512i lo =
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + c)));
+      const __m512i hi = second ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(second + c)))
                                 : _mm512_setzero_si512();
       _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
@@ -149,8 +152,9 @@ inline void interleave_rows(const float* x, int64_t m, int64_t n, int64_t ldx, f
     Pair* dst = pp + r / 2 * n;
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes)
-      _mm512_storeu_si512(dst + j, pairs_of(_mm512_loadu_ps(first + j),
-                                            second ? _mm512_loadu_ps(second + j) : _mm512_setzero_ps(), va));
+      _mm512_storeu_si512(dst + j,
+                          pairs_of(_mm512_loadu_ps(first + j),
+                                   second ? _mm512_loadu_ps(second + j) : _mm512_setzero_ps(), va));
     for (; j < n; ++j) dst[j] = pair_rounded(a * first[j], second ? a * second[j] : 0.0f);
   }
 }
@@ -190,7 +194,8 @@ template <int MR_>
 void pair_products_tile(const Pair* a, int64_t ars, int64_t aps, int64_t j2a, int64_t j2e,
                         const Pair* b, int64_t n, float* c, int64_t ldc) {
   for (int64_t col = 0; col < n; col += 2 * kLanes) {
-    const __mmask16 m0 = lanes_mask(n - col), m1 = lanes_mask(std::max<int64_t>(n - col - kLanes, 0));
+    const __mmask16 m0 = lanes_mask(n - col),
+                    m1 = lanes_mask(std::max<int64_t>(n - col - kLanes, 0));
     __m512 acc[MR_][2];
     for (int r = 0; r < MR_; ++r) {
       acc[r][0] = _mm512_maskz_loadu_ps(m0, c + r * ldc + col);

@@ -16,7 +16,7 @@
 
 namespace attnkit_native {
 
-constexpr int64_t kMicroRows = 6;              // MR
+constexpr int64_t kMicroRows = 6;                // MR
 constexpr int64_t kMicroCols = 2 * Vec::size();  // NR
 
 // kt (D × ldt) = the first n rows of k (n × D, row stride ldk), transposed, columns
@@ -34,8 +34,8 @@ inline void pack_transposed(const float* k, int64_t n, int64_t D, int64_t ldk, f
 
 // s[r, c0 .. c1) = q[r] · kt[:, c] for MR_ rows, c1 - c0 a multiple of NR within ldt.
 template <int MR_>
-void scores_tile(const float* q, int64_t D, const float* kt, int64_t ldt, int64_t c0,
-                 int64_t c1, float* s, int64_t lds) {
+void scores_tile(const float* q, int64_t D, const float* kt, int64_t ldt, int64_t c0, int64_t c1,
+                 float* s, int64_t lds) {
   for (int64_t c = c0; c < c1; c += kMicroCols) {
     Vec acc[MR_][2];
     for (int r = 0; r < MR_; ++r) acc[r][0] = acc[r][1] = Vec(0.0f);
@@ -115,8 +115,8 @@ struct Ahead {
 // partial sums are summed across lanes. q's rows are zero-padded to a multiple of the
 // vector (row stride ldq); a key's tail past D is never loaded.
 template <int MR_, typename T>
-void dots_tile(const float* q, int64_t ldq, int64_t D, const T* k, int64_t ldk, int64_t n,
-               float* s, int64_t lds, const Ahead& ahead) {
+void dots_tile(const float* q, int64_t ldq, int64_t D, const T* k, int64_t ldk, int64_t n, float* s,
+               int64_t lds, const Ahead& ahead) {
   constexpr int64_t W = Vec::size();
   for (int64_t j = 0; j < n; ++j) {
     ahead.row(j);
@@ -148,8 +148,8 @@ void by_rows(int64_t rows, A... args) {
 
 template <int MR_>
 struct Scores {
-  static void run(const float* q, int64_t D, const float* kt, int64_t ldt, int64_t c0,
-                  int64_t c1, float* s, int64_t lds) {
+  static void run(const float* q, int64_t D, const float* kt, int64_t ldt, int64_t c0, int64_t c1,
+                  float* s, int64_t lds) {
     scores_tile<MR_>(q, D, kt, ldt, c0, c1, s, lds);
   }
 };

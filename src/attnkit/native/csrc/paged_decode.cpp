@@ -31,16 +31,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <tuple>
 #include <vector>
 
 #include "micro.h"
+#include "queue.h"
 
 namespace attnkit_native {
 namespace {
 
-constexpr int64_t kRun = 256;   // positions of a page run at most (one softmax update)
+constexpr int64_t kRun = 256;    // positions of a page run at most (one softmax update)
 constexpr int64_t kPart = 2048;  // positions of a part (the last of a sequence: the rest)
 constexpr int64_t kLead = 32;    // positions the prefetch runs ahead, at least
 
@@ -61,10 +61,10 @@ struct Part {
 
 template <typename T>
 struct Paged {
-  const T* q;        // (N, H, D)
+  const T* q;  // (N, H, D)
   int64_t qs[3];
   const T *keys, *values;  // (slots, Hkv, D), (slots, Hkv, Dv)
-  int64_t ks[2], vs[2];     // their slot and head strides
+  int64_t ks[2], vs[2];    // their slot and head strides
   const int64_t *blocks, *at, *lo, *hi;
   int64_t N, H, Hkv, G, D, Dv, bs;
   float scale, softcap;
@@ -76,11 +76,12 @@ struct Paged {
   // of Dv each) unnormalised, in one pass over its page runs (the blocking above).
   void run(const Part& part, Buffer& w, float* m, float* l, float* o) const {
     const int64_t ldq = padded(D), heads = (part.h1 - part.h0) * G;
-    float* qf = w.data();               // heads × ldq, scaled, zero-padded
-    float* s = qf + H * ldq;            // G × kRun: a run's scores
+    float* qf = w.data();     // heads × ldq, scaled, zero-padded
+    float* s = qf + H * ldq;  // G × kRun: a run's scores
     for (int64_t r = 0; r < heads; ++r) {
       const T* src = q + part.i * qs[0] + (part.h0 * G + r) * qs[1];
-      for (int64_t d = 0; d < ldq; ++d) qf[r * ldq + d] = d < D ? static_cast<float>(src[d]) * scale : 0.0f;
+      for (int64_t d = 0; d < ldq; ++d)
+        qf[r * ldq + d] = d < D ? static_cast<float>(src[d]) * scale : 0.0f;
       m[r] = kNegInf;
       l[r] = 0.0f;
     }
@@ -93,11 +94,12 @@ struct Paged {
         for (int64_t g = 0; g < G; g += kMicroRows)
           by_rows<Dots>(std::min(kMicroRows, G - g), qf + (r0 + g) * ldq, ldq, D, k, ks[0], count,
                         s + g * kRun, kRun, g == 0 ? &fetch : &none);
-        for (int64_t g = 0; g < G; ++g) update(s + g * kRun, count, m[r0 + g], l[r0 + g], o + (r0 + g) * Dv);
+        for (int64_t g = 0; g < G; ++g)
+          update(s + g * kRun, count, m[r0 + g], l[r0 + g], o + (r0 + g) * Dv);
         const T* v = values + at_slot * vs[0] + hkv * vs[1];
         for (int64_t g = 0; g < G; g += kMicroRows)
-          by_rows<Values>(std::min(kMicroRows, G - g), s + g * kRun, kRun, v, vs[0], int64_t{0}, count,
-                          o + (r0 + g) * Dv, Dv);
+          by_rows<Values>(std::min(kMicroRows, G - g), s + g * kRun, kRun, v, vs[0], int64_t{0},
+                          count, o + (r0 + g) * Dv, Dv);
       }
     });
   }
@@ -112,7 +114,8 @@ struct Paged {
     for (int64_t p = part.p0; p < part.p1;) {
       const int64_t count = std::min({part.p1 - p, bs - p % bs, kRun});
       const int64_t target = p + count + skip;  // a run's start: a page's, or kRun into one
-      const int64_t ahead = target < part.p1 ? std::min({part.p1 - target, bs - target % bs, kRun}) : 0;
+      const int64_t ahead =
+          target < part.p1 ? std::min({part.p1 - target, bs - target % bs, kRun}) : 0;
       f(count, slot(part.i, p), ahead > 0 ? slot(part.i, target) : 0, ahead);
       p += count;
     }
@@ -123,7 +126,11 @@ struct Paged {
     const int64_t size = static_cast<int64_t>(sizeof(T));
     return {reinterpret_cast<const char*>(keys + next * ks[0] + hkv * ks[1]),
             reinterpret_cast<const char*>(values + next * vs[0] + hkv * vs[1]),
-            ahead, ks[0] * size, vs[0] * size, D * size, Dv * size};
+            ahead,
+            ks[0] * size,
+            vs[0] * size,
+            D * size,
+            Dv * size};
   }
 
   // A run's scores into weights, the running max, sum and output rescaled (only when
@@ -149,16 +156,29 @@ struct Paged {
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
             const at::Tensor& blocks, const at::Tensor& at_, const at::Tensor& lo,
-            const at::Tensor& hi, int64_t block_size, double scale, double softcap,
-            at::Tensor& out, at::Tensor& lse) {
+            const at::Tensor& hi, int64_t block_size, double scale, double softcap, at::Tensor& out,
+            at::Tensor& lse) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), Hkv = keys.size(1);
   const int64_t Dv = values.size(2), G = H / Hkv;
-  Paged<T> k{q.data_ptr<T>(), {q.stride(0), q.stride(1), q.stride(2)},
-             keys.data_ptr<T>(), values.data_ptr<T>(),
-             {keys.stride(0), keys.stride(1)}, {values.stride(0), values.stride(1)},
-             blocks.data_ptr<int64_t>(), at_.data_ptr<int64_t>(), lo.data_ptr<int64_t>(),
-             hi.data_ptr<int64_t>(), N, H, Hkv, G, D, Dv, block_size,
-             static_cast<float>(scale), static_cast<float>(softcap)};
+  Paged<T> k{q.data_ptr<T>(),
+             {q.stride(0), q.stride(1), q.stride(2)},
+             keys.data_ptr<T>(),
+             values.data_ptr<T>(),
+             {keys.stride(0), keys.stride(1)},
+             {values.stride(0), values.stride(1)},
+             blocks.data_ptr<int64_t>(),
+             at_.data_ptr<int64_t>(),
+             lo.data_ptr<int64_t>(),
+             hi.data_ptr<int64_t>(),
+             N,
+             H,
+             Hkv,
+             G,
+             D,
+             Dv,
+             block_size,
+             static_cast<float>(scale),
+             static_cast<float>(softcap)};
   // the parts: each sequence's positions in runs of kPart, the last one longer (up to
   // 2·kPart) rather than a short tail; its K/V heads in groups, as many as the threads need
   // to share the work (the cut of positions depends on the sequence alone, so a sequence's
@@ -179,21 +199,20 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       const int64_t h1 = std::min(Hkv, h0 + per), start = k.lo[i], count = pieces(i);
       const int64_t end = std::max(start, k.hi[i]);
       for (int64_t c = 0; c < count; ++c) {
-        parts.push_back({i, h0, h1, start + c * kPart, c + 1 < count ? start + (c + 1) * kPart : end, rows});
+        parts.push_back(
+            {i, h0, h1, start + c * kPart, c + 1 < count ? start + (c + 1) * kPart : end, rows});
         rows += (h1 - h0) * G;
       }
       first.push_back(static_cast<int64_t>(parts.size()));
     }
   const int64_t count = static_cast<int64_t>(parts.size());
   std::vector<float> m(rows), l(rows), o(rows * Dv);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::max<int64_t>(1, std::min(threads, count)), 1, [&](int64_t, int64_t) {
-    Buffer w(H * Paged<T>::padded(D) + G * kRun);
-    for (int64_t t = next++; t < count; t = next++) {
-      const int64_t r = parts[t].row;
-      k.run(parts[t], w, &m[r], &l[r], &o[r * Dv]);
-    }
-  });
+  run_queue(
+      count, [&] { return Buffer(H * Paged<T>::padded(D) + G * kRun); },
+      [&](int64_t t, Buffer& w) {
+        const int64_t r = parts[t].row;
+        k.run(parts[t], w, &m[r], &l[r], &o[r * Dv]);
+      });
   // merge each query head's parts by their log-sum-exp, and write out and lse
   T* dst = out.data_ptr<T>();
   float* lse_out = lse.data_ptr<float>();
@@ -232,11 +251,10 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::paged_decode: ", what); }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& keys,
-                                                const at::Tensor& values,
-                                                const at::Tensor& blocks, const at::Tensor& at_,
-                                                const at::Tensor& lo, const at::Tensor& hi,
-                                                int64_t block_size, double scale,
-                                                double softcap) {
+                                                const at::Tensor& values, const at::Tensor& blocks,
+                                                const at::Tensor& at_, const at::Tensor& lo,
+                                                const at::Tensor& hi, int64_t block_size,
+                                                double scale, double softcap) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q (N, H, D), keys, values 3-D");
   for (const at::Tensor* t : {&q, &keys, &values}) {
@@ -264,18 +282,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   auto out = at::empty({q.size(0), q.size(1), values.size(2)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      decode<float>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
-      break;
-    case at::kBFloat16:
-      decode<at::BFloat16>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
-      break;
-    case at::kHalf:
-      decode<at::Half>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
-      break;
-    default: TORCH_CHECK(false, "attnkit_native::paged_decode: float32, bfloat16 or float16");
-  }
+  ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::paged_decode", [&] {
+    decode<scalar_t>(q, keys, values, blocks, at_, lo, hi, block_size, scale, softcap, out, lse);
+  });
   return {out, lse};
 }
 
@@ -283,9 +292,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 }  // namespace attnkit_native
 
 TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
-  m.def("paged_decode(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor table_at, "
-        "Tensor lo, "
-        "Tensor hi, int block_size, float scale, float softcap) -> (Tensor, Tensor)");
+  m.def(
+      "paged_decode(Tensor q, Tensor keys, Tensor values, Tensor blocks, Tensor table_at, "
+      "Tensor lo, Tensor hi, int block_size, float scale, float softcap) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

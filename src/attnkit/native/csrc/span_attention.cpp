@@ -28,19 +28,19 @@
 // rows hold a non-finite value takes an exact per-row loop instead, which touches only
 // the keys each row sees.
 //
-// Work items run on at::parallel_for's threads, each taking the next item of a list
-// sorted longest first (an atomic counter): a causal mask's late tiles cost more.
+// Work items run on the threads from a list sorted longest first (queue.h): a causal
+// mask's late tiles cost more.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <tuple>
 #include <vector>
 
 #include "common.h"
 #include "half.h"
 #include "micro.h"
+#include "queue.h"
 
 namespace attnkit_native {
 namespace {
@@ -67,8 +67,8 @@ struct Scratch {
   BufferOf<Pair> ph;
   Scratch(const Sizes& z, bool convert, bool pairs)  // convert: K and V need a float32 copy
       : q(pairs ? 0 : z.G * z.R * z.D), s(z.G * z.R * z.SL), k(convert ? z.KB * z.D : 0),
-        v(convert ? z.KB * z.Dv : 0), kt(pairs ? 0 : z.D * z.SL), o(z.G * z.R * z.Dv),
-        m(z.G * z.R), l(z.G * z.R), qp(pairs ? z.G * z.R * pair_count(z.D) : 0),
+        v(convert ? z.KB * z.Dv : 0), kt(pairs ? 0 : z.D * z.SL), o(z.G * z.R * z.Dv), m(z.G * z.R),
+        l(z.G * z.R), qp(pairs ? z.G * z.R * pair_count(z.D) : 0),
         kp(pairs ? pair_count(z.D) * z.SL : 0), vp(pairs ? pair_count(z.KB) * z.Dv : 0),
         ph(pairs ? z.G * z.R * pair_count(z.SL) : 0) {}
 };
@@ -81,13 +81,13 @@ struct Kernel {
   const Sizes z;
   bool pairs;
   const T *q, *k, *v;
-  const int64_t *lo, *hi;  // (B, L) contiguous, or null: every row sees every key
+  const int64_t *lo, *hi;       // (B, L) contiguous, or null: every row sees every key
   int64_t qs[4], ks[4], vs[4];  // strides (elements); the last is 1
   float scale, softcap;
-  const float* slopes;  // ALiBi (B, L, H) contiguous, or null
+  const float* slopes;       // ALiBi (B, L, H) contiguous, or null
   const int64_t* positions;  // ALiBi's aligned positions (B, L) contiguous
-  T* out;      // (B, H, L, Dv) contiguous
-  float* lse;  // (B, H, L) contiguous
+  T* out;                    // (B, H, L, Dv) contiguous
+  float* lse;                // (B, H, L) contiguous
 
   // The stacked row r of an item is query row r0 + r / G of query head hkv·G + r % G: a
   // run of query rows is a run of stacked rows, for every head. Scaled float32, or the
@@ -129,8 +129,8 @@ struct Kernel {
   // Stacked rows [r0, r1) have their scores against keys [a, e) of the block in w.s:
   // turn them into weights P in place (0 outside each row's interval unless every row sees
   // all of them: `masked` false), rescaling each row's running max, sum and output.
-  void weigh(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e,
-             int64_t k0, bool masked) const {
+  void weigh(const Item& it, Scratch& w, int64_t r0, int64_t r1, int64_t a, int64_t e, int64_t k0,
+             bool masked) const {
     for (int64_t r = r0; r < r1; ++r) {
       float* s = w.s.data() + r * z.SL;
       int64_t ra = a, re = e;
@@ -270,8 +270,7 @@ struct Kernel {
 
   // A key block [k0, k0 + n): whole where every row sees all of it, else cut; nothing
   // where no row sees a key of it.
-  void block(const Item& it, Scratch& w, int64_t k0, int64_t n, const T* kh,
-             const T* vh) const {
+  void block(const Item& it, Scratch& w, int64_t k0, int64_t n, const T* kh, const T* vh) const {
     bool any = false, full = true;
     for (int64_t i = 0; i < it.rows; ++i) {
       int64_t a = 0, e = 0;
@@ -333,53 +332,55 @@ std::vector<Item> items_of(const Sizes& z, const int64_t* lo, const int64_t* hi)
       const auto [kmin, kmax] = hull(lo, hi, b, z.L, z.S, r0, rows);
       for (int64_t hkv = 0; hkv < z.Hkv; ++hkv) items.push_back({b, hkv, r0, rows, kmin, kmax});
     }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-    return x.kmax - x.kmin > y.kmax - y.kmin;
-  });
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.kmax - x.kmin > y.kmax - y.kmin; });
   return items;
 }
 
 template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
-             const std::optional<at::Tensor>& slopes,
-             const std::optional<at::Tensor>& positions, double scale, double softcap, int64_t rows,
-             int64_t keys, bool half, at::Tensor& out, at::Tensor& lse) {
-  Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
-          q.size(3), v.size(3), rows, keys};
+             const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
+             double scale, double softcap, int64_t rows, int64_t keys, bool half, at::Tensor& out,
+             at::Tensor& lse) {
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
   const bool pairs = Kernel<T>::kHalfUnits && half;
-  Kernel<T> kern{z, pairs,
-                 q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(),
-                 lo ? lo->data_ptr<int64_t>() : nullptr, hi ? hi->data_ptr<int64_t>() : nullptr,
-                 {}, {}, {},
-                 static_cast<float>(scale), static_cast<float>(softcap),
+  Kernel<T> kern{z,
+                 pairs,
+                 q.data_ptr<T>(),
+                 k.data_ptr<T>(),
+                 v.data_ptr<T>(),
+                 lo ? lo->data_ptr<int64_t>() : nullptr,
+                 hi ? hi->data_ptr<int64_t>() : nullptr,
+                 {},
+                 {},
+                 {},
+                 static_cast<float>(scale),
+                 static_cast<float>(softcap),
                  slopes ? slopes->data_ptr<float>() : nullptr,
                  positions ? positions->data_ptr<int64_t>() : nullptr,
-                 out.data_ptr<T>(), lse.data_ptr<float>()};
+                 out.data_ptr<T>(),
+                 lse.data_ptr<float>()};
   for (int d = 0; d < 4; ++d) {
     kern.qs[d] = q.stride(d);
     kern.ks[d] = k.stride(d);
     kern.vs[d] = v.stride(d);
   }
   const std::vector<Item> items = items_of(z, kern.lo, kern.hi);
-  const int64_t count = static_cast<int64_t>(items.size());
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w(z, !std::is_same_v<T, float> && !pairs, pairs);
-    for (int64_t t = next++; t < count; t = next++) kern.run(items[t], w);
-  });
+  run_queue(
+      static_cast<int64_t>(items.size()),
+      [&] { return Scratch(z, !std::is_same_v<T, float> && !pairs, pairs); },
+      [&](int64_t t, Scratch& w) { kern.run(items[t], w); });
 }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_forward: ", what); }
 
-std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::Tensor& k,
-                                                const at::Tensor& v,
-                                                const std::optional<at::Tensor>& lo,
-                                                const std::optional<at::Tensor>& hi,
-                                                const std::optional<at::Tensor>& slopes,
-                                                const std::optional<at::Tensor>& positions, double scale,
-                                                double softcap, int64_t rows, int64_t keys, bool half) {
+std::tuple<at::Tensor, at::Tensor> span_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
+    const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
+    double scale, double softcap, int64_t rows, int64_t keys, bool half) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -400,10 +401,12 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   if (slopes) {
     check(slopes->scalar_type() == at::kFloat && slopes->is_contiguous(), "float32 slopes");
     check(slopes->dim() == 3 && slopes->size(0) == q.size(0) && slopes->size(1) == q.size(2) &&
-              slopes->size(2) == q.size(1), "slopes (B, L, H)");
+              slopes->size(2) == q.size(1),
+          "slopes (B, L, H)");
     check(positions->scalar_type() == at::kLong && positions->is_contiguous(), "int64 positions");
-    check(positions->dim() == 2 && positions->size(0) == q.size(0) && positions->size(1) == q.size(2),
-          "positions (B, L)");
+    check(
+        positions->dim() == 2 && positions->size(0) == q.size(0) && positions->size(1) == q.size(2),
+        "positions (B, L)");
   }
   check(q.size(2) * q.size(1) * q.size(3) < (int64_t{1} << 31), "sizes within int32 GEMMs");
   check(rows >= 1 && keys >= 1, "blocking");
@@ -411,30 +414,37 @@ std::tuple<at::Tensor, at::Tensor> span_forward(const at::Tensor& q, const at::T
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  switch (q.scalar_type()) {
-    case at::kFloat: 
-      forward<float>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out, lse);
-      break;
-    case at::kBFloat16: 
-      forward<at::BFloat16>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out, lse);
-      break;
-    case at::kHalf: 
-      forward<at::Half>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out, lse);
-      break;
-    default: TORCH_CHECK(false, "attnkit_native::span_forward: float32, bfloat16 or float16");
-  }
+  ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_forward", [&] {
+    forward<scalar_t>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out,
+                      lse);
+  });
   return {out, lse};
+}
+
+// The block sizes Python's cost model and blocking must agree with (attnkit.native.ops
+// names them too; a test compares the two): the stacked rows of a partly seen block's
+// group, micro.h's register tile.
+c10::Dict<std::string, int64_t> block_sizes() {
+  c10::Dict<std::string, int64_t> sizes;
+  sizes.insert("group_rows", kMicroRows);
+  return sizes;
 }
 
 }  // namespace
 }  // namespace attnkit_native
 
 TORCH_LIBRARY(attnkit_native, m) {
-  m.def("span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
-        "Tensor? positions, float scale, "
-        "float softcap, int rows, int keys, bool half=False) -> (Tensor, Tensor)");
+  m.def("block_sizes() -> Dict(str, int)");
+  m.def(
+      "span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
+      "Tensor? positions, float scale, float softcap, int rows, int keys, bool half=False) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
   m.impl("span_forward", &attnkit_native::span_forward);
+}
+
+TORCH_LIBRARY_IMPL(attnkit_native, CompositeExplicitAutograd, m) {
+  m.impl("block_sizes", &attnkit_native::block_sizes);
 }

@@ -17,7 +17,7 @@
 // with dk and dv summed over the G query heads of their K/V head (GQA), all in float32.
 // A row that sees nothing has P = 0: its dq is 0, and it adds nothing to dk or dv.
 //
-// The blocking. No atomics, so every sum runs in one fixed order and two runs give the
+// The blocking. No atomic adds, so every sum runs in one fixed order and two runs give the
 // same bits. Per K/V head and block of KB keys, the query tiles of R rows (their G heads
 // stacked, as in the forward) whose rows see a key of the block, in order: S = Qs·Kᵀ
 // (Qs = scale·Q), P, dV += Pᵀ·dO, dP = dO·Vᵀ, dS, dK += dSᵀ·Qs. Where the call has
@@ -35,13 +35,13 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "common.h"
 #include "half.h"
+#include "queue.h"
 
 namespace attnkit_native {
 namespace {
@@ -116,9 +116,9 @@ struct Backward {
   const Sizes z;
   bool pairs;
   const T *q, *k, *v, *out, *dout;
-  const float *lse, *glse;  // (B, H, L) contiguous; glse may be null
-  const int64_t *lo, *hi;   // (B, L) contiguous, or null: every row sees every key
-  const float* slopes;      // ALiBi (B, L, H) contiguous, or null
+  const float *lse, *glse;   // (B, H, L) contiguous; glse may be null
+  const int64_t *lo, *hi;    // (B, L) contiguous, or null: every row sees every key
+  const float* slopes;       // ALiBi (B, L, H) contiguous, or null
   const int64_t* positions;  // ALiBi's aligned positions (B, L) contiguous
   int64_t qs[4], ks[4], vs[4], os[4], ds[4];
   float scale, softcap;
@@ -242,8 +242,8 @@ struct Backward {
       transform(t, x, r, k0, p, a, e, w);
       gradient_weights(p + a, s + a, e - a, x.lse[r], x.delta[r]);
       if (chain && softcap > 0)
-        at::vec::map2<float>([](Vec d, Vec c) { return d * c; }, s + a, s + a,
-                             w.cap.data() + a, e - a);
+        at::vec::map2<float>([](Vec d, Vec c) { return d * c; }, s + a, s + a, w.cap.data() + a,
+                             e - a);
     }
     return full;
   }
@@ -332,7 +332,7 @@ struct Backward {
                  int64_t M, int64_t n, int64_t width, float* acc) const {
 #ifdef ATTNKIT_PAIR_DOTS
     if (pairs) {
-      interleave_rows(x, M, n, z.KW, a, w.tp.data());     // (M/2 × n) pairs of rows
+      interleave_rows(x, M, n, z.KW, a, w.tp.data());      // (M/2 × n) pairs of rows
       pack_value_pairs(yh, M, width, width, w.rp.data());  // (M/2 × width)
       pair_gemm_add(n, width, pair_count(M), w.tp.data(), 1, n, w.rp.data(), acc, width);
       return;
@@ -348,14 +348,15 @@ struct Backward {
       int64_t a = 0, e = 0;
       local(t, r, k0, n, &a, &e);
       for (int64_t j = a; j < e; ++j)
-        for (int64_t d = 0; d < width; ++d) acc[j * width + d] += x[r * z.KW + j] * y[r * width + d];
+        for (int64_t d = 0; d < width; ++d)
+          acc[j * width + d] += x[r * z.KW + j] * y[r * width + d];
     }
   }
 
   // acc (the tile's stacked rows × D) += dS·K of the block in w.ds; an exact loop over
   // each row's own keys where the block is cut and holds a non-finite key.
-  void queries(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n,
-               bool full, float* acc) const {
+  void queries(const Tile& t, const View& x, Scratch& w, int64_t k0, int64_t n, bool full,
+               float* acc) const {
     const int64_t M = z.G * t.rows;
 #ifdef ATTNKIT_PAIR_DOTS
     if (pairs) {
@@ -443,16 +444,10 @@ bool one_pass(int64_t items) {
   return items >= threads && (items % threads == 0 || items >= 4 * threads);
 }
 
-// Items run on at::parallel_for's threads, each taking the next of a list (an atomic
-// counter); an item writes its own rows of the output only.
+// Items on the threads (queue.h), each thread with its own scratch.
 template <typename F>
 void run_items(int64_t count, const Sizes& z, bool pairs, const F& f) {
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch w(z, pairs);
-    for (int64_t t = next++; t < count; t = next++) f(t, w);
-  });
+  run_queue(count, [&] { return Scratch(z, pairs); }, f);
 }
 
 template <typename T>
@@ -462,18 +457,31 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
               double scale, double softcap, int64_t rows, int64_t keys, bool half, at::Tensor& dq,
               at::Tensor& dk, at::Tensor& dv) {
-  const Sizes z{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), k.size(2),
-                q.size(3), v.size(3), rows, keys};
-  Backward<T> kern{z, Backward<T>::kHalfUnits && half,
-                   q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), out.data_ptr<T>(),
-                   dout.data_ptr<T>(), lse.data_ptr<float>(),
+  const int64_t H = q.size(1), Hkv = k.size(1);
+  const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
+  Backward<T> kern{z,
+                   Backward<T>::kHalfUnits && half,
+                   q.data_ptr<T>(),
+                   k.data_ptr<T>(),
+                   v.data_ptr<T>(),
+                   out.data_ptr<T>(),
+                   dout.data_ptr<T>(),
+                   lse.data_ptr<float>(),
                    glse ? glse->data_ptr<float>() : nullptr,
-                   lo ? lo->data_ptr<int64_t>() : nullptr, hi ? hi->data_ptr<int64_t>() : nullptr,
+                   lo ? lo->data_ptr<int64_t>() : nullptr,
+                   hi ? hi->data_ptr<int64_t>() : nullptr,
                    slopes ? slopes->data_ptr<float>() : nullptr,
                    positions ? positions->data_ptr<int64_t>() : nullptr,
-                   {}, {}, {}, {}, {},
-                   static_cast<float>(scale), static_cast<float>(softcap),
-                   dq.data_ptr<T>(), dk.data_ptr<T>(), dv.data_ptr<T>()};
+                   {},
+                   {},
+                   {},
+                   {},
+                   {},
+                   static_cast<float>(scale),
+                   static_cast<float>(softcap),
+                   dq.data_ptr<T>(),
+                   dk.data_ptr<T>(),
+                   dv.data_ptr<T>()};
   for (int d = 0; d < 4; ++d) {
     kern.qs[d] = q.stride(d);
     kern.ks[d] = k.stride(d);
@@ -524,16 +532,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
   check(k.size(0) == B && v.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0, "heads");
   check(v.size(1) == k.size(1) && v.size(2) == k.size(2) && k.size(3) == q.size(3), "k, v");
-  check(out.sizes() == dout.sizes() && out.size(0) == B && out.size(1) == H &&
-            out.size(2) == L && out.size(3) == v.size(3), "out, dout (B, H, L, Dv)");
+  check(out.sizes() == dout.sizes() && out.size(0) == B && out.size(1) == H && out.size(2) == L &&
+            out.size(3) == v.size(3),
+        "out, dout (B, H, L, Dv)");
   for (const at::Tensor* t : {&lse, glse ? &*glse : &lse})
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-              t->size(0) == B && t->size(1) == H && t->size(2) == L, "lse (B, H, L) float32");
+              t->size(0) == B && t->size(1) == H && t->size(2) == L,
+          "lse (B, H, L) float32");
   check(lo.has_value() == hi.has_value(), "spans take lo and hi");
   if (lo)
     for (const at::Tensor* t : {&*lo, &*hi})
       check(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 2 &&
-                t->size(0) == B && t->size(1) == L, "spans (B, L) int64");
+                t->size(0) == B && t->size(1) == L,
+            "spans (B, L) int64");
   check(slopes.has_value() == positions.has_value(), "ALiBi takes slopes and positions");
   if (slopes) {
     check(slopes->scalar_type() == at::kFloat && slopes->is_contiguous() && slopes->dim() == 3 &&
@@ -549,16 +560,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   auto dk = at::empty({B, k.size(1), k.size(2), k.size(3)}, q.options());
   auto dv = at::empty({B, v.size(1), v.size(2), v.size(3)}, q.options());
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
-  const auto run = [&](auto zero) {
-    backward<decltype(zero)>(q, k, v, out, dout, lse, glse, lo, hi, slopes, positions, scale,
-                             softcap, rows, keys, half, dq, dk, dv);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(at::BFloat16{}); break;
-    case at::kHalf: run(at::Half{}); break;
-    default: TORCH_CHECK(false, "attnkit_native::span_backward: float32, bfloat16 or float16");
-  }
+  ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_backward", [&] {
+    backward<scalar_t>(q, k, v, out, dout, lse, glse, lo, hi, slopes, positions, scale, softcap,
+                       rows, keys, half, dq, dk, dv);
+  });
   return {dq, dk, dv};
 }
 
@@ -566,10 +571,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
 }  // namespace attnkit_native
 
 TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
-  m.def("span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
-        "Tensor? glse, Tensor? lo, Tensor? hi, Tensor? slopes, Tensor? positions, float scale, "
-        "float softcap, int rows, int keys, bool half=False) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
+      "Tensor? glse, Tensor? lo, Tensor? hi, Tensor? slopes, Tensor? positions, float scale, "
+      "float softcap, int rows, int keys, bool half=False) "
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
