@@ -46,7 +46,7 @@ def _work(mask: ak.Mask | None, L: int) -> tuple[int, int]:
         spans = exact_spans(mask, 1, L, L, "cpu")
         assert spans is not None
         lo, hi = (t.to(torch.long).expand(1, L).contiguous() for t in spans)
-    tiles = _tiles(lo, hi, L, *blocking(L, 1))
+    tiles = _tiles(lo, hi, *blocking(L, 1))
     return tiles.pairs, tiles.pieces
 
 

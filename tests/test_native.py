@@ -192,6 +192,22 @@ def test_decoding_against_a_cache(L, H, Hkv):
     assert (got.double() - want).abs().max() < 2e-6
 
 
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("S", [1, 17, 531])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_few_rows_multiply_k_and_v_in_place(L, S, dtype):
+    """Fewer than 4 stacked rows (MHA decoding) read K and V where they lie: strided,
+    odd head dims, a block's tail past whole tiles of keys."""
+    g = torch.Generator().manual_seed(L * 1000 + S)
+    q = torch.randn(2, 3, L, 19, generator=g).to(dtype)
+    k = torch.randn(2, S, 3, 19, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(2, S, 3, 23, generator=g).to(dtype).transpose(1, 2)
+    with torch.no_grad():
+        want = ak.attention(q.double(), k.double(), v.double(), backend="reference")
+        naive = ak.attention(q, k, v, backend="reference")
+    assert_rule("native few rows", _forward(q, k, v, None)[0], naive, want)
+
+
 def test_auto_takes_native_for_a_window_and_explain_says_why():
     q, k, v = (torch.randn(1, 8, 4096, 64) for _ in range(3))
     text = str(ak.explain(q, k, v, ak.sliding_window(256)))

@@ -47,7 +47,7 @@ from attnkit.steps import DECODE_ROWS, bucket, step_of
 __all__ = ["NativeBackend", "half_units"]
 
 BIG = 2**62  # past any key index
-BF16_AVX512 = 0.55  # the native kernel's bfloat16 factor on AVX512-BF16 (see `cost_factors`)
+BF16_AVX512 = 0.67  # the native kernel's bfloat16 factor on AVX512-BF16 (see `cost_factors`)
 SHARED_KEYS = 8192  # a float32 decoding step's B·G·bucket(S) from which the kernel takes it
 
 
@@ -170,12 +170,14 @@ class NativeBackend(Backend):
     # rows by its keys, masked corners included), `piece` per whole block or cut group,
     # `call` per call (the spans' checks, the threads' start, the op's dispatch). Fitted
     # on a 2-core AVX2 CPU by `python benchmarks/native_fit.py` (windows, causal, chunks,
-    # prefix-LM and no mask at L = 256..4096, all within ±10%); `attnkit calibrate` times
-    # them on this machine
+    # prefix-LM and no mask at L = 256..4096, all within ±10%), and by the same command on
+    # a 2-core AVX512-BF16 CPU, where brgemm's micro-kernels multiply float32 faster than
+    # SDPA's BLAS (within ±13%); `attnkit calibrate` times them on this machine
     cost_factors = cost.Factors(
         {"pair": 1.05, "piece": 300.0, "call": 68_000.0, "kv": 0.36, "head": 0.57,
          "step": 5_000.0, "backward": 3.6, "backward_half": 4.5, "bf16": 1.0},
-        {"amx": {"bf16": 2.9}, "avx512_bf16": {"bf16": BF16_AVX512}},
+        {"amx": {"bf16": 2.9},
+         "avx512_bf16": {"pair": 0.86, "piece": 350.0, "bf16": BF16_AVX512}},
     )  # fmt: skip
     # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
     # key of each K/V head (read once for its G query heads), `head` per key of each query
@@ -191,7 +193,7 @@ class NativeBackend(Backend):
     # to float32 (AVX2). On AMX it is the converting kernel's measured 2.9 (SDPA multiplies
     # bfloat16 on AMX's tiles), an upper bound until an AMX CPU times the half units'
     # kernel; on AVX512-BF16 `BF16_AVX512`, the forward's per-pair times over float32's
-    # (`python benchmarks/native.py`: 0.48-0.67 at S = 1024 and 4096, packed documents aside)
+    # (`python benchmarks/native.py`: 0.61-0.75 at S = 1024 and 4096, packed documents aside)
 
     @property
     def version(self) -> int:
@@ -277,9 +279,11 @@ class NativeBackend(Backend):
         return q.dtype in HALF or (q.dtype == torch.float32 and shared)
 
     def beats_dense(self, call: AttentionCall) -> bool:
-        """A bfloat16 call on the half units, where they run faster than SDPA's kernel
-        (`bf16` below 1: AVX512-BF16), is priced like any other."""
-        return half_units(call) and self.factors()["bf16"] < 1.0
+        """A call whose pairs the kernel prices below SDPA's (its per-pair factor, times
+        `bf16` on the half units, below 1: AVX512-BF16) is priced like any other;
+        decoding steps are the ones `takes_step` takes."""
+        per_pair = self.factors()["pair"] * self._dtype_factor(call)
+        return call.dims.L > DECODE_ROWS and per_pair < 1.0
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""

@@ -1,4 +1,4 @@
-// Shared pieces of attnkit's kernels: BLAS's GEMM in row-major terms, and the vector
+// Shared pieces of attnkit's kernels: the dtype dispatch, scratch buffers, and the vector
 // loops of an online softmax (row max, exp and sum, softcap, rescale) on float32 rows.
 #pragma once
 
@@ -13,11 +13,6 @@
 #include <memory>
 #include <type_traits>
 #include <utility>
-
-// BLAS's single-precision GEMM (column-major), as PyTorch links it (MKL or OpenBLAS).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
-                       const int* k, const float* alpha, const float* a, const int* lda,
-                       const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
 
 // The dtypes the kernels take, switched on by PyTorch's dispatch macros: the body sees
 // the element type as scalar_t; any other dtype raises (attnkit.native's checks keep one
@@ -46,29 +41,6 @@ using Buffer = BufferOf<float>;
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// A leading dimension for BLAS, which asks at least 1 even of an empty matrix (D = 0).
-inline int ld(int64_t x) { return static_cast<int>(std::max<int64_t>(x, 1)); }
-
-// Row-major C (m × n) = A (m × k) · Bᵀ (B is n × k) + beta · C.
-inline void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                    int64_t ldb, float* c, int64_t ldc, float beta) {
-  const char ta = 'T', tb = 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int la = ld(ldb), lb = ld(lda), lc = ld(ldc);
-  const float alpha = 1.0f;
-  sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &la, a, &lb, &beta, c, &lc);
-}
-
-// Row-major C (m × n) += A (m × k) · B (k × n).
-inline void gemm_nn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                        const float* b, int64_t ldb, float* c, int64_t ldc) {
-  const char t = 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int la = ld(ldb), lb = ld(lda), lc = ld(ldc);
-  const float one = 1.0f;
-  sgemm_(&t, &t, &M, &N, &K, &one, b, &la, a, &lb, &one, c, &lc);
-}
 
 inline float row_max(const float* s, int64_t n) {
   Vec best(kNegInf);

@@ -12,25 +12,13 @@
 // and sums each dot product's lanes, and values_tile reads value rows in place too.
 #pragma once
 
+#include "blas.h"
 #include "common.h"
 
 namespace attnkit_native {
 
 constexpr int64_t kMicroRows = 6;                // MR
 constexpr int64_t kMicroCols = 2 * Vec::size();  // NR
-
-// kt (D × ldt) = the first n rows of k (n × D, row stride ldk), transposed, columns
-// [n, ldt) zero: a tile's vector loads may run past the block's last key.
-inline void pack_transposed(const float* k, int64_t n, int64_t D, int64_t ldk, float* kt,
-                            int64_t ldt) {
-  for (int64_t d = 0; d < D; ++d) std::fill(kt + d * ldt + n, kt + (d + 1) * ldt, 0.0f);
-  constexpr int64_t J = 64;  // rows of k at a time: their lines stay in L1 while d runs
-  for (int64_t j0 = 0; j0 < n; j0 += J) {
-    const int64_t j1 = std::min(n, j0 + J);
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t j = j0; j < j1; ++j) kt[d * ldt + j] = k[j * ldk + d];
-  }
-}
 
 // s[r, c0 .. c1) = q[r] · kt[:, c] for MR_ rows, c1 - c0 a multiple of NR within ldt.
 template <int MR_>

@@ -12,7 +12,7 @@
 // rows (`rows`) of the G query heads sharing one K/V head, stacked as M = G·R rows, so
 // each key byte is read once for all of them. The item walks the hull of its rows'
 // intervals in blocks of KB keys (`keys`; keys outside every interval are never read).
-// A block every row sees whole is one piece: M rows × n keys, two BLAS GEMMs and no mask
+// A block every row sees whole is one piece: M rows × n keys, two GEMMs (blas.h) and no mask
 // work; any other block is cut into groups of MR = 6 stacked rows (micro.h's register
 // tiles) over the hull of their intervals in the block, so the masked corners of a band
 // cost little. Per piece or group:
@@ -37,6 +37,7 @@
 #include <tuple>
 #include <vector>
 
+#include "blas.h"
 #include "common.h"
 #include "half.h"
 #include "micro.h"
@@ -47,9 +48,9 @@ namespace {
 
 struct Sizes {
   int64_t B, H, Hkv, G, L, S, D, Dv, R, KB;
-  // a row of a block's scores (and of its transposed keys): the block, plus room for a
-  // micro-tile's vector loads past its last key
-  int64_t SL = KB + Vec::size() + kMicroCols;
+  // a row of a block's scores (and of its transposed keys): the block in whole tiles of
+  // keys (blas.h), plus room for a micro-tile's vector loads past its last key
+  int64_t SL = tile_keys(KB) + Vec::size() + kMicroCols;
 };
 
 // One work item: query rows [r0, r0 + rows) of batch row b, the G heads of K/V head hkv,
@@ -58,19 +59,20 @@ struct Item {
   int64_t b, hkv, r0, rows, kmin, kmax;
 };
 
-// A thread's scratch: scaled queries, a block's scores, K and V as float, the running
-// output, max and sum of every stacked row; on the half units (half.h) the queries, K
+// A thread's scratch: scaled queries, a block's scores, K and V as float, K transposed,
+// a last block's V rows padded with zeros, the running output, max and sum of every
+// stacked row; on the half units (half.h) the queries, K
 // and V as pairs and the weights in bfloat16 instead.
 struct Scratch {
-  Buffer q, s, k, v, kt, o, m, l;
+  Buffer q, s, k, v, kt, vt, o, m, l;
   BufferOf<Pair> qp, kp, vp;
   BufferOf<Pair> ph;
   Scratch(const Sizes& z, bool convert, bool pairs)  // convert: K and V need a float32 copy
       : q(pairs ? 0 : z.G * z.R * z.D), s(z.G * z.R * z.SL), k(convert ? z.KB * z.D : 0),
-        v(convert ? z.KB * z.Dv : 0), kt(pairs ? 0 : z.D * z.SL), o(z.G * z.R * z.Dv), m(z.G * z.R),
-        l(z.G * z.R), qp(pairs ? z.G * z.R * pair_count(z.D) : 0),
-        kp(pairs ? pair_count(z.D) * z.SL : 0), vp(pairs ? pair_count(z.KB) * z.Dv : 0),
-        ph(pairs ? z.G * z.R * pair_count(z.SL) : 0) {}
+        v(convert ? z.KB * z.Dv : 0), kt(pairs ? 0 : z.D * z.SL),
+        vt(pairs ? 0 : tile_keys(z.KB) * z.Dv), o(z.G * z.R * z.Dv), m(z.G * z.R), l(z.G * z.R),
+        qp(pairs ? z.G * z.R * pair_count(z.D) : 0), kp(pairs ? pair_count(z.D) * z.SL : 0),
+        vp(pairs ? pair_count(z.KB) * z.Dv : 0), ph(pairs ? z.G * z.R * pair_count(z.SL) : 0) {}
 };
 
 template <typename T>
@@ -178,13 +180,29 @@ struct Kernel {
     }
   }
 
-  // A block every row sees whole: one GEMM pair over all stacked rows, no mask work.
+  // A block every row sees whole: two GEMMs over all stacked rows, no mask work. The
+  // products run over whole tiles of keys (blas.h): past n, K's transposed copy is zero,
+  // and so are the weights and the V rows the second product reads. A decoding step's
+  // few rows multiply K and V in place.
   void whole(const Item& it, Scratch& w, int64_t n, int64_t k0, const float* kb, int64_t ldk,
              const float* vb, int64_t ldv) const {
-    const int64_t rows = z.G * it.rows;
-    gemm_nt(rows, n, z.D, w.q.data(), z.D, kb, ldk, w.s.data(), z.SL, 0.0f);
+    const int64_t rows = z.G * it.rows, keys = tile_keys(n);
+    if (rows < kFewRows) {
+      gemm_nt_few(rows, n, z.D, w.q.data(), z.D, kb, ldk, w.s.data(), z.SL);
+      weigh(it, w, 0, rows, 0, n, k0, false);
+      gemm_nn_add_few(rows, z.Dv, n, w.s.data(), z.SL, vb, ldv, w.o.data(), z.Dv);
+      return;
+    }
+    pack_transposed(kb, n, z.D, ldk, w.kt.data(), z.SL);
+    gemm(rows, keys, z.D, w.q.data(), z.D, w.kt.data(), z.SL, w.s.data(), z.SL, false);
     weigh(it, w, 0, rows, 0, n, k0, false);
-    gemm_nn_add(rows, z.Dv, n, w.s.data(), z.SL, vb, ldv, w.o.data(), z.Dv);
+    if (keys > n) {
+      for (int64_t r = 0; r < rows; ++r)
+        std::fill(w.s.data() + r * z.SL + n, w.s.data() + r * z.SL + keys, 0.0f);
+      vb = padded_rows(vb, n, keys, z.Dv, ldv, w.vt.data());
+      ldv = z.Dv;
+    }
+    gemm(rows, z.Dv, keys, w.s.data(), z.SL, vb, ldv, w.o.data(), z.Dv, true);
   }
 
   // The hull [a, e) of the intervals of stacked rows [r0, r1) in the block [k0, k0 + n)

@@ -39,6 +39,7 @@
 #include <tuple>
 #include <vector>
 
+#include "blas.h"
 #include "common.h"
 #include "half.h"
 #include "queue.h"
@@ -48,7 +49,8 @@ namespace {
 
 struct Sizes {
   int64_t B, H, Hkv, G, L, S, D, Dv, R, KB;
-  int64_t KW = (KB + 31) / 32 * 32;  // a row of a block's P and dS: whole tiles of 32 keys
+  // a row of a block's P and dS: whole tiles of 32 keys (at least blas.h's tiles)
+  int64_t KW = std::max((KB + 31) / 32 * 32, tile_keys(KB));
 };
 
 // Query rows [r0, r0 + rows) of batch row b, whose intervals' hull is [kmin, kmax).
@@ -57,31 +59,36 @@ struct Tile {
 };
 
 // The call's rows in float32, stacked as the tiles read them (B, Hkv, L·G: query row i's
-// G heads side by side): scaled queries, dO, Δ and lse, made once for both passes; on the
-// half units (half.h) also the queries (unscaled) and dO as they are, and as pairs along
-// D and Dv.
+// G heads side by side): scaled queries, dO, Δ and lse, made once for both passes, and
+// each tile's scaled queries and dO transposed (qt, dot: D × M and Dv × M at the tile's
+// rows, for the products over rows, blas.h); on the half units (half.h) instead the
+// queries (unscaled) and dO as they are, and as pairs along D and Dv.
 struct Rows {
-  std::vector<float> q, dout, delta, lse;
+  std::vector<float> q, dout, delta, lse, qt, dot;
   std::vector<Pair> qp, dop;
   std::vector<at::BFloat16> qh, doh;
   Rows(const Sizes& z, bool pairs)
       : q(z.B * z.H * z.L * z.D), dout(z.B * z.H * z.L * z.Dv), delta(z.B * z.H * z.L),
-        lse(z.B * z.H * z.L), qp(pairs ? z.B * z.H * z.L * pair_count(z.D) : 0),
+        lse(z.B * z.H * z.L), qt(pairs ? 0 : z.B * z.H * z.L * z.D),
+        dot(pairs ? 0 : z.B * z.H * z.L * z.Dv), qp(pairs ? z.B * z.H * z.L * pair_count(z.D) : 0),
         dop(pairs ? z.B * z.H * z.L * pair_count(z.Dv) : 0), qh(pairs ? z.B * z.H * z.L * z.D : 0),
         doh(pairs ? z.B * z.H * z.L * z.Dv : 0) {}
 };
 
 // A thread's scratch: a block's P and dS (stacked rows × KW), a row's softcap derivative
-// t', K and V as float (half dtypes), and the accumulated gradients; on the half units
+// t', K and V as float (half dtypes) and transposed (kt, vt: D × KW, Dv × KW), and the
+// accumulated gradients (dk, dv: dKᵀ and dVᵀ, D × KW and Dv × KW; on the half units dK
+// and dV, KW × D and KW × Dv); on the half units
 // the block's K and V as pairs along D (kp, vp: for S and dP) and K as pairs of keys (kn:
 // for dQ), two rows of P or dS interleaved (tp), two rows of dO or Q (rp), dS as pairs of
 // keys (dsp).
 struct Scratch {
-  Buffer p, ds, cap, k, v, dq, dk, dv;
+  Buffer p, ds, cap, k, v, kt, vt, dq, dk, dv;
   BufferOf<Pair> kp, vp, kn, tp, rp, dsp;
   Scratch(const Sizes& z, bool pairs)
       : p(z.G * z.R * z.KW), ds(z.G * z.R * z.KW), cap(z.KB), k(pairs ? 0 : z.KB * z.D),
-        v(pairs ? 0 : z.KB * z.Dv), dq(z.G * z.R * z.D), dk(z.KB * z.D), dv(z.KB * z.Dv),
+        v(pairs ? 0 : z.KB * z.Dv), kt(pairs ? 0 : z.D * z.KW), vt(pairs ? 0 : z.Dv * z.KW),
+        dq(z.G * z.R * z.D), dk(z.KW * z.D), dv(z.KW * z.Dv),
         kp(pairs ? pair_count(z.D) * z.KW : 0), vp(pairs ? pair_count(z.Dv) * z.KW : 0),
         kn(pairs ? pair_count(z.KB) * z.D : 0), tp(pairs ? pair_count(z.G * z.R) * z.KB : 0),
         rp(pairs ? pair_count(z.G * z.R) * std::max(z.D, z.Dv) : 0),
@@ -89,25 +96,16 @@ struct Scratch {
 };
 
 // One tile's stacked rows (of K/V head hkv) in Rows, and one block's keys and values as
-// float (row strides); on the half units the rows' pairs and bfloat16 copies, and the
-// block's keys as they are (row stride ldk).
+// float (row strides) and transposed (row stride KW); on the half units the rows' pairs
+// and bfloat16 copies, and the block's keys as they are (row stride ldk).
 struct View {
   const float *q, *dout, *delta, *lse;
   const float *k, *v;
   int64_t ldk, ldv, hkv;
+  const float *qt = nullptr, *dot = nullptr, *kt = nullptr, *vt = nullptr;
   const Pair *qp = nullptr, *dop = nullptr;
   const at::BFloat16 *qh = nullptr, *doh = nullptr, *kh = nullptr;
 };
-
-// Row-major C (m × n) += Aᵀ·B (A is k × m, B is k × n).
-inline void gemm_tn_add(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                        const float* b, int64_t ldb, float* c, int64_t ldc) {
-  const char tb = 'N', ta = 'T';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int lb = ld(ldb), la = ld(lda), lc = ld(ldc);
-  const float one = 1.0f;
-  sgemm_(&tb, &ta, &M, &N, &K, &one, b, &lb, a, &la, &one, c, &lc);
-}
 
 template <typename T>
 struct Backward {
@@ -167,6 +165,14 @@ struct Backward {
     }
   }
 
+  // Tile t's stacked rows of K/V head hkv transposed: Qᵀ (D × M) and dOᵀ (Dv × M) where
+  // Rows keeps them (float32 products).
+  void transpose_tile(Rows& rows, const Tile& t, int64_t hkv) const {
+    const int64_t M = z.G * t.rows, r = ((t.b * z.Hkv + hkv) * z.L + t.r0) * z.G;
+    transpose(rows.q.data() + r * z.D, M, z.D, rows.qt.data() + r * z.D);
+    transpose(rows.dout.data() + r * z.Dv, M, z.Dv, rows.dot.data() + r * z.Dv);
+  }
+
   // Keys [k0, k0 + n) of batch row b, K/V head hkv, as float.
   View block(int64_t b, int64_t hkv, int64_t k0, int64_t n, Scratch& w) const {
     View x{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, hkv};
@@ -185,6 +191,9 @@ struct Backward {
 #endif
     x.k = as_float(kh, n, z.D, ks[2], w.k.data(), &x.ldk);
     x.v = as_float(vh, n, z.Dv, vs[2], w.v.data(), &x.ldv);
+    pack_transposed(x.k, n, z.D, x.ldk, w.kt.data(), z.KW);  // zero past n
+    pack_transposed(x.v, n, z.Dv, x.ldv, w.vt.data(), z.KW);
+    x.kt = w.kt.data(), x.vt = w.vt.data();
     return x;
   }
 
@@ -196,6 +205,8 @@ struct Backward {
     if (pairs) {
       x.qp = rows.qp.data() + r * pair_count(z.D), x.dop = rows.dop.data() + r * pair_count(z.Dv);
       x.qh = rows.qh.data() + r * z.D, x.doh = rows.doh.data() + r * z.Dv;
+    } else {
+      x.qt = rows.qt.data() + r * z.D, x.dot = rows.dot.data() + r * z.Dv;
     }
     return x;
   }
@@ -249,7 +260,8 @@ struct Backward {
   }
 
   // S = Q·Kᵀ and dP = dO·Vᵀ of the tile's M stacked rows against the block's n keys, in
-  // w.p and w.ds: BLAS on float32, or the half units' tiles (S unscaled).
+  // w.p and w.ds: float32 GEMMs over whole tiles of keys (blas.h; columns past n are
+  // never read), or the half units' tiles (S unscaled).
   void products(const View& x, Scratch& w, int64_t M, int64_t n) const {
 #ifdef ATTNKIT_PAIR_DOTS
     if (pairs) {
@@ -258,8 +270,9 @@ struct Backward {
       return;
     }
 #endif
-    gemm_nt(M, n, z.D, x.q, z.D, x.k, x.ldk, w.p.data(), z.KW, 0.0f);
-    gemm_nt(M, n, z.Dv, x.dout, z.Dv, x.v, x.ldv, w.ds.data(), z.KW, 0.0f);
+    const int64_t keys = tile_keys(n);
+    gemm(M, keys, z.D, x.q, z.D, x.kt, z.KW, w.p.data(), z.KW, false);
+    gemm(M, keys, z.Dv, x.dout, z.Dv, x.vt, z.KW, w.ds.data(), z.KW, false);
   }
 
   // p = exp(p − m) and s = p · (s − delta) over n entries.
@@ -299,8 +312,8 @@ struct Backward {
   // `dq_rows` (the item's stacked rows × D), each tile's dq from the same dS too.
   void keys_pass(const Rows& rows, const std::vector<Tile>& tiles, int64_t b, int64_t hkv,
                  int64_t k0, int64_t n, Scratch& w, float* dq_rows = nullptr) const {
-    std::fill(w.dk.begin(), w.dk.begin() + n * z.D, 0.0f);
-    std::fill(w.dv.begin(), w.dv.begin() + n * z.Dv, 0.0f);
+    std::fill(w.dk.begin(), w.dk.begin() + z.KW * z.D, 0.0f);
+    std::fill(w.dv.begin(), w.dv.begin() + z.KW * z.Dv, 0.0f);
     const View keys = block(b, hkv, k0, n, w);
     for (const Tile& t : tiles) {
       if (t.b != b || t.kmax <= k0 || t.kmin >= k0 + n || t.kmin >= t.kmax) continue;
@@ -309,26 +322,35 @@ struct Backward {
       const bool full = weights(t, x, w, k0, n);
       if (dq_rows != nullptr) queries(t, x, w, k0, n, full, dq_rows + t.r0 * z.G * z.D);
       if (full || all_finite(x.dout, M, z.Dv, z.Dv))
-        over_rows(w, w.p.data(), 1.0f, x.dout, x.doh, M, n, z.Dv, w.dv.data());
+        over_rows(w, w.p.data(), 1.0f, x.dot, x.doh, M, n, z.Dv, w.dv.data());
       else
         exact(t, w.p.data(), x.dout, z.Dv, w.dv.data(), k0, n);
       if (full || all_finite(x.q, M, z.D, z.D))
-        over_rows(w, w.ds.data(), scale, x.q, x.qh, M, n, z.D, w.dk.data());
+        over_rows(w, w.ds.data(), scale, x.qt, x.qh, M, n, z.D, w.dk.data());
       else
         exact(t, w.ds.data(), x.q, z.D, w.dk.data(), k0, n);
     }
+    const auto [kj, kd] = acc_strides(z.D);
+    const auto [vj, vd] = acc_strides(z.Dv);
     for (int64_t j = 0; j < n; ++j) {
       T* dkj = dk + ((b * z.Hkv + hkv) * z.S + k0 + j) * z.D;
       T* dvj = dv + ((b * z.Hkv + hkv) * z.S + k0 + j) * z.Dv;
-      for (int64_t d = 0; d < z.D; ++d) dkj[d] = static_cast<T>(w.dk[j * z.D + d]);
-      for (int64_t d = 0; d < z.Dv; ++d) dvj[d] = static_cast<T>(w.dv[j * z.Dv + d]);
+      for (int64_t d = 0; d < z.D; ++d) dkj[d] = static_cast<T>(w.dk[j * kj + d * kd]);
+      for (int64_t d = 0; d < z.Dv; ++d) dvj[d] = static_cast<T>(w.dv[j * vj + d * vd]);
     }
   }
 
-  // acc (n × width) += xᵀ·y over the M stacked rows: x a block's P or dS (M × n, row
-  // stride KW), y the rows' dO or scaled Q in float32 (yf) or, on the half units, as they
-  // are (yh, then times a: the scale Q leaves out).
-  void over_rows(Scratch& w, const float* x, float a, const float* yf, const at::BFloat16* yh,
+  // The strides (key, column) of a block's accumulated dK or dV of `width` columns: dKᵀ
+  // and dVᵀ (row stride KW) in float32, dK and dV on the half units.
+  std::pair<int64_t, int64_t> acc_strides(int64_t width) const {
+    return pairs ? std::pair<int64_t, int64_t>{width, 1} : std::pair<int64_t, int64_t>{1, z.KW};
+  }
+
+  // acc += xᵀ·y over the M stacked rows: x a block's P or dS (M × n, row stride KW), y
+  // the rows' dO or scaled Q; in float32 accᵀ (width × n, row stride KW) += yᵀ·x from
+  // the tile's transposed rows (yt: width × M), on the half units acc (n × width) from
+  // the rows as they are (yh, then times a: the scale Q leaves out).
+  void over_rows(Scratch& w, const float* x, float a, const float* yt, const at::BFloat16* yh,
                  int64_t M, int64_t n, int64_t width, float* acc) const {
 #ifdef ATTNKIT_PAIR_DOTS
     if (pairs) {
@@ -338,18 +360,20 @@ struct Backward {
       return;
     }
 #endif
-    gemm_tn_add(n, width, M, x, z.KW, yf, width, acc, width);
+    gemm(width, n, M, yt, M, x, z.KW, acc, z.KW, true);
   }
 
-  // acc[j] += Σ_r x[r, j] · y[r] over each stacked row's own keys j (pass 1's exact loop).
+  // acc[j] += Σ_r x[r, j] · y[r] over each stacked row's own keys j (pass 1's exact loop;
+  // acc laid out as over_rows sums it).
   void exact(const Tile& t, const float* x, const float* y, int64_t width, float* acc, int64_t k0,
              int64_t n) const {
+    const auto [sj, sd] = acc_strides(width);
     for (int64_t r = 0; r < z.G * t.rows; ++r) {
       int64_t a = 0, e = 0;
       local(t, r, k0, n, &a, &e);
       for (int64_t j = a; j < e; ++j)
         for (int64_t d = 0; d < width; ++d)
-          acc[j * width + d] += x[r * z.KW + j] * y[r * width + d];
+          acc[j * sj + d * sd] += x[r * z.KW + j] * y[r * width + d];
     }
   }
 
@@ -373,7 +397,7 @@ struct Backward {
     }
 #endif
     if (full || all_finite(x.k, n, z.D, x.ldk)) {
-      gemm_nn_add(M, z.D, n, w.ds.data(), z.KW, x.k, x.ldk, acc, z.D);
+      gemm(M, z.D, n, w.ds.data(), z.KW, x.k, x.ldk, acc, z.D, true);
       return;
     }
     queries_exact(t, w, k0, n, x.k, x.ldk, acc);
@@ -495,6 +519,11 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   });
   const std::vector<Tile> tiles = tiles_of(z, kern.lo, kern.hi);
   const int64_t count = static_cast<int64_t>(tiles.size());
+  if (!kern.pairs)
+    at::parallel_for(0, count * z.Hkv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        kern.transpose_tile(stacked, tiles[t / z.Hkv], t % z.Hkv);
+    });
   if (!std::is_same_v<T, float>)
     run_items(count * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
       kern.delta_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
