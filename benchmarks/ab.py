@@ -93,10 +93,18 @@ def _seconds(fn: Callable[[], Any], grad: bool, repeats: int) -> float:
 
 def run_tree(src: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{HERE}")
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker",
-               "--sizes", *map(str, args.sizes), "--dtypes", *args.dtypes,
-               *(["--patterns", *args.patterns] if args.patterns else []),
-               "--repeats", str(args.repeats)]  # fmt: skip
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--sizes",
+        *map(str, args.sizes),
+        "--dtypes",
+        *args.dtypes,
+        *(["--patterns", *args.patterns] if args.patterns else []),
+        "--repeats",
+        str(args.repeats),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     rows: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
     return rows
@@ -120,8 +128,12 @@ def table(runs: dict[str, list[list[dict[str, Any]]]]) -> str:
             times = [r[i]["auto"] for r in runs[tree]]
             sdpa = [r[i]["sdpa"] for r in runs[tree] if r[i]["sdpa"] is not None]
             ratios = [r[i]["auto"] / r[i]["sdpa"] for r in runs[tree] if r[i]["sdpa"]]
-            cell[tree] = (statistics.median(times), min(times), max(times),
-                          statistics.median(ratios) if sdpa else None)  # fmt: skip
+            cell[tree] = (
+                statistics.median(times),
+                min(times),
+                max(times),
+                statistics.median(ratios) if sdpa else None,
+            )
         (o, o_lo, o_hi, o_r), (n, n_lo, n_hi, n_r) = cell["old"], cell["new"]
         ratio = n / o
         outside = n_lo > o_hi or n_hi < o_lo

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 
 H, D = 8, 64
 PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix", "tensor")
@@ -205,7 +205,7 @@ def time_peers(
     warmup: bool = True,
 ) -> dict[str, float]:
     """Median seconds of each peer on the same inputs, timed round-robin
-    (`attnkit.benchmark.round_robin`)."""
+    (`attnkit.learn.benchmark.round_robin`)."""
     tensors = inputs(case, grad)
     calls = {peer: (lambda fn=fn: run_once(fn, tensors, grad)) for peer, fn in fns.items()}
     return round_robin(calls, repeats, warmup=warmup)
@@ -475,9 +475,12 @@ def main() -> None:
     fp32 = measured["float32"] if "float32" in measured else roofline_gflops(args.repeats)
     rooflines = {name: max(value, fp32) for name, value in measured.items()}
     cells = [
-        (dt, S, p, ps) for dt in args.dtypes for S in args.sizes for p in args.patterns
+        (dt, S, p, ps)
+        for dt in args.dtypes
+        for S in args.sizes
+        for p in args.patterns
         for ps in PASSES
-    ]  # fmt: skip
+    ]
     records = []
     for n, (dt, S, pattern, pass_) in enumerate(cells, 1):
         records += measure_cell(

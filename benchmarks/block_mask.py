@@ -71,10 +71,13 @@ def row(name: str, mask: ak.Mask, S: int, runs: int) -> dict[str, Any]:
     ours, got = median_seconds(lambda: mask.to_block_mask(1, 1, S, S), runs)
     theirs, want = median_seconds(lambda: create_block_mask(mod, 1, 1, S, S, device="cpu"), runs)
     return {
-        "mask": name, "S": S, "to_block_mask_ms": ours * 1e3,
-        "create_block_mask_ms": theirs * 1e3, "ratio": theirs / ours,
+        "mask": name,
+        "S": S,
+        "to_block_mask_ms": ours * 1e3,
+        "create_block_mask_ms": theirs * 1e3,
+        "ratio": theirs / ours,
         "same": same_blocks(got, want),
-    }  # fmt: skip
+    }
 
 
 def markdown(cpu: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -106,9 +109,12 @@ def main() -> int:
         for name, mask in masks(S).items():
             rows.append(row(name, mask, S, args.runs))
             r = rows[-1]
-            print(f"S={S:6d} {name:30s} ours {r['to_block_mask_ms']:9.1f} ms  "
-                  f"create_block_mask {r['create_block_mask_ms']:9.1f} ms  {r['ratio']:6.0f}×  "
-                  f"same {r['same']}", flush=True)  # fmt: skip
+            print(
+                f"S={S:6d} {name:30s} ours {r['to_block_mask_ms']:9.1f} ms  "
+                f"create_block_mask {r['create_block_mask_ms']:9.1f} ms  {r['ratio']:6.0f}×  "
+                f"same {r['same']}",
+                flush=True,
+            )
     cpu = cpu_description()
     text = markdown(cpu, rows)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import attnkit.attender
+import attnkit.kv.attender
 from attnkit._compat import cpu_kind
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from tiny_gpt import TinyGPT
@@ -43,7 +43,7 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
     tokens = torch.randint(0, VOCAB, (BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(0))
     steps: dict[str, Callable[[], None]] = {}
     compile_s: dict[str, float] = {}
-    original = attnkit.attender.attention
+    original = attnkit.kv.attender.attention
     for attn in ("attnkit", "sdpa"):
         for mode in ("eager", "compiled"):
             torch.manual_seed(0)
@@ -54,11 +54,11 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
             name = f"{attn} {mode}"
 
             def step(fn: Any = fn, optimizer: Any = optimizer, attn: str = attn) -> None:
-                attnkit.attender.attention = _sdpa_attention if attn == "sdpa" else original
+                attnkit.kv.attender.attention = _sdpa_attention if attn == "sdpa" else original
                 try:
                     _step(fn, optimizer, tokens)
                 finally:
-                    attnkit.attender.attention = original
+                    attnkit.kv.attender.attention = original
 
             start = time.perf_counter()
             step()  # compiles (round_robin calls each once more before timing)
@@ -66,10 +66,14 @@ def training_steps(repeats: int) -> list[dict[str, object]]:
             steps[name] = step
     ms = {name: seconds * 1e3 for name, seconds in round_robin(steps, repeats).items()}
     return [
-        {"attention": name.split()[0], "mode": name.split()[1], "ms": value,
-         "first_step_s": compile_s[name]}
+        {
+            "attention": name.split()[0],
+            "mode": name.split()[1],
+            "ms": value,
+            "first_step_s": compile_s[name],
+        }
         for name, value in ms.items()
-    ]  # fmt: skip
+    ]
 
 
 def compiled_markdown(rows: list[dict[str, Any]]) -> str:

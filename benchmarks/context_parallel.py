@@ -77,9 +77,12 @@ def flops(pattern: str, S: int, grad: bool) -> float:
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads((os.cpu_count() or 1) if world == 1 else 1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(hours=2),
-    )  # fmt: skip
+    )
     rows = []
     for S in args.sizes:
         g = torch.Generator().manual_seed(0)
@@ -133,11 +136,16 @@ def _cell(world, local, mask, layout, grad, strategy, args) -> dict[str, Any]:  
             continue
         times.append(float(took[0]))
     return {
-        "world": world, "pass": "fwd+bwd" if grad else "fwd",
-        "strategy": strategy, "seconds": statistics.median(times), "runs": len(times),
-        "bytes_sent": 0 if single else plan.bytes_sent[strategy], "peak_extra_bytes": peak,
-        "skipped": plan.skipped, "agree_seconds": statistics.median(agree) if agree else 0.0,
-    }  # fmt: skip
+        "world": world,
+        "pass": "fwd+bwd" if grad else "fwd",
+        "strategy": strategy,
+        "seconds": statistics.median(times),
+        "runs": len(times),
+        "bytes_sent": 0 if single else plan.bytes_sent[strategy],
+        "peak_extra_bytes": peak,
+        "skipped": plan.skipped,
+        "agree_seconds": statistics.median(agree) if agree else 0.0,
+    }
 
 
 def _agreement(tensors, mask, layout, strategy) -> float:  # type: ignore[no-untyped-def]
@@ -216,9 +224,13 @@ def main() -> None:
     cpu = cpu_description()
     torch.set_num_threads(1)
     meta = {
-        "cpu": cpu, "kind": cpu_kind(), "cores": os.cpu_count() or 1, "repeats": args.repeats,
-        "roofline_gflops_per_core": roofline_gflops(3), "torch": torch.__version__,
-    }  # fmt: skip
+        "cpu": cpu,
+        "kind": cpu_kind(),
+        "cores": os.cpu_count() or 1,
+        "repeats": args.repeats,
+        "roofline_gflops_per_core": roofline_gflops(3),
+        "torch": torch.__version__,
+    }
     units = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["features"].items())  # type: ignore[attr-defined]
     print(
         f"CPU {cpu['model']}: {units}; "

@@ -5,7 +5,7 @@ bench's patterns (`is_causal` for causal, else the pattern's dense bool mask, as
 that calls SDPA passes it), and `attnkit.varlen_attn` on 8 packed causal documents
 against what CPU code does without it: a loop of SDPA calls, one per document. H=8,
 D=64, float32, forward and forward+backward, medians of round-robin runs
-(`attnkit.benchmark.round_robin`);
+(`attnkit.learn.benchmark.round_robin`);
 ratio = the peer's time over attnkit's (above 1: attnkit is faster).
 
     python benchmarks/dropins.py
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from bench import cpu_description, make_case  # beside this file
 
 import attnkit as ak
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 
 RESULTS = Path(__file__).parent / "results"
 H, D = 8, 64
@@ -58,8 +58,9 @@ def sdpa_rows(S: int, runs: int) -> list[dict[str, Any]]:
         mask = None if case.mask is None or causal else case.mask.dense(case.B, 1, S, S)
         for grad in (False, True):
             g = torch.Generator().manual_seed(0)
-            tensors = [torch.randn(case.B, H, S, D, generator=g).requires_grad_(grad)
-                       for _ in range(3)]  # fmt: skip
+            tensors = [
+                torch.randn(case.B, H, S, D, generator=g).requires_grad_(grad) for _ in range(3)
+            ]
             kwargs = {"attn_mask": mask, "is_causal": causal}
             calls = {
                 "torch": _step(F.scaled_dot_product_attention, tensors, grad, kwargs),
@@ -83,8 +84,12 @@ def varlen_rows(S: int, runs: int) -> list[dict[str, Any]]:
         tensors = [torch.randn(S, H, D, generator=g).requires_grad_(grad) for _ in range(3)]
 
         def loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)),
-                                                   is_causal=True) for a, b in bounds]  # fmt: skip
+            outs = [
+                F.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True
+                )
+                for a, b in bounds
+            ]
             return torch.cat([o.transpose(0, 1) for o in outs])
 
         def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -102,10 +107,14 @@ def varlen_rows(S: int, runs: int) -> list[dict[str, Any]]:
 
 def _row(call: str, pattern: str, S: int, grad: bool, times: dict[str, float]) -> dict[str, Any]:
     return {
-        "call": call, "pattern": pattern, "S": S, "pass": "fwd+bwd" if grad else "fwd",
-        "torch_ms": times["torch"] * 1e3, "attnkit_ms": times["attnkit"] * 1e3,
+        "call": call,
+        "pattern": pattern,
+        "S": S,
+        "pass": "fwd+bwd" if grad else "fwd",
+        "torch_ms": times["torch"] * 1e3,
+        "attnkit_ms": times["attnkit"] * 1e3,
         "ratio": times["torch"] / times["attnkit"],
-    }  # fmt: skip
+    }
 
 
 def _line(r: dict[str, Any]) -> str:

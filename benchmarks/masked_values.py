@@ -20,9 +20,9 @@ from bench import RESULTS, cpu_description  # beside this file
 
 import attnkit as ak
 from attnkit._compat import cpu_kind
-from attnkit.benchmark import round_robin
+from attnkit.call.visibility import all_finite, may_leak
 from attnkit.contracts import normalize_call
-from attnkit.visibility import all_finite, may_leak
+from attnkit.learn.benchmark import round_robin
 
 H, HKV, D = 8, 2, 64
 # (name, B, L, S, mask): prefill, a chunk of new queries against a cache, a decoding step

@@ -52,7 +52,7 @@ from bench import (  # beside this file
 
 import attnkit as ak
 from attnkit._compat import cpu_kind
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 from attnkit.native import unavailable
 from attnkit.native.ops import on_half_units
 
@@ -84,14 +84,17 @@ def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> di
     native = medians["native"]
     best_peer = min(t for n, t in medians.items() if n in ("sdpa", "flex", "tiled"))
     row: dict[str, object] = {
-        "pattern": pattern, "S": S, "dtype": dtype, "pairs": case.pairs,
+        "pattern": pattern,
+        "S": S,
+        "dtype": dtype,
+        "pairs": case.pairs,
         **{f"{n}_ms": t * 1e3 for n, t in medians.items()},
         "per_pair": dense_pair * case.pairs / native,
         "vs_best_peer": best_peer / native,
         "gflops": 4 * case.pairs * H * D / native / 1e9,
         "compile_s": peers.compile_s,
         "auto": ak.explain(q, k, v, case.mask).backend,
-    }  # fmt: skip
+    }
     print(
         f"{dtype} {pattern} S={S}: native {native * 1e3:.1f} ms, per pair "
         f"{row['per_pair']:.2f} of dense SDPA, {row['vs_best_peer']:.2f}× the best peer",
@@ -116,13 +119,16 @@ def train_row(pattern: str, S: int, dtype: str, repeats: int) -> dict[str, objec
     native = medians["native"]
     best_peer = min(medians["sdpa"], medians["tiled"])
     row: dict[str, object] = {
-        "pattern": pattern, "S": S, "dtype": dtype, "pairs": case.pairs,
+        "pattern": pattern,
+        "S": S,
+        "dtype": dtype,
+        "pairs": case.pairs,
         **{f"{n}_ms": t * 1e3 for n, t in medians.items()},
         "per_pair": dense_pair * case.pairs / native,
         "vs_best_peer": best_peer / native,
         "gflops": 3.5 * 4 * case.pairs * H * D / native / 1e9,
         "auto": ak.explain(*inputs(case, grad=True), case.mask).backend,
-    }  # fmt: skip
+    }
     print(
         f"{dtype} {pattern} S={S} fwd+bwd: native {native * 1e3:.1f} ms, per pair "
         f"{row['per_pair']:.2f} of dense SDPA, {row['vs_best_peer']:.2f}× the best peer",

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import attnkit as ak
 from attnkit._compat import cpu_kind
 from attnkit.backends.native import _tiles
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 from attnkit.masks.spans import exact_spans
 from attnkit.native.ops import blocking
 

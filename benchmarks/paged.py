@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from bench import cpu_description  # beside this file
 
 import attnkit as ak
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 
 H, HKV, D, BLOCK = 8, 2, 64, 16
 RESULTS = Path(__file__).parent / "results"
@@ -72,8 +72,10 @@ def padded(w: dict) -> tuple:  # type: ignore[type-arg]
 
 
 def per_sequence(w: dict) -> tuple:  # type: ignore[type-arg]
-    caches = [(kb.transpose(0, 1)[None].contiguous(), vb.transpose(0, 1)[None].contiguous())
-              for kb, vb in zip(w["keys"], w["values"], strict=True)]  # fmt: skip
+    caches = [
+        (kb.transpose(0, 1)[None].contiguous(), vb.transpose(0, 1)[None].contiguous())
+        for kb, vb in zip(w["keys"], w["values"], strict=True)
+    ]
     qs = [w["q"][b][None, :, None] for b in range(len(w["lengths"]))]  # (1, H, 1, D) each
     mask = ak.causal(align="bottom_right")
 
@@ -114,12 +116,16 @@ def measure(dtype: torch.dtype, args: argparse.Namespace) -> dict[str, object]:
     tokens = sum(w["lengths"])
     ratios = {name: sorted(t["padded sdpa"] / t[name] for t in trials) for name in calls}
     return {
-        "dtype": str(dtype)[6:], "sequences": args.sequences, "longest": args.longest,
-        "tokens_stored": tokens, "bytes_stored": tokens * HKV * 2 * D * w["q"].element_size(),
+        "dtype": str(dtype)[6:],
+        "sequences": args.sequences,
+        "longest": args.longest,
+        "tokens_stored": tokens,
+        "bytes_stored": tokens * HKV * 2 * D * w["q"].element_size(),
         "seconds": {name: statistics.median(t[name] for t in trials) for name in calls},
         "ratio_range": {name: (r[0], r[-1]) for name, r in ratios.items()},
-        "trials": trials, "held_bytes": memory,
-    }  # fmt: skip
+        "trials": trials,
+        "held_bytes": memory,
+    }
 
 
 def read_bandwidth(mib: int = 512, runs: int = 5) -> float:
@@ -145,10 +151,12 @@ def combine(runs: list[list[dict]]) -> list[dict]:  # type: ignore[type-arg]
         row["seconds"] = {n: statistics.median(t) for n, t in row["process_seconds"].items()}
         row["trials"] = [t for r in per_process for t in r["trials"]]
         row["ratio_range"] = {
-            n: (min(r["ratio_range"][n][0] for r in per_process),
-                max(r["ratio_range"][n][1] for r in per_process))
+            n: (
+                min(r["ratio_range"][n][0] for r in per_process),
+                max(r["ratio_range"][n][1] for r in per_process),
+            )
             for n in peers
-        }  # fmt: skip
+        }
         rows.append(row)
     return rows
 
@@ -160,10 +168,21 @@ def in_processes(args: argparse.Namespace) -> list[dict]:  # type: ignore[type-a
     for p in range(args.processes):
         with tempfile.TemporaryDirectory() as tmp:
             command = [
-                sys.executable, __file__, "--processes", "0", "--repeats", str(args.repeats),
-                "--trials", str(args.trials), "--sequences", str(args.sequences),
-                "--longest", str(args.longest), "--out", tmp,
-            ]  # fmt: skip
+                sys.executable,
+                __file__,
+                "--processes",
+                "0",
+                "--repeats",
+                str(args.repeats),
+                "--trials",
+                str(args.trials),
+                "--sequences",
+                str(args.sequences),
+                "--longest",
+                str(args.longest),
+                "--out",
+                tmp,
+            ]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
             runs.append(json.loads((Path(tmp) / "paged.json").read_text())["rows"])
         steps = ", ".join(f"{n} {t * 1e3:.1f} ms" for n, t in runs[-1][0]["seconds"].items())

@@ -25,7 +25,7 @@ import torch
 from bench import cpu_description  # beside this file
 from paged import read_bandwidth
 
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 from attnkit.native import ops, unavailable
 
 N, H, HKV, D, BLOCK = 32, 8, 2, 64, 16

@@ -84,9 +84,10 @@ def write_markdown(meta: dict[str, Any], records: list[dict[str, Any]], path: Pa
         speedup = f"{min(peers) / auto['ms']:.2f}×" if auto and "ms" in auto and peers else "–"
         flex = _cell(row["flex"]) + _compile(row["flex"])
         dense = [  # half rows: the better of SDPA in its own dtype and in float32
-            d["gflops"] for dt in {dtype, "float32"}
+            d["gflops"]
+            for dt in {dtype, "float32"}
             if (d := index.get((dt, S, "none", pass_, "sdpa"))) and d.get("gflops")
-        ]  # fmt: skip
+        ]
         per_pair = (
             f"{auto['gflops'] / max(dense):.2f}" if auto and "gflops" in auto and dense else "–"
         )
@@ -144,9 +145,15 @@ def draw_plot(meta: dict[str, Any], records: list[dict[str, Any]]) -> Figure:
                     ran = any(index.get((S, pattern, pass_, p)) for p in PEER_NAMES)
                     if ran and (record is None or "ms" not in record):
                         ax.text(
-                            x, top * 0.02, _bar_label(record), rotation=90, ha="center",
-                            va="bottom", fontsize=8, color=f"C{n}",
-                        )  # fmt: skip
+                            x,
+                            top * 0.02,
+                            _bar_label(record),
+                            rotation=90,
+                            ha="center",
+                            va="bottom",
+                            fontsize=8,
+                            color=f"C{n}",
+                        )
             ax.set_title(f"{pass_}, S={S}", fontsize=12)
             ax.set_xticks(range(len(patterns)), patterns, rotation=30, fontsize=10)
             ax.tick_params(axis="y", labelsize=10)
@@ -159,10 +166,14 @@ def draw_plot(meta: dict[str, Any], records: list[dict[str, Any]]) -> Figure:
         fontsize=12,
     )
     fig.text(
-        0.5, 0.005, "skip: a call predicted over the call budget, not run;  n/a: not run "
-        "(Flex has no backward on CPU; naive: its S limits)", ha="center", va="bottom",
+        0.5,
+        0.005,
+        "skip: a call predicted over the call budget, not run;  n/a: not run "
+        "(Flex has no backward on CPU; naive: its S limits)",
+        ha="center",
+        va="bottom",
         fontsize=9,
-    )  # fmt: skip
+    )
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     return fig
 

@@ -3,8 +3,9 @@
 The decode grid: B in {1, 4, 8, 32}, S in {512, 2048, 8192}, H=8, Hkv=2, D=64, one
 query per row, float32, without padding (`causal(align="bottom_right")` against SDPA
 unmasked) and with padding (`& key_padding(lengths)`, lengths drawn in [S/2, S], against
-SDPA with the same bool mask). Round-robin medians (`attnkit.benchmark.round_robin`) of `--runs`
-calls each, under `torch.no_grad()` as generation runs; the ratio is SDPA's time over
+SDPA with the same bool mask). Round-robin medians
+(`attnkit.learn.benchmark.round_robin`) of `--runs` calls each, under `torch.no_grad()`
+as generation runs; the ratio is SDPA's time over
 attnkit's (>= 1: attnkit at least as fast); `overhead` is attnkit's time minus SDPA's, in
 microseconds (the planning and checks a call pays beyond the kernel), for `attention` and
 for a prepared call (`attnkit.prepare`: what a model's layers of one step share).
@@ -33,7 +34,7 @@ from bench import cpu_description  # beside this file
 
 import attnkit as ak
 from attnkit._compat import cpu_kind
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 
 H, HKV, D = 8, 2, 64
 RESULTS = Path(__file__).parent / "results"
@@ -62,14 +63,18 @@ def decode_row(B: int, S: int, padded: bool, runs: int) -> dict[str, Any]:
             runs,
         )
     return {
-        "B": B, "S": S, "padding": padded, "sdpa_us": times["sdpa"] * 1e6,
-        "attnkit_us": times["attnkit"] * 1e6, "ratio": times["sdpa"] / times["attnkit"],
+        "B": B,
+        "S": S,
+        "padding": padded,
+        "sdpa_us": times["sdpa"] * 1e6,
+        "attnkit_us": times["attnkit"] * 1e6,
+        "ratio": times["sdpa"] / times["attnkit"],
         "overhead_us": (times["attnkit"] - times["sdpa"]) * 1e6,
         "prepared_us": times["prepared"] * 1e6,
         "prepared_ratio": times["sdpa"] / times["prepared"],
         "prepared_overhead_us": (times["prepared"] - times["sdpa"]) * 1e6,
         "picks": ak.explain(q, k, v, mask).backend,
-    }  # fmt: skip
+    }
 
 
 # ----------------------------------------------------------------- transformers generate
@@ -87,9 +92,14 @@ def tiny_llama() -> Any:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-    )  # fmt: skip
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -122,9 +132,11 @@ def generate_rows(runs: int, new_tokens: int = 48) -> list[dict[str, Any]]:
             row_out[f"{impl}_same_tokens"] = bool(torch.equal(tokens[impl], tokens["sdpa"]))
         row_out["ratio"] = times["sdpa"] / times["attnkit"]
         rows.append(row_out)
-        print(f"generate {name}: " + ", ".join(
-            f"{i} {row_out[f'{i}_tokens_per_s']:.0f} tok/s" for i in IMPLEMENTATIONS
-        ), flush=True)  # fmt: skip
+        print(
+            f"generate {name}: "
+            + ", ".join(f"{i} {row_out[f'{i}_tokens_per_s']:.0f} tok/s" for i in IMPLEMENTATIONS),
+            flush=True,
+        )
     return rows
 
 
@@ -137,9 +149,13 @@ def time_generate(
     def run(impl: str) -> None:
         with torch.no_grad():
             tokens[impl] = models[impl].generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     times = round_robin({impl: (lambda i=impl: run(i)) for impl in models}, runs)
     return times, tokens
@@ -172,9 +188,10 @@ def training_row(runs: int) -> dict[str, Any]:
     )
     return {
         "case": f"B={B} H={Hq} Hkv={Hk} L={L} D={Dh} causal, forward+backward",
-        "sdpa_us": times["sdpa"] * 1e6, "attnkit_us": times["attnkit"] * 1e6,
+        "sdpa_us": times["sdpa"] * 1e6,
+        "attnkit_us": times["attnkit"] * 1e6,
         "ratio": times["sdpa"] / times["attnkit"],
-    }  # fmt: skip
+    }
 
 
 class SdpaAttention(torch.nn.Module):
@@ -220,9 +237,10 @@ def module_decode_row(runs: int, prompt: int = 512, steps: int = 32) -> dict[str
     )
     return {
         "case": f"prefill {prompt} + {steps} decode steps, E={E}, H={H}, Hkv={HKV}",
-        "sdpa_ms": times["sdpa"] * 1e3, "attnkit_ms": times["attnkit"] * 1e3,
+        "sdpa_ms": times["sdpa"] * 1e3,
+        "attnkit_ms": times["attnkit"] * 1e3,
         "ratio": times["sdpa"] / times["attnkit"],
-    }  # fmt: skip
+    }
 
 
 def compiled_step_row(runs: int) -> dict[str, Any]:
@@ -255,9 +273,10 @@ def compiled_step_row(runs: int) -> dict[str, Any]:
     times = round_robin(steps, runs)
     return {
         "case": "tiny_gpt (2 layers, E=128, H=4, Hkv=2), B=16, L=128, torch.compile",
-        "sdpa_ms": times["sdpa"] * 1e3, "attnkit_ms": times["attnkit"] * 1e3,
+        "sdpa_ms": times["sdpa"] * 1e3,
+        "attnkit_ms": times["attnkit"] * 1e3,
         "ratio": times["sdpa"] / times["attnkit"],
-    }  # fmt: skip
+    }
 
 
 PARTS = ("decode", "training", "module", "compiled", "generate")
@@ -321,8 +340,11 @@ def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
                 f"{r[f'{i}_tokens_per_s']:.0f} ({'yes' if r[f'{i}_same_tokens'] else 'NO'})"
                 for i in IMPLEMENTATIONS
             ]
-            lines.append(f"| {r['case']}, {r['new_tokens']} new | " + " | ".join(cells)
-                         + f" | {r['ratio']:.2f} |")  # fmt: skip
+            lines.append(
+                f"| {r['case']}, {r['new_tokens']} new | "
+                + " | ".join(cells)
+                + f" | {r['ratio']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -337,8 +359,13 @@ def main() -> int:
     parser.add_argument("--model-runs", type=int, default=7, help="runs of the model rows")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    meta = {"cpu": cpu_description(), "kind": cpu_kind(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "runs": args.runs}  # fmt: skip
+    meta = {
+        "cpu": cpu_description(),
+        "kind": cpu_kind(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "runs": args.runs,
+    }
     results: dict[str, Any] = {}
     if "decode" in args.parts:
         results["decode"] = []
@@ -348,8 +375,9 @@ def main() -> int:
                     r = decode_row(B, S, padded, args.runs)
                     results["decode"].append(r)
                     line = f"B={B:>2} S={S:>5} padding={padded!s:<5} SDPA {r['sdpa_us']:8.0f} µs"
-                    print(f"{line}  attnkit {r['attnkit_us']:8.0f} µs  {r['ratio']:.2f}×",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"{line}  attnkit {r['attnkit_us']:8.0f} µs  {r['ratio']:.2f}×", flush=True
+                    )
     if "training" in args.parts:
         results["training"] = training_row(args.runs)
     if "module" in args.parts:

@@ -35,8 +35,8 @@ from bench import cpu_description  # beside this file
 
 from attnkit._compat import cpu_flash_attention
 from attnkit.backends.tiled import CHUNK_BYTES
-from attnkit.benchmark import round_robin
-from attnkit.precision import kernel_dtype
+from attnkit.call.precision import kernel_dtype
+from attnkit.learn.benchmark import round_robin
 
 RESULTS = Path(__file__).parent / "results"
 H, D, WINDOW = 8, 64, 256
@@ -118,13 +118,18 @@ def measure(dtype: torch.dtype, S: int, runs: int) -> list[dict[str, Any]]:
             if f"{R} {name}" not in times:
                 continue
             seconds = times[f"{R} {name}"]
-            rows.append({
-                "dtype": str(dtype).removeprefix("torch."),
-                "kernel": str(work).removeprefix("torch."), "S": S, "rows": R, "way": name,
-                "ms": seconds * 1e3,
-                "per_pair": per_dense_pair * case["useful"] / seconds,
-                "computed_per_pair": per_dense_pair * case["computed"] / seconds,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "kernel": str(work).removeprefix("torch."),
+                    "S": S,
+                    "rows": R,
+                    "way": name,
+                    "ms": seconds * 1e3,
+                    "per_pair": per_dense_pair * case["useful"] / seconds,
+                    "computed_per_pair": per_dense_pair * case["computed"] / seconds,
+                }
+            )
     return rows
 
 

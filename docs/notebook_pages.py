@@ -48,7 +48,7 @@ def _execute(path: Path) -> Any:
                 kernel_name="python3",
                 timeout=CELL_TIMEOUT,
                 resources={"metadata": {"path": str(path.parent)}},
-            ).execute(stderr=subprocess.DEVNULL)  # fmt: skip  (the kernel's own warnings)
+            ).execute(stderr=subprocess.DEVNULL)  # the kernel's own warnings hidden
         finally:
             if before is None:
                 del os.environ["JUPYTER_PATH"]

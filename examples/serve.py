@@ -68,9 +68,13 @@ def serve(model: TinyGPT, requests: list[tuple[list[int], int]], args: argparse.
     """Continuous batching: returns the samples, tokens/s and the most blocks in use."""
     attn = model.blocks[0].attn
     pages = ak.PagedKVCache(
-        len(model.blocks), attn.num_kv_heads, attn.head_dim, num_blocks=args.blocks,
-        block_size=args.block_size, dtype=model.head.weight.dtype,
-    )  # fmt: skip
+        len(model.blocks),
+        attn.num_kv_heads,
+        attn.head_dim,
+        num_blocks=args.blocks,
+        block_size=args.block_size,
+        dtype=model.head.weight.dtype,
+    )
     queue = deque(enumerate(requests))
     active: list[Sample] = []
     done: list[Sample] = []
@@ -89,8 +93,14 @@ def serve(model: TinyGPT, requests: list[tuple[list[int], int]], args: argparse.
         forks = []
         for s, end in zip(active, ends.tolist(), strict=True):
             for index in range(1, s.samples):  # after the prompt's prefill
-                child = Sample(s.request, index, pages.fork(s.seq), s.prompt, s.new,
-                               generator(s.request, index))  # fmt: skip
+                child = Sample(
+                    s.request,
+                    index,
+                    pages.fork(s.seq),
+                    s.prompt,
+                    s.new,
+                    generator(s.request, index),
+                )
                 child.pending = [sample(logits[end], child.generator, args.temperature)]
                 child.out.append(child.pending[0])
                 forks.append(child)
@@ -165,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for s in sorted(done, key=lambda s: (s.request, s.index))[:4]:
         prompt = "".join(chars[t] for t in s.prompt).replace("\n", " ")
-        print(f"  request {s.request} sample {s.index}: {prompt!r} -> "
-              f"{''.join(chars[t] for t in s.out)!r}")  # fmt: skip
+        print(
+            f"  request {s.request} sample {s.index}: {prompt!r} -> "
+            f"{''.join(chars[t] for t in s.out)!r}"
+        )
     ok = same == len(done)
     print(f"{same} of {len(done)} outputs equal decoding the prompt alone with KVCache")
     return 0 if ok else 1

@@ -23,7 +23,7 @@ import argparse
 import torch
 
 import attnkit.integrations.transformers as akt
-from attnkit.benchmark import round_robin
+from attnkit.learn.benchmark import round_robin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 IMPLEMENTATIONS = ("sdpa", "attnkit")
@@ -34,9 +34,14 @@ def build_model(dtype: torch.dtype, layers: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 15,
-    )  # fmt: skip
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1 << 15,
+    )
     return LlamaForCausalLM(config).to(dtype).train()
 
 
@@ -56,11 +61,12 @@ def batches(tokens: int, rows: int) -> dict[str, dict[str, torch.Tensor]]:
     return {
         "packed": {"input_ids": flat, "position_ids": positions, "labels": flat},
         "padded": {
-            "input_ids": ids, "attention_mask": real.long(),
+            "input_ids": ids,
+            "attention_mask": real.long(),
             "labels": ids.masked_fill(~real, -100),
         },
         "unpadded": {"input_ids": ids, "labels": ids},
-    }  # fmt: skip
+    }
 
 
 def step(model: torch.nn.Module, impl: str, batch: dict[str, torch.Tensor]) -> float:

@@ -1,5 +1,5 @@
 """The tests price with the built-in cost table of one kind of CPU (avx2's), so that no
-choice of `auto` depends on the machine they run on (`attnkit.calibrate`: every other
+choice of `auto` depends on the machine they run on (`attnkit.call.calibrate`: every other
 kind has its own table); `tests/test_calibrate.py` tries the others and measures.
 
 `ATTNKIT_TEST_CALIBRATION=on` runs them priced as a user's process would be instead (the

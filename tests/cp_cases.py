@@ -241,17 +241,47 @@ def agreement(rank: int, P: int) -> None:
     wrong_docs = docs.clone()
     wrong_docs[0, 3] += rank == last
     cases = [
-        ("mask", ak.causal() if rank == 0 else ak.sliding_window(3), local, {},
-         ak.RanksDisagreeError, r"mask differs \(ranks \[0\]: causal"),
-        ("mask tensors", ak.document(wrong_docs), local, {},
-         ak.RanksDisagreeError, rf"mask differs .*ranks \[{last}\]"),
-        ("strategy", ak.causal(), local, {"strategy": "ring" if rank else "allgather"},
-         ak.RanksDisagreeError, "strategy differs"),
-        ("q one row short", ak.causal(), [local[0][:, :, 1:] if rank == last else local[0],
-         *local[1:]], {}, ak.ShapeContractError, rf"rank {last} of {P} refused"),
-        ("k float64", ak.causal(), [local[0], local[1].double() if rank == last else local[1],
-         local[2]], {}, TypeError, rf"rank {last} of {P} refused"),
-    ]  # fmt: skip
+        (
+            "mask",
+            ak.causal() if rank == 0 else ak.sliding_window(3),
+            local,
+            {},
+            ak.RanksDisagreeError,
+            r"mask differs \(ranks \[0\]: causal",
+        ),
+        (
+            "mask tensors",
+            ak.document(wrong_docs),
+            local,
+            {},
+            ak.RanksDisagreeError,
+            rf"mask differs .*ranks \[{last}\]",
+        ),
+        (
+            "strategy",
+            ak.causal(),
+            local,
+            {"strategy": "ring" if rank else "allgather"},
+            ak.RanksDisagreeError,
+            "strategy differs",
+        ),
+        (
+            "q one row short",
+            ak.causal(),
+            [local[0][:, :, 1:] if rank == last else local[0], *local[1:]],
+            {},
+            ak.ShapeContractError,
+            rf"rank {last} of {P} refused",
+        ),
+        (
+            "k float64",
+            ak.causal(),
+            [local[0], local[1].double() if rank == last else local[1], local[2]],
+            {},
+            TypeError,
+            rf"rank {last} of {P} refused",
+        ),
+    ]
     for name, mask, tensors, kw, error, words in cases:
         try:
             akd.attention(*tensors, mask, **kw)

@@ -101,8 +101,10 @@ def campaign(cases: int, seed: int, flex_percent: int, every: int, surfaces: lis
                     failures[_failure_class(outcome)].append((index, text))
             if done % every == 0 or done == cases:
                 bad = sum(len(v) for v in failures.values())
-                print(f"  {done}/{cases} cases, {bad} failures, {time.monotonic() - start:.0f} s",
-                      flush=True)  # fmt: skip
+                print(
+                    f"  {done}/{cases} cases, {bad} failures, {time.monotonic() - start:.0f} s",
+                    flush=True,
+                )
         _table(surface, counts, failures, cases, seed, time.monotonic() - start)
         status |= bool(failures)
     return status
@@ -153,8 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", type=int, default=10_000, help="cases per surface")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--case", type=int, default=None, help="replay one case in detail")
-    parser.add_argument("--surface", choices=(*SURFACES, "all"), default=None,
-                        help="one surface (default: all; core for --case)")  # fmt: skip
+    parser.add_argument(
+        "--surface",
+        choices=(*SURFACES, "all"),
+        default=None,
+        help="one surface (default: all; core for --case)",
+    )
     parser.add_argument("--flex", type=int, default=1, help="percent of cases also run on flex")
     parser.add_argument("--every", type=int, default=250, help="progress every N cases")
     args = parser.parse_args(argv)

@@ -135,10 +135,20 @@ def _ids(draw: Draw, n: int, kind: str) -> Callable[[torch.Generator], torch.Ten
 def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
     kind = draw.choice(
         (
-            "causal", "sliding", "lengths", "valid", "document", "prefix", "prefix_lengths",
-            "bool", "offset", "chunked", "mod", "row_spans",
+            "causal",
+            "sliding",
+            "lengths",
+            "valid",
+            "document",
+            "prefix",
+            "prefix_lengths",
+            "bool",
+            "offset",
+            "chunked",
+            "mod",
+            "row_spans",
         )
-    )  # fmt: skip
+    )
     align = _align(draw, L, S)
     if kind == "causal":
         return MaskSpec(f"causal({align})", lambda c, g: ak.causal(align=align))
@@ -151,8 +161,9 @@ def _leaf(draw: Draw, B: int, H: int, L: int, S: int) -> MaskSpec:
         def mod(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             return (i * 7 + j * 3 + (h if per_head else 0)) % period != 0
 
-        return MaskSpec(f"from_mod(period {period}, per_head={per_head})",
-                        lambda c, g: ak.Mask.from_mod(mod))  # fmt: skip
+        return MaskSpec(
+            f"from_mod(period {period}, per_head={per_head})", lambda c, g: ak.Mask.from_mod(mod)
+        )
     if kind == "chunked":
         size = draw.int(1, S + 2)
         return MaskSpec(f"chunked({size}, {align})", lambda c, g: ak.chunked(size, align))

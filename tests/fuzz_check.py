@@ -18,8 +18,8 @@ import torch
 
 import attnkit as ak
 from attnkit.backends import backend_names
-from attnkit.documents import documents
-from attnkit.precision import HALF, compute_dtype, kernel_dtype
+from attnkit.call.documents import documents
+from attnkit.call.precision import HALF, compute_dtype, kernel_dtype
 from fuzz_cases import Built, Case, build
 from fuzz_leak import Leak, checked_gradients, checked_outputs, leak
 
@@ -32,8 +32,9 @@ def backends() -> tuple[str, ...]:
     return tuple(name for name in backend_names() if name != "flex")
 
 
-def reordered(backend: str, mask: object = None, q: torch.Tensor | None = None,
-              k: torch.Tensor | None = None) -> bool:  # fmt: skip
+def reordered(
+    backend: str, mask: object = None, q: torch.Tensor | None = None, k: torch.Tensor | None = None
+) -> bool:
     """Backends whose scores round differently from the reference's: the fused kernels,
     blockwise (matmuls over key ranges sum in another order) and any other. Each may
     miss the strict rule by the rounding of the scores, eps·max|s| (found: blockwise at
@@ -142,9 +143,14 @@ def oracle(case: Case, b: Built, work: torch.dtype) -> Truth:
 
 
 def _sensitivity(
-    w: torch.Tensor, p: torch.Tensor, q: torch.Tensor, k: torch.Tensor, dout: torch.Tensor,
-    scale: float, G: int,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    w: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    dout: torch.Tensor,
+    scale: float,
+    G: int,
+) -> tuple[torch.Tensor, ...]:
     """|dq|, |dk|, |dv| that a relative error of every weight would bring: dS = P∘(dP-Δ)
     gives dq = scale·dS·k and dk = scale·dSᵀ·q; dv = Pᵀ·dout."""
     B, H, _, S = p.shape
@@ -181,9 +187,15 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nan_to_num(diff, nan=math.inf, posinf=math.inf).max())
 
 
-def compare(name: str, got: torch.Tensor | None, truth: torch.Tensor, ref: torch.Tensor,
-            dtype: torch.dtype, extra: torch.Tensor | float = 0.0,
-            max_logit: float = 0.0) -> str | None:  # fmt: skip
+def compare(
+    name: str,
+    got: torch.Tensor | None,
+    truth: torch.Tensor,
+    ref: torch.Tensor,
+    dtype: torch.dtype,
+    extra: torch.Tensor | float = 0.0,
+    max_logit: float = 0.0,
+) -> str | None:
     """None if `got` keeps the rule against `truth` (with `ref` the same-dtype oracle).
 
     In float64 the same-dtype oracle is the truth itself, so the rule alone would ask
@@ -266,8 +278,15 @@ def run_case(case: Case, only: tuple[str, ...] = ()) -> list[Outcome]:
     return outcomes
 
 
-def _check_backend(case: Case, b: Built, truth: Truth, ref: Truth, backend: str, what: str,
-                   kwargs: dict[str, float | None]) -> Outcome:  # fmt: skip
+def _check_backend(
+    case: Case,
+    b: Built,
+    truth: Truth,
+    ref: Truth,
+    backend: str,
+    what: str,
+    kwargs: dict[str, float | None],
+) -> Outcome:
     dtype = case.dtype
     if what == "forward":
         with torch.no_grad():
@@ -371,8 +390,9 @@ def _half_kernel_rounding(case: Case, truth: Truth, backend: str) -> float:
     return _rounding(case, truth, backend)
 
 
-def _check_probs(case: Case, b: Built, truth: Truth, ref: Truth,
-                 kwargs: dict[str, float | None]) -> Outcome:  # fmt: skip
+def _check_probs(
+    case: Case, b: Built, truth: Truth, ref: Truth, kwargs: dict[str, float | None]
+) -> Outcome:
     rows = list(case.rows)
     with torch.no_grad():
         got = ak.attention_probs(b.q, b.k, b.mask, rows=rows, **kwargs)
@@ -386,8 +406,9 @@ def _check_probs(case: Case, b: Built, truth: Truth, ref: Truth,
     return _outcome("probs", [problem])
 
 
-def _check_explain(case: Case, b: Built, truth: Truth, ref: Truth,
-                   kwargs: dict[str, float | None]) -> Outcome:  # fmt: skip
+def _check_explain(
+    case: Case, b: Built, truth: Truth, ref: Truth, kwargs: dict[str, float | None]
+) -> Outcome:
     plan = ak.explain(b.q, b.k, b.v, b.mask, **kwargs)
     mask = b.mask
     if isinstance(mask, torch.Tensor) and mask.is_floating_point():
@@ -403,8 +424,9 @@ def _check_explain(case: Case, b: Built, truth: Truth, ref: Truth,
     return _outcome("explain", problems)
 
 
-def _check_blocks(case: Case, b: Built, truth: Truth, ref: Truth,
-                  kwargs: dict[str, float | None]) -> Outcome:  # fmt: skip
+def _check_blocks(
+    case: Case, b: Built, truth: Truth, ref: Truth, kwargs: dict[str, float | None]
+) -> Outcome:
     """`Mask.to_block_mask`: its present and full blocks against the case's visibility
     truth, reduced block by block (a block past L or S is padding: never full)."""
     from attnkit._compat import flex_attention_module

@@ -22,7 +22,7 @@ import torch
 
 import attnkit as ak
 import attnkit.distributed as akd
-from attnkit.precision import compute_dtype
+from attnkit.call.precision import compute_dtype
 from cp_harness import spawn
 from fuzz_cases import Case, Draw, MaskSpec, RandomDraw, build, draw_case, draw_mask
 from fuzz_check import Outcome, _call, _outcome, _rounding, compare, oracle
@@ -40,10 +40,20 @@ def draw(d: Draw) -> tuple[Case, int, str, str]:
     B, H = d.int(1, 2), Hkv * d.choice((1, 2))
     mask = _nothing_past_lengths(d, B, L) if d.int(0, 9) == 0 else draw_mask(d, B, H, L, L)
     case = replace(
-        base, B=B, H=H, Hkv=Hkv, L=L, S=L, D=d.choice((2, 8, 16)), dtype=d.choice(
-            (torch.float64, torch.float32)), layouts=("contiguous",) * 3, mask=mask,
-        magnitude=d.choice((1.0, 1.0, 10.0, 1e3)), rows=(), flex=False,
-    )  # fmt: skip
+        base,
+        B=B,
+        H=H,
+        Hkv=Hkv,
+        L=L,
+        S=L,
+        D=d.choice((2, 8, 16)),
+        dtype=d.choice((torch.float64, torch.float32)),
+        layouts=("contiguous",) * 3,
+        mask=mask,
+        magnitude=d.choice((1.0, 1.0, 10.0, 1e3)),
+        rows=(),
+        flex=False,
+    )
     case = replace(case, Dv=case.D if d.int(0, 1) else d.choice((2, 8)))
     return case, P, d.choice(akd.LAYOUTS), d.choice(STRATEGIES)
 
@@ -74,12 +84,29 @@ def check(rank: int, case: Case, layout: str, strategy: str) -> list[Outcome]:
     def forward() -> Outcome:
         with torch.no_grad():
             out, lse = akd.attention_with_lse(*local, b.mask, **kw)
-        return _outcome("forward+lse", [
-            compare("out", out, mine(truth.out), mine(ref.out), case.dtype,
-                    slack * mine(truth.sensitivity_out), truth.max_logit),
-            compare("lse", lse, mine(truth.lse), mine(ref.lse), compute_dtype(case.dtype),
-                    0.0, truth.max_logit),
-        ])  # fmt: skip
+        return _outcome(
+            "forward+lse",
+            [
+                compare(
+                    "out",
+                    out,
+                    mine(truth.out),
+                    mine(ref.out),
+                    case.dtype,
+                    slack * mine(truth.sensitivity_out),
+                    truth.max_logit,
+                ),
+                compare(
+                    "lse",
+                    lse,
+                    mine(truth.lse),
+                    mine(ref.lse),
+                    compute_dtype(case.dtype),
+                    0.0,
+                    truth.max_logit,
+                ),
+            ],
+        )
 
     def backward() -> Outcome:
         leaves = [t.detach().requires_grad_() for t in local]
@@ -87,11 +114,20 @@ def check(rank: int, case: Case, layout: str, strategy: str) -> list[Outcome]:
         finite = torch.isfinite(lse)
         loss = (out * mine(b.dout)).sum() + (torch.where(finite, lse, 0) * mine(b.dlse)).sum()
         got = torch.autograd.grad(loss, leaves, allow_unused=True)
-        return _outcome("backward+lse", [
-            compare(n, g, mine(t), mine(r), case.dtype, slack * mine(x), truth.max_logit)
-            for n, g, t, r, x in zip(["dq", "dk", "dv"], got, truth.grads_lse, ref.grads_lse,
-                                     truth.sensitivity_lse, strict=True)
-        ])  # fmt: skip
+        return _outcome(
+            "backward+lse",
+            [
+                compare(n, g, mine(t), mine(r), case.dtype, slack * mine(x), truth.max_logit)
+                for n, g, t, r, x in zip(
+                    ["dq", "dk", "dv"],
+                    got,
+                    truth.grads_lse,
+                    ref.grads_lse,
+                    truth.sensitivity_lse,
+                    strict=True,
+                )
+            ],
+        )
 
     outcomes = []
     for what, fn in (("forward", forward), ("backward", backward)):
@@ -149,8 +185,12 @@ def run(seed: int, indices: list[int], workdir: Path) -> Iterator[tuple[int, str
             found = _read(path)
             for index in group:
                 if index not in found:
-                    outcome = Outcome("group", "run", "crash", f"{type(err).__name__}: "
-                                      f"{str(err).strip().splitlines()[-1][:200]}")  # fmt: skip
+                    outcome = Outcome(
+                        "group",
+                        "run",
+                        "crash",
+                        f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:200]}",
+                    )
                     found[index] = (f"P={P}", [outcome])
             yield from ((i, *found[i]) for i in group)
             continue

@@ -32,8 +32,11 @@ from fuzz_cases import Draw
 
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-4}, torch.float64: {}}
 FORMS = ("split", "kvpacked", "qkvpacked")  # flash-attention's q, k, v; q, kv; qkv
-FLASH = {"split": flash_attn_func, "kvpacked": flash_attn_kvpacked_func,
-         "qkvpacked": flash_attn_qkvpacked_func}  # fmt: skip
+FLASH = {
+    "split": flash_attn_func,
+    "kvpacked": flash_attn_kvpacked_func,
+    "qkvpacked": flash_attn_qkvpacked_func,
+}
 
 
 def flash_formula(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
@@ -69,8 +72,9 @@ def varlen_formula(q, k, v, cu_q, cu_k, window, scale=None, used=None):
     for n in range(len(cu_q) - 1):
         len_k = int(cu_k[n + 1] - cu_k[n]) if used is None else int(used[n])
         keys = slice(int(cu_k[n]), int(cu_k[n]) + len_k)
-        out, lse = flash_formula(q[cu_q[n] : cu_q[n + 1]], k[keys], v[keys], window=window,
-                                 scale=scale)  # fmt: skip
+        out, lse = flash_formula(
+            q[cu_q[n] : cu_q[n + 1]], k[keys], v[keys], window=window, scale=scale
+        )
         outs.append(out)
         lses.append(lse.T)
     return torch.cat(outs), torch.cat(lses)
@@ -171,9 +175,16 @@ def _varlen(draw: Draw) -> str:
     text = f"varlen {dtype} H={H} Hkv={Hkv} q {len_q} k {len_k} used {used} window {(left, right)}"
     inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     out, lse = varlen_attn(
-        *inputs, cu_q, cu_k, max(len_q), max(len_k), return_aux=AuxRequest(lse=True),
-        window_size=(left, right), enable_gqa=H != Hkv, seqused_k=seqused,
-    )  # fmt: skip
+        *inputs,
+        cu_q,
+        cu_k,
+        max(len_q),
+        max(len_k),
+        return_aux=AuxRequest(lse=True),
+        window_size=(left, right),
+        enable_gqa=H != Hkv,
+        seqused_k=seqused,
+    )
     truth_in = [t.requires_grad_() for t in (q, k, v)]
     want, want_lse = varlen_formula(*truth_in, cu_q, cu_k, (left, right), used=used)
     torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
@@ -193,8 +204,18 @@ def _same_bits_reversed(inputs, len_q, len_k, used, window, gqa, text) -> None:
 
     def run(q, k, v, len_q, len_k, used):
         seqused = None if used is None else torch.tensor(used, dtype=torch.int32)
-        return varlen_attn(q, k, v, cumulative(len_q), cumulative(len_k), 1, 1,
-                           window_size=window, enable_gqa=gqa, seqused_k=seqused)  # fmt: skip
+        return varlen_attn(
+            q,
+            k,
+            v,
+            cumulative(len_q),
+            cumulative(len_k),
+            1,
+            1,
+            window_size=window,
+            enable_gqa=gqa,
+            seqused_k=seqused,
+        )
 
     out = run(*inputs, len_q, len_k, used)
     q, k, v = (pieces(t, n) for t, n in zip(inputs, (len_q, len_k, len_k), strict=True))
@@ -220,22 +241,33 @@ def _flash(draw: Draw) -> str:
     alibi = None if slopes is None else torch.rand(slopes, generator=g)
     q = torch.randn(B, L, H, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
-    text = (f"flash_attn_func ({form}) {dtype} B={B} L={L} S={S} H={H} Hkv={Hkv} D={D} "
-            f"causal={causal} window={window} softcap={softcap} alibi={slopes}")  # fmt: skip
+    text = (
+        f"flash_attn_func ({form}) {dtype} B={B} L={L} S={S} H={H} Hkv={Hkv} D={D} "
+        f"causal={causal} window={window} softcap={softcap} alibi={slopes}"
+    )
     inputs = _packed(form, *(t.to(dtype) for t in (q, k, v)), dim=2)
     out, lse, _ = FLASH[form](
-        *inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
+        *inputs,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
         return_attn_probs=True,
-    )  # fmt: skip
+    )
     truth_in = [t.requires_grad_() for t in (q, k, v)]
     batch_slopes = [alibi if alibi is None or alibi.dim() == 1 else alibi[b] for b in range(B)]
     per_row = [
         flash_formula(
-            truth_in[0][b], truth_in[1][b], truth_in[2][b], causal=causal, window=window,
-            softcap=softcap, slopes=batch_slopes[b],
+            truth_in[0][b],
+            truth_in[1][b],
+            truth_in[2][b],
+            causal=causal,
+            window=window,
+            softcap=softcap,
+            slopes=batch_slopes[b],
         )
         for b in range(B)
-    ]  # fmt: skip
+    ]
     want, want_lse = torch.stack([o for o, _ in per_row]), torch.stack([m for _, m in per_row])
     torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
     torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)
@@ -258,12 +290,19 @@ def _flash_varlen(draw: Draw) -> str:
     alibi = None if slopes is None else torch.rand(slopes, generator=g)
     q = torch.randn(sum(len_q), H, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(sum(len_k), Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
-    text = (f"flash_attn_varlen_func ({form}) {dtype} H={H} Hkv={Hkv} D={D} q {len_q} k {len_k} "
-            f"causal={causal} window={window} softcap={softcap} alibi={slopes}")  # fmt: skip
+    text = (
+        f"flash_attn_varlen_func ({form}) {dtype} H={H} Hkv={Hkv} D={D} q {len_q} k {len_k} "
+        f"causal={causal} window={window} softcap={softcap} alibi={slopes}"
+    )
     inputs = _packed(form, *(t.to(dtype) for t in (q, k, v)), dim=1)
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)
-    opts = {"causal": causal, "window_size": window, "softcap": softcap, "alibi_slopes": alibi,
-            "return_attn_probs": True}  # fmt: skip
+    opts = {
+        "causal": causal,
+        "window_size": window,
+        "softcap": softcap,
+        "alibi_slopes": alibi,
+        "return_attn_probs": True,
+    }
     if form == "qkvpacked":
         out, lse, _ = flash_attn_varlen_qkvpacked_func(*inputs, cu_q, max(len_q), **opts)
     else:
@@ -272,12 +311,16 @@ def _flash_varlen(draw: Draw) -> str:
     truth_in = [t.requires_grad_() for t in (q, k, v)]
     per_seq = [
         flash_formula(
-            truth_in[0][cu_q[n] : cu_q[n + 1]], truth_in[1][cu_k[n] : cu_k[n + 1]],
-            truth_in[2][cu_k[n] : cu_k[n + 1]], causal=causal, window=window, softcap=softcap,
+            truth_in[0][cu_q[n] : cu_q[n + 1]],
+            truth_in[1][cu_k[n] : cu_k[n + 1]],
+            truth_in[2][cu_k[n] : cu_k[n + 1]],
+            causal=causal,
+            window=window,
+            softcap=softcap,
             slopes=alibi if alibi is None or alibi.dim() == 1 else alibi[n],
         )
         for n in range(N)
-    ]  # fmt: skip
+    ]
     want, want_lse = torch.cat([o for o, _ in per_seq]), torch.cat([m for _, m in per_seq], 1)
     torch.testing.assert_close(out, want.to(dtype), **TOLERANCE[dtype], msg=text)
     torch.testing.assert_close(lse, want_lse.to(lse.dtype), **TOLERANCE[dtype], msg=text)

@@ -62,8 +62,10 @@ class World:
         mask = None if left is None else ak.sliding_window(left)
         outs = []
         for layer in range(self.layers):
-            q, k, v = (torch.randn(T, h, d, generator=self.g, dtype=torch.float64)
-                       for h, d in ((self.H, D), (HKV, D), (HKV, DV)))  # fmt: skip
+            q, k, v = (
+                torch.randn(T, h, d, generator=self.g, dtype=torch.float64)
+                for h, d in ((self.H, D), (HKV, D), (HKV, DV))
+            )
             out = ak.paged_attention(
                 *(t.to(self.dtype) for t in (q, k, v)), self.pages, step, layer, mask
             )
@@ -91,8 +93,14 @@ def program(draw: Draw) -> str:
     block_size = draw.choice((1, 3, 4, 16))
     G, left = draw.choice((1, 4)), draw.choice((None, 0, 2, 7))
     dtype = draw.choice((torch.float64, torch.float32))
-    world = World(H=HKV * G, layers=draw.int(1, 2), num_blocks=24, block_size=block_size,
-                  dtype=dtype, seed=draw.int(0, 2**31 - 1))  # fmt: skip
+    world = World(
+        H=HKV * G,
+        layers=draw.int(1, 2),
+        num_blocks=24,
+        block_size=block_size,
+        dtype=dtype,
+        seed=draw.int(0, 2**31 - 1),
+    )
     pages, tol = world.pages, 1e-12 if dtype == torch.float64 else 2e-5
     random.Random(draw.int(0, 2**31 - 1)).shuffle(pages._free)
     ops = []

@@ -67,13 +67,27 @@ def check(draw: Draw) -> str:
         f"{kind}({size}) B={B} L={L} S={S} cache={cache} past={past} padding={side}{pads.tolist()}"
     )
     mask = akt.mask_function(
-        B, L, S, q_offset=past, kv_offset=0, mask_function=fn, attention_mask=valid,
+        B,
+        L,
+        S,
+        q_offset=past,
+        kv_offset=0,
+        mask_function=fn,
+        attention_mask=valid,
         local_size=local_size,
-    )  # fmt: skip
+    )
     want = mu.sdpa_mask(
-        B, L, S, past, 0, fn, valid, local_size=local_size, allow_is_causal_skip=False,
+        B,
+        L,
+        S,
+        past,
+        0,
+        fn,
+        valid,
+        local_size=local_size,
+        allow_is_causal_skip=False,
         allow_is_bidirectional_skip=False,
-    )  # fmt: skip  # (B, 1, L, S) bool
+    )  # (B, 1, L, S) bool
     want = torch.ones(B, 1, L, S, dtype=torch.bool) if want is None else want.expand(B, 1, L, S)
     got = torch.ones_like(want) if mask is None else mask.materialize(B, 1, L, S)
     wrong = (got != want).nonzero()

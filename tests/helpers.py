@@ -117,8 +117,8 @@ def grid(mask: ak.Mask, L: int, S: int | None = None, batch: int = 0) -> list[li
 def count_tile_plans(monkeypatch) -> list[tuple[object, ...]]:
     """The tile plans tiled makes from now on (their arguments but the mask), counted;
     prepared calls forgotten first, so the count starts at 0."""
-    from attnkit import dispatch
     from attnkit.backends import tiled
+    from attnkit.call import dispatch
 
     planned: list[tuple[object, ...]] = []
     real = tiled.best_plan

@@ -121,6 +121,34 @@ def test_the_cycle_finder_sees_a_lazy_import_and_skips_type_checking(tmp_path):
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
+TOP_FLOOR = 12
+
+
+def test_the_top_floor_is_small_and_each_folder_says_what_lives_there():
+    """Concepts live in folders (`call/`, `masks/`, `backends/`, `kv/`, `dropins/`, ...),
+    each opening with a docstring; few modules sit directly in the package."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_FLOOR, f"{len(top)} modules directly in attnkit/: {top}"
+    for init in PACKAGE.glob("*/__init__.py"):
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        assert ast.get_docstring(tree), f"{init.parent.name}/ says nothing of what it holds"
+
+
+def test_no_line_is_kept_from_the_formatter():
+    """The line cap is met by structure: no formatter directive folds lines, in the
+    package or its tests."""
+    marker = "# fmt" + ": "  # off, on, skip
+    roots = (PACKAGE, Path(__file__).parent)
+    found = [
+        f"{path.name}:{n}"
+        for root in roots
+        for path in root.rglob("*.py")
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if marker in line
+    ]
+    assert not found, f"formatter directives: {found}"
+
+
 def test_mask_has_a_small_protocol():
     names = sorted(n for n in dir(ak.Mask) if not n.startswith("_"))
     assert len(names) <= MASK_NAMES, f"Mask has {len(names)} public names: {names}"
@@ -128,8 +156,13 @@ def test_mask_has_a_small_protocol():
         assert kind in names
 
 
-CONCRETE_BACKENDS = {"ReferenceBackend", "SdpaBackend", "TiledBackend", "FlexBackend",
-                     "BlockwiseBackend"}  # fmt: skip
+CONCRETE_BACKENDS = {
+    "ReferenceBackend",
+    "SdpaBackend",
+    "TiledBackend",
+    "FlexBackend",
+    "BlockwiseBackend",
+}
 
 
 def test_no_module_outside_backends_names_a_concrete_backend():
@@ -189,7 +222,7 @@ def test_no_module_outside_backends_looks_a_backend_up_by_its_name():
 CACHE_TYPES = {"Bounded", "PerMask", "WeakKeyDictionary", "WeakValueDictionary"}
 # the process-wide caches: attention()'s prepared calls (the cost table is `cost`'s
 # active table, a value it is given)
-CACHES = {"attnkit.dispatch._CALLS"}
+CACHES = {"attnkit.call.dispatch._CALLS"}
 
 
 def _module_caches(name: str, tree: ast.Module) -> set[str]:
@@ -205,7 +238,7 @@ def _module_caches(name: str, tree: ast.Module) -> set[str]:
 
 
 def test_process_wide_caches_are_the_known_few():
-    """What a call derives belongs to its prepared call (`attnkit.prepared`): no module
+    """What a call derives belongs to its prepared call (`attnkit.call.prepared`): no module
     keeps a cache of its own beyond these."""
     found = set()
     for name, path in _modules().items():

@@ -1,11 +1,11 @@
-"""The one protocol a module's heads attend through (`attnkit.attender`)."""
+"""The one protocol a module's heads attend through (`attnkit.kv.attender`)."""
 
 from __future__ import annotations
 
 import torch
 
 import attnkit as ak
-from attnkit.attender import PLAIN
+from attnkit.kv.attender import PLAIN
 
 
 class Recording:

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import cost
+from attnkit.call import cost
+from attnkit.call.precision import OVERRIDE_ENV
 from attnkit.native import unavailable
-from attnkit.precision import OVERRIDE_ENV
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 NOISE = 1.10  # repeated runs of one table move a ratio by about ±0.05

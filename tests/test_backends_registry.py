@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 import attnkit as ak
-from attnkit import calibrate, cost, dispatch
 from attnkit.backends import (
     BACKENDS,
     Backend,
@@ -19,6 +18,7 @@ from attnkit.backends import (
     register,
     unregister,
 )
+from attnkit.call import calibrate, cost, dispatch
 from attnkit.contracts import AttentionCall
 from fuzz import RandomDraw
 from fuzz_cases import draw_case

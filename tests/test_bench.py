@@ -86,10 +86,27 @@ def test_budget_predicts_by_s_squared_and_skips_only_peers():
 
 def test_paged_bench_compares_three_ways_of_decoding(tmp_path):
     script = BENCH.parent / "paged.py"
-    args = ["--repeats", "2", "--trials", "1", "--sequences", "4", "--longest", "64",
-            "--processes", "2", "--out", str(tmp_path)]  # fmt: skip
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    args = [
+        "--repeats",
+        "2",
+        "--trials",
+        "1",
+        "--sequences",
+        "4",
+        "--longest",
+        "64",
+        "--processes",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
@@ -101,10 +118,27 @@ def test_paged_bench_compares_three_ways_of_decoding(tmp_path):
 
 def test_context_parallel_bench_runs_every_strategy(tmp_path):
     script = BENCH.parent / "context_parallel.py"
-    args = ["--sizes", "256", "--worlds", "1", "2", "--patterns", "causal", "documents",
-            "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
-    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    args = [
+        "--sizes",
+        "256",
+        "--worlds",
+        "1",
+        "2",
+        "--patterns",
+        "causal",
+        "documents",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     kept = tmp_path / f"context_parallel_{cpu_kind()}.json"  # one table per kind of CPU
     rows = json.loads(kept.read_text())["rows"]
@@ -121,16 +155,34 @@ def test_context_parallel_bench_runs_every_strategy(tmp_path):
 
 def _small_calls(tmp_path, *args):
     script = BENCH.parent / "small_calls.py"
-    done = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     (kept,) = tmp_path.glob("small_calls_*.json")  # one per kind of CPU
     return json.loads(kept.read_text())
 
 
 def test_small_calls_bench_compares_decode_steps_with_and_without_padding(tmp_path):
-    found = _small_calls(tmp_path, "--parts", "decode", "training", "module", "--batches", "2",
-                         "--sizes", "64", "--runs", "3", "--model-runs", "1")  # fmt: skip
+    found = _small_calls(
+        tmp_path,
+        "--parts",
+        "decode",
+        "training",
+        "module",
+        "--batches",
+        "2",
+        "--sizes",
+        "64",
+        "--runs",
+        "3",
+        "--model-runs",
+        "1",
+    )
     rows = found["decode"]
     assert [(r["B"], r["S"], r["padding"]) for r in rows] == [(2, 64, False), (2, 64, True)]
     assert all(r["sdpa_us"] > 0 and r["attnkit_us"] > 0 for r in rows)
@@ -151,9 +203,13 @@ def test_small_calls_bench_times_generate_and_compiled_steps(tmp_path):
 def test_block_mask_bench_times_both_builds_and_checks_their_blocks(tmp_path):
     pytest.importorskip("torch.nn.attention.flex_attention")
     script = BENCH.parent / "block_mask.py"
-    done = subprocess.run([sys.executable, str(script), "--sizes", "512", "--runs", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), "--sizes", "512", "--runs", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "block_mask.json").read_text())["rows"]
     assert len(rows) == 5 and all(r["same"] and r["to_block_mask_ms"] > 0 for r in rows)
@@ -168,9 +224,13 @@ def test_block_mask_bench_times_both_builds_and_checks_their_blocks(tmp_path):
     ],
 )
 def test_kernel_and_dropin_benches_write_their_tables(tmp_path, script, args, table):
-    done = subprocess.run([sys.executable, str(BENCH.parent / script), *args, "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCH.parent / script), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / f"{table}.json").read_text())["rows"]
     assert rows and all(r["ms" if table == "tile_levers" else "attnkit_ms"] > 0 for r in rows)
@@ -178,10 +238,26 @@ def test_kernel_and_dropin_benches_write_their_tables(tmp_path, script, args, ta
 
 
 def test_native_bench_names_its_cpu_kind_and_compares_every_peer(tmp_path):
-    args = ["--sizes", "256", "--patterns", "sliding", "padding", "--no-flex", "--no-decode",
-            "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
-    done = subprocess.run([sys.executable, str(BENCH.parent / "native.py"), *args],
-                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    args = [
+        "--sizes",
+        "256",
+        "--patterns",
+        "sliding",
+        "padding",
+        "--no-flex",
+        "--no-decode",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        [sys.executable, str(BENCH.parent / "native.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / f"native_{cpu_kind()}.json").read_text())
     assert result["kind"] == cpu_kind() and 0 < result["load_s"] < 10

@@ -1,10 +1,10 @@
-"""The one eviction rule of attnkit's caches (`attnkit.bounded`)."""
+"""The one eviction rule of attnkit's caches (`attnkit.call.bounded`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from attnkit.bounded import Bounded
+from attnkit.call.bounded import Bounded
 
 
 def test_the_least_recently_used_entry_goes_first_and_a_lookup_is_a_use():

@@ -1,4 +1,4 @@
-"""The KV cache (`attnkit.cache`): geometric growth, crop, reset, its checks."""
+"""The KV cache (`attnkit.kv.cache`): geometric growth, crop, reset, its checks."""
 
 from __future__ import annotations
 

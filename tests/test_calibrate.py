@@ -1,4 +1,4 @@
-"""attnkit.calibrate: `auto` prices with a table chosen, never measured, unless asked: the
+"""attnkit.call.calibrate: `auto` prices with a table chosen, never measured, unless asked: the
 one `attnkit calibrate` kept for this machine, else the one built in for the CPU's kind;
 so a first call costs what a second does and every process picks the same backend."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import calibrate, cost
 from attnkit._compat import CPU_KINDS, cpu_kind
 from attnkit.backends import BACKENDS, get_backend
+from attnkit.call import calibrate, cost
 from helpers import span_backend
 
 
@@ -250,7 +250,7 @@ def test_a_kept_table_naming_other_factors_than_a_backend_has_is_not_read(fresh_
 _PROCESS = """
 import json, time, torch
 import attnkit as ak
-from attnkit import calibrate, cost
+from attnkit.call import calibrate, cost
 
 measured = []
 calibrate.measure = lambda: measured.append(1) or cost.BUILT_IN

@@ -40,15 +40,22 @@ def test_a_link_names_a_file_of_the_site_or_nothing(site: Path):
 def test_broken_links_anchors_and_images_are_found_outside_links_are_not(site: Path):
     scans = {
         f"{ORIGIN}/": {
-            "links": [f"{ORIGIN}/masks/#masks", f"{ORIGIN}/masks/#gone", f"{ORIGIN}/nowhere/",
-                      "https://github.com/example", f"{ORIGIN}/images/causal.png"],
-            "images": [{"src": f"{ORIGIN}/images/causal.png", "broken": False},
-                       {"src": f"{ORIGIN}/images/missing.png", "broken": False},
-                       {"src": f"{ORIGIN}/images/causal.png", "broken": True}],
+            "links": [
+                f"{ORIGIN}/masks/#masks",
+                f"{ORIGIN}/masks/#gone",
+                f"{ORIGIN}/nowhere/",
+                "https://github.com/example",
+                f"{ORIGIN}/images/causal.png",
+            ],
+            "images": [
+                {"src": f"{ORIGIN}/images/causal.png", "broken": False},
+                {"src": f"{ORIGIN}/images/missing.png", "broken": False},
+                {"src": f"{ORIGIN}/images/causal.png", "broken": True},
+            ],
             "ids": [],
         },
         f"{ORIGIN}/masks/": {"links": [], "images": [], "ids": ["masks"]},
-    }  # fmt: skip
+    }
     found = check_links(site, ORIGIN, scans)
     assert found[f"{ORIGIN}/masks/"] == []
     assert found[f"{ORIGIN}/"] == [

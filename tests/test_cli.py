@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.benchmark import run_bench
 from attnkit.cli import in_cli_terms, main
-from attnkit.console import Progress
-from attnkit.tour import run_tour
+from attnkit.learn.benchmark import run_bench
+from attnkit.learn.console import Progress
+from attnkit.learn.tour import run_tour
 
 
 def test_tour_runs_every_section_and_every_check_passes():
@@ -146,9 +146,11 @@ def test_bench_prints_a_row_per_pattern_and_pass(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("causal", "sliding"))]
     assert [row.split()[:2] for row in rows] == [
-        ["causal", "forward"], ["causal", "forward+backward"],
-        ["sliding", "forward"], ["sliding", "forward+backward"],
-    ]  # fmt: skip
+        ["causal", "forward"],
+        ["causal", "forward+backward"],
+        ["sliding", "forward"],
+        ["sliding", "forward+backward"],
+    ]
     assert all(row.count("ms") == 2 and "×" in row for row in rows)
     header = out.splitlines()[0]
     assert "B=1, H=8, L=S=64, D=64, float32" in header  # what was measured
@@ -187,8 +189,8 @@ def test_size_options_scale_with_the_call_when_left_out(capsys):
 
 
 def test_calibrate_command_keeps_the_table_and_prints_it(monkeypatch, tmp_path, capsys):
-    from attnkit import calibrate, cost
     from attnkit.backends import get_backend
+    from attnkit.call import calibrate, cost
 
     path = tmp_path / "cost.json"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))  # a file named: kept there

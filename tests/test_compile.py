@@ -1,5 +1,5 @@
 """attnkit inside `torch.compile`: same outputs and gradients as eager, with
-`fullgraph=True` for every mask kind (the call is one custom op, `attnkit.compiled`),
+`fullgraph=True` for every mask kind (the call is one custom op, `attnkit.call.compiled`),
 and `torch.library.opcheck` on both ops. Small shapes: seconds per case."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.compiled import attention_backward_op, attention_op
+from attnkit.call.compiled import attention_backward_op, attention_op
 from attnkit.masks.spec import encode
 
 

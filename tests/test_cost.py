@@ -1,4 +1,4 @@
-"""attnkit.cost: one table per kind of CPU, chosen once and never measured by a call;
+"""attnkit.call.cost: one table per kind of CPU, chosen once and never measured by a call;
 each backend owns its factors (built in per kind) and the table only says which kind's
 and what was measured here; tiled's short blocks cost more per pair."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import cost, precision
 from attnkit._compat import CPU_KINDS
 from attnkit.backends import BACKENDS, get_backend
 from attnkit.backends.tilecost import pair_cost
+from attnkit.call import cost, precision
 from attnkit.contracts import AttentionCall, normalize_call
 
 
@@ -55,7 +55,7 @@ def test_measured_factors_override_the_built_in_ones_by_backend_name():
 
 
 def test_use_sets_the_table_and_none_decides_again():
-    from attnkit.planner import cost_summary
+    from attnkit.call.planner import cost_summary
 
     mine = cost.CostTable("avx2", "mine", measured={"sdpa": {"masked": 9.0}})
     before = cost.table()

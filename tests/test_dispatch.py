@@ -1,4 +1,4 @@
-"""attnkit.dispatch: a repeated call is validated, planned and prepared once, and a
+"""attnkit.call.dispatch: a repeated call is validated, planned and prepared once, and a
 prepared call is never served stale; the cache holds neither masks nor inputs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import dispatch
+from attnkit.call import dispatch
 from attnkit.masks.structure import value_key
 from helpers import EXACT_BACKENDS, small_qkv
 

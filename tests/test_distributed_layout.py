@@ -11,8 +11,10 @@ from attnkit.distributed.layout import Layout
 def test_zigzag_gives_rank_r_chunks_r_and_2p_minus_1_minus_r():
     lay = Layout.of("zigzag", 3, 12)
     assert [lay.chunks(r) for r in range(3)] == [
-        [(0, 2), (10, 12)], [(2, 4), (8, 10)], [(4, 6), (6, 8)]
-    ]  # fmt: skip
+        [(0, 2), (10, 12)],
+        [(2, 4), (8, 10)],
+        [(4, 6), (6, 8)],
+    ]
     assert sorted(lay.order().tolist()) == list(range(12))
     assert Layout.of("contiguous", 3, 12).positions(1).tolist() == [4, 5, 6, 7]
 

@@ -21,7 +21,7 @@ PUBLIC = (
     "attnkit.plot",
     "attnkit.distributed",
     "attnkit.integrations.transformers",
-    "attnkit.calibrate",
+    "attnkit.call.calibrate",
 )
 
 
@@ -30,9 +30,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -66,10 +68,15 @@ def test_benchmarks_page_names_the_command_and_cpu_of_each_table(site: Path):
     assert len(included) >= 8
     for path in included:
         assert (ROOT / path).exists(), path
-    for command in ("make bench", "benchmarks/small_calls.py", "benchmarks/dropins.py",
-                    "benchmarks/masked_values.py",
-                    "benchmarks/block_mask.py", "benchmarks/paged.py",
-                    "benchmarks/context_parallel.py"):  # fmt: skip
+    for command in (
+        "make bench",
+        "benchmarks/small_calls.py",
+        "benchmarks/dropins.py",
+        "benchmarks/masked_values.py",
+        "benchmarks/block_mask.py",
+        "benchmarks/paged.py",
+        "benchmarks/context_parallel.py",
+    ):
         assert command in page, command
     assert "AVX2 yes" in (site / "benchmarks/index.html").read_text()  # a table's CPU line
 

@@ -55,15 +55,20 @@ def test_the_benchmark_plot_labels_bars_that_were_not_run():
 
 
 def test_the_report_redraws_a_kept_run_from_its_json(tmp_path):
-    run = {"meta": {**META, "rooflines": {"float32": 100.0}}, "records": [
-        _record("auto", "fwd", ms=1.0, roofline_pct=40.0, gflops=40.0, backend="sdpa"),
-        _record("sdpa", "fwd", ms=1.0, roofline_pct=40.0, gflops=40.0),
-    ]}  # fmt: skip
+    run = {
+        "meta": {**META, "rooflines": {"float32": 100.0}},
+        "records": [
+            _record("auto", "fwd", ms=1.0, roofline_pct=40.0, gflops=40.0, backend="sdpa"),
+            _record("sdpa", "fwd", ms=1.0, roofline_pct=40.0, gflops=40.0),
+        ],
+    }
     (tmp_path / "bench.json").write_text(json.dumps(run))
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "report.py"), str(tmp_path / "bench.json")],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert (
         "| float32 | 256 | causal | fwd | 1.00× | 1.0 (sdpa) |"

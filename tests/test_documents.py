@@ -1,5 +1,5 @@
 """`attention` with packed documents: each document gives the bits it gets alone,
-whatever is packed beside it and in whatever order (`attnkit.documents`), and the same
+whatever is packed beside it and in whatever order (`attnkit.call.documents`), and the same
 result as the reference."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.documents import documents
+from attnkit.call.documents import documents
 
 LENGTHS = [37, 120, 1, 64, 5, 200]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -149,9 +149,18 @@ def test_varlen_equals_the_documented_formula(case, heads):
     k, v = (torch.randn(sum(len_k), Hkv, 8, generator=g).requires_grad_() for _ in range(2))
     cu_q, cu_k = _cu(len_q), _cu(len_k)
     out, lse = varlen_attn(
-        q, k, v, cu_q, cu_k, max(len_q), max(len_k), return_aux=AuxRequest(lse=True),
-        window_size=window, enable_gqa=H != Hkv, scale=0.4,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(len_q),
+        max(len_k),
+        return_aux=AuxRequest(lse=True),
+        window_size=window,
+        enable_gqa=H != Hkv,
+        scale=0.4,
+    )
     want, want_lse = varlen_formula(q, k, v, cu_q, cu_k, window, scale=0.4)
     torch.testing.assert_close(out, want.float())
     torch.testing.assert_close(lse, want_lse.float())
@@ -181,19 +190,38 @@ def test_varlen_reads_paged_keys_in_shuffled_pages():
     q = torch.randn(sum(len_q), H, D, generator=g)
     seqused = torch.tensor(used, dtype=torch.int32)
     got = varlen_attn(
-        q, pool_k, pool_v, _cu(len_q), None, 3, 12, window_size=(-1, 0), enable_gqa=True,
-        seqused_k=seqused, block_table=table,
-    )  # fmt: skip
+        q,
+        pool_k,
+        pool_v,
+        _cu(len_q),
+        None,
+        3,
+        12,
+        window_size=(-1, 0),
+        enable_gqa=True,
+        seqused_k=seqused,
+        block_table=table,
+    )
     # the same keys packed, each sequence's tail past seqused_k poisoned: never read
-    packed_k, packed_v = (torch.cat([torch.cat([t, t.new_full((2, Hkv, D), torch.nan)])
-                                     for t in ts]) for ts in (keys, values))  # fmt: skip
+    packed_k, packed_v = (
+        torch.cat([torch.cat([t, t.new_full((2, Hkv, D), torch.nan)]) for t in ts])
+        for ts in (keys, values)
+    )
     cu_k = _cu([n + 2 for n in used])
     want, _ = varlen_formula(q, packed_k, packed_v, _cu(len_q), cu_k, (-1, 0), used=used)
     torch.testing.assert_close(got, want.float())
     also = varlen_attn(
-        q, packed_k, packed_v, _cu(len_q), cu_k, 3, 14, window_size=(-1, 0),
-        enable_gqa=True, seqused_k=seqused,
-    )  # fmt: skip
+        q,
+        packed_k,
+        packed_v,
+        _cu(len_q),
+        cu_k,
+        3,
+        14,
+        window_size=(-1, 0),
+        enable_gqa=True,
+        seqused_k=seqused,
+    )
     torch.testing.assert_close(also, got)
 
 
@@ -279,8 +307,19 @@ def test_varlen_with_paged_keys_runs_compiled_fullgraph():
     q, cu = torch.randn(2, 4, 8, generator=g), _cu([1, 1])
 
     def decode(q, pool, table, used):
-        return varlen_attn(q, pool, pool, cu, None, 1, 8, window_size=(-1, 0), enable_gqa=True,
-                           seqused_k=used, block_table=table)  # fmt: skip
+        return varlen_attn(
+            q,
+            pool,
+            pool,
+            cu,
+            None,
+            1,
+            8,
+            window_size=(-1, 0),
+            enable_gqa=True,
+            seqused_k=used,
+            block_table=table,
+        )
 
     compiled = torch.compile(decode, fullgraph=True)
     torch.testing.assert_close(compiled(q, pool, table, used), decode(q, pool, table, used))
@@ -294,8 +333,9 @@ def test_varlen_returns_out_and_lse_contiguous_in_torchs_layout(size, grad):
     q = torch.randn(T, H, D, generator=g).requires_grad_(grad)
     cu = _cu([T // 3, T - T // 3])
     with torch.set_grad_enabled(grad):
-        out, lse = varlen_attn(q, q, q, cu, cu, T, T, return_aux=AuxRequest(lse=True),
-                               window_size=(-1, 0))  # fmt: skip
+        out, lse = varlen_attn(
+            q, q, q, cu, cu, T, T, return_aux=AuxRequest(lse=True), window_size=(-1, 0)
+        )
     assert out.shape == (T, H, D) and lse.shape == (T, H)
     assert out.is_contiguous() and lse.is_contiguous()
     assert out.view(-1, H * D).shape == (T, H * D)  # the reshape models do next
@@ -333,8 +373,9 @@ def test_varlen_refuses_seqused_k_past_its_block_table_or_pages_outside_the_pool
     before = pool_k.clone(), pool_v.clone()
     seqused = torch.tensor([used], dtype=torch.int32)
     with pytest.raises(ak.BlockTableError, match=words) as info:
-        varlen_attn(q, pool_k, pool_v, _cu([1]), None, 1, used, seqused_k=seqused,
-                    block_table=table)  # fmt: skip
+        varlen_attn(
+            q, pool_k, pool_v, _cu([1]), None, 1, used, seqused_k=seqused, block_table=table
+        )
     assert "block_table" in str(info.value) and isinstance(info.value, ValueError)
     assert torch.equal(pool_k, before[0]) and torch.equal(pool_v, before[1])
 
@@ -347,6 +388,7 @@ def test_varlen_reads_only_the_entries_a_sequence_uses():
     want = varlen_attn(q, pool_k, pool_v, _cu([1]), None, 1, 200, seqused_k=used, block_table=one)
     for junk in (-1, 99):
         table = torch.tensor([[1, junk]], dtype=torch.int32)
-        got = varlen_attn(q, pool_k, pool_v, _cu([1]), None, 1, 200, seqused_k=used,
-                          block_table=table)  # fmt: skip
+        got = varlen_attn(
+            q, pool_k, pool_v, _cu([1]), None, 1, 200, seqused_k=used, block_table=table
+        )
         torch.testing.assert_close(got, want)

@@ -63,20 +63,46 @@ def test_transformers_example_trains_with_both_implementations(capsys):
 
 def test_context_parallel_example_matches_one_process():
     run = subprocess.run(
-        [sys.executable, str(EXAMPLES / "context_parallel.py"), "--steps", "2", "--block", "32",
-         "--batch", "2", "--world", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(EXAMPLES / "context_parallel.py"),
+            "--steps",
+            "2",
+            "--block",
+            "32",
+            "--batch",
+            "2",
+            "--world",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "losses match" in run.stdout and "context parallel: strategy 'ulysses'" in run.stdout
 
 
 def test_serve_example_batches_forks_and_matches_kv_cache_decoding():
     run = subprocess.run(
-        [sys.executable, str(EXAMPLES / "serve.py"), "--requests", "5", "--new", "6",
-         "--train-steps", "0", "--batch", "3", "--samples", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(EXAMPLES / "serve.py"),
+            "--requests",
+            "5",
+            "--new",
+            "6",
+            "--train-steps",
+            "0",
+            "--batch",
+            "3",
+            "--samples",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "7 of 7 outputs equal decoding the prompt alone with KVCache" in run.stdout
     assert "tokens/s" in run.stdout and "blocks of 16 tokens in use" in run.stdout

@@ -50,15 +50,23 @@ def test_flash_attn_func_equals_the_formula(name, heads, sizes):
     k, v = (torch.randn(B, S, Hkv, 8, generator=g).requires_grad_() for _ in range(2))
     slopes = torch.rand(B, H, generator=g) if opts.get("alibi") else None  # (B, H)
     out, lse, none = flash_attn_func(
-        q, k, v, softmax_scale=0.3, alibi_slopes=slopes, return_attn_probs=True,
+        q,
+        k,
+        v,
+        softmax_scale=0.3,
+        alibi_slopes=slopes,
+        return_attn_probs=True,
         **_call_options(opts),
-    )  # fmt: skip
+    )
     assert none is None and out.shape == (B, L, H, 8) and lse.shape == (B, H, L)
     for b in range(B):
         want, want_lse = formula(
-            q[b], k[b], v[b], scale=0.3,
+            q[b],
+            k[b],
+            v[b],
+            scale=0.3,
             **_formula_options(opts, None if slopes is None else slopes[b]),
-        )  # fmt: skip
+        )
         torch.testing.assert_close(out[b], want.float())
         torch.testing.assert_close(lse[b], want_lse.float())
         dout = torch.randn_like(out[b])
@@ -92,25 +100,44 @@ def test_flash_attn_varlen_func_equals_the_formula(name, paged):
                 keys[pid, : rows.stop - rows.start] = k[rows].detach()
                 values[pid, : rows.stop - rows.start] = v[rows].detach()
     out, lse, _ = flash_attn_varlen_func(
-        q, keys, values, cu_q, cu_k, max(len_q), max(len_k), softmax_scale=0.4,
-        alibi_slopes=slopes, return_attn_probs=True, block_table=table, **_call_options(opts),
-    )  # fmt: skip
+        q,
+        keys,
+        values,
+        cu_q,
+        cu_k,
+        max(len_q),
+        max(len_k),
+        softmax_scale=0.4,
+        alibi_slopes=slopes,
+        return_attn_probs=True,
+        block_table=table,
+        **_call_options(opts),
+    )
     assert lse.shape == (H, sum(len_q))
     for n in range(len(len_q)):
         rows, cols = slice(cu_q[n], cu_q[n + 1]), slice(cu_k[n], cu_k[n + 1])
         want, want_lse = formula(
-            q[rows], k[cols], v[cols], scale=0.4,
+            q[rows],
+            k[cols],
+            v[cols],
+            scale=0.4,
             **_formula_options(opts, None if slopes is None else slopes[n]),
-        )  # fmt: skip
+        )
         torch.testing.assert_close(out[rows], want.float())
         torch.testing.assert_close(lse[:, rows], want_lse.float())
     if not paged:
         dout = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), dout)
-        outs = [formula(q[cu_q[n] : cu_q[n + 1]], k[cu_k[n] : cu_k[n + 1]],
-                        v[cu_k[n] : cu_k[n + 1]], scale=0.4,
-                        **_formula_options(opts, None if slopes is None else slopes[n]))[0]
-                for n in range(len(len_q))]  # fmt: skip
+        outs = [
+            formula(
+                q[cu_q[n] : cu_q[n + 1]],
+                k[cu_k[n] : cu_k[n + 1]],
+                v[cu_k[n] : cu_k[n + 1]],
+                scale=0.4,
+                **_formula_options(opts, None if slopes is None else slopes[n]),
+            )[0]
+            for n in range(len(len_q))
+        ]
         expected = torch.autograd.grad(torch.cat(outs), (q, k, v), dout.double())
         for a, e in zip(grads, expected, strict=True):
             torch.testing.assert_close(a, e.float())
@@ -161,10 +188,20 @@ def test_flash_attn_with_kvcache_appends_in_place_and_equals_the_formula(name, r
     else:
         args = {"k_cache": cache_k, "v_cache": cache_v, "cache_batch_idx": batch_idx.int()}
     out, lse = flash_attn_with_kvcache(
-        q, k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
-        cache_leftpad=leftpad, softmax_scale=0.5, alibi_slopes=slopes,
-        rotary_interleaved=bool(rotary), return_softmax_lse=True, **args, **_call_options(opts),
-    )  # fmt: skip
+        q,
+        k=k,
+        v=v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=seqlens,
+        cache_leftpad=leftpad,
+        softmax_scale=0.5,
+        alibi_slopes=slopes,
+        rotary_interleaved=bool(rotary),
+        return_softmax_lse=True,
+        **args,
+        **_call_options(opts),
+    )
     assert out.shape == (B, L, H, D) and lse.shape == (B, H, L)
     local = opts.get("causal", False) or opts.get("window", (-1, -1)) != (-1, -1)
     for b in range(B):
@@ -206,21 +243,24 @@ def test_flash_attn_varlen_and_kvcache_run_compiled_fullgraph():
     def varlen(q, k, cu_q, cu_k):
         return flash_attn_varlen_func(q, k, k, cu_q, cu_k, 5, 7, causal=True)
 
-    torch.testing.assert_close(torch.compile(varlen, fullgraph=True)(q, k, cu_q, cu_k),
-                               varlen(q, k, cu_q, cu_k))  # fmt: skip
+    torch.testing.assert_close(
+        torch.compile(varlen, fullgraph=True)(q, k, cu_q, cu_k), varlen(q, k, cu_q, cu_k)
+    )
     cache = torch.randn(2, 10, 2, 8, generator=g)
     q1, k1 = torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 2, 8, generator=g)
     lengths = torch.tensor([3, 6], dtype=torch.int32)
 
     def step(q, k_cache, v_cache, k, lengths):
-        return flash_attn_with_kvcache(q, k_cache, v_cache, k=k, v=k, cache_seqlens=lengths,
-                                       causal=True)  # fmt: skip
+        return flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k, v=k, cache_seqlens=lengths, causal=True
+        )
 
     eager_cache = cache.clone()
     want = step(q1, eager_cache, eager_cache.clone(), k1, lengths)
     compiled_cache = cache.clone()
-    got = torch.compile(step, fullgraph=True)(q1, compiled_cache, compiled_cache.clone(), k1,
-                                              lengths)  # fmt: skip
+    got = torch.compile(step, fullgraph=True)(
+        q1, compiled_cache, compiled_cache.clone(), k1, lengths
+    )
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(compiled_cache, eager_cache)  # the same in-place write
 
@@ -238,8 +278,9 @@ def test_every_output_is_contiguous_in_its_own_layout(size, grad):
     with torch.set_grad_enabled(grad):
         q = torch.randn(T, H, D, generator=g).requires_grad_(grad)
         cu = cumulative([T // 3, T - T // 3])
-        out, lse, _ = flash_attn_varlen_func(q, q, q, cu, cu, T, T, causal=True,
-                                             return_attn_probs=True)  # fmt: skip
+        out, lse, _ = flash_attn_varlen_func(
+            q, q, q, cu, cu, T, T, causal=True, return_attn_probs=True
+        )
         assert out.shape == (T, H, D) and lse.shape == (H, T)
         assert out.is_contiguous() and lse.is_contiguous()
         assert out.view(-1, H * D).shape == (T, H * D)
@@ -251,9 +292,15 @@ def test_every_output_is_contiguous_in_its_own_layout(size, grad):
         assert out.view(-1, H * D).shape == (qb.shape[0] * qb.shape[1], H * D)
     cache = torch.randn(2, T + 1, H, D, generator=g)
     lengths = torch.tensor([T // 2, T], dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q[:2, None], cache, cache.clone(), k=q[:2, None].detach(),
-                                       v=q[:2, None].detach(), cache_seqlens=lengths,
-                                       return_softmax_lse=True)  # fmt: skip
+    out, lse = flash_attn_with_kvcache(
+        q[:2, None],
+        cache,
+        cache.clone(),
+        k=q[:2, None].detach(),
+        v=q[:2, None].detach(),
+        cache_seqlens=lengths,
+        return_softmax_lse=True,
+    )
     assert out.is_contiguous() and lse.is_contiguous()
     assert out.view(-1, H * D).shape == (2, H * D)
 
@@ -298,9 +345,15 @@ def test_kvcache_refuses_a_table_too_short_or_outside_the_pool_and_writes_nothin
     before_k, before_v = pool_k.clone(), pool_v.clone()
     k = torch.randn(1, new, 2, 8, generator=g) if new else None
     with pytest.raises(BlockTableError, match=words) as info:
-        flash_attn_with_kvcache(torch.randn(1, 1, 4, 8, generator=g), pool_k, pool_v, k=k, v=k,
-                                cache_seqlens=torch.tensor([seqlen], dtype=torch.int32),
-                                block_table=table)  # fmt: skip
+        flash_attn_with_kvcache(
+            torch.randn(1, 1, 4, 8, generator=g),
+            pool_k,
+            pool_v,
+            k=k,
+            v=k,
+            cache_seqlens=torch.tensor([seqlen], dtype=torch.int32),
+            block_table=table,
+        )
     assert "block_table" in str(info.value) and isinstance(info.value, ValueError)
     assert isinstance(info.value, RuntimeError)  # what flash-attention's own tests match
     assert torch.equal(pool_k, before_k) and torch.equal(pool_v, before_v)  # bitwise unchanged
@@ -312,10 +365,19 @@ def test_kvcache_without_pages_refuses_keys_past_the_cache_and_writes_nothing(se
     k_cache, v_cache = (torch.randn(2, 8, 2, 4, generator=g) for _ in range(2))  # S_cache 8
     before_k, before_v = k_cache.clone(), v_cache.clone()
     k = torch.randn(2, new, 2, 4, generator=g) if new else None
-    with pytest.raises(ShapeContractError, match=r"sequence 1 needs \d+ cache positions.*"
-                       r"S_cache=8; give a longer cache"):  # fmt: skip
-        flash_attn_with_kvcache(torch.randn(2, 1, 4, 4, generator=g), k_cache, v_cache, k=k,
-                                v=k, cache_seqlens=torch.tensor(seqlens))  # fmt: skip
+    with pytest.raises(
+        ShapeContractError,
+        match=r"sequence 1 needs \d+ cache positions.*"
+        r"S_cache=8; give a longer cache",
+    ):
+        flash_attn_with_kvcache(
+            torch.randn(2, 1, 4, 4, generator=g),
+            k_cache,
+            v_cache,
+            k=k,
+            v=k,
+            cache_seqlens=torch.tensor(seqlens),
+        )
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
 
@@ -324,11 +386,24 @@ def test_kvcache_capacity_message_names_the_numbers_and_the_fix():
     pool_k, pool_v, table = _one_page_pool(g)
     k = torch.randn(1, 1, 2, 8, generator=g)
     with pytest.raises(BlockTableError) as info:
-        flash_attn_with_kvcache(torch.randn(1, 1, 4, 8, generator=g), pool_k, pool_v, k=k, v=k,
-                                cache_seqlens=256, block_table=table)  # fmt: skip
+        flash_attn_with_kvcache(
+            torch.randn(1, 1, 4, 8, generator=g),
+            pool_k,
+            pool_v,
+            k=k,
+            v=k,
+            cache_seqlens=256,
+            block_table=table,
+        )
     text = str(info.value)
-    for words in ("flash_attn_with_kvcache", "sequence 0", "257 positions", "1 page of 256",
-                  "256 positions", "at least 2 pages per row"):  # fmt: skip
+    for words in (
+        "flash_attn_with_kvcache",
+        "sequence 0",
+        "257 positions",
+        "1 page of 256",
+        "256 positions",
+        "at least 2 pages per row",
+    ):
         assert words in text, text
 
 
@@ -351,8 +426,17 @@ def test_flash_attn_varlen_refuses_a_table_too_short_for_cu_seqlens_k():
     pool_k, pool_v, table = _one_page_pool(g)
     q, cu_q = torch.randn(1, 4, 8, generator=g), cumulative([1])
     with pytest.raises(BlockTableError, match=r"cu_seqlens_k\[1\] - cu_seqlens_k\[0\]"):
-        flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cumulative([257]), 1, 257,
-                               block_table=table)  # fmt: skip
+        flash_attn_varlen_func(
+            q, pool_k, pool_v, cu_q, cumulative([257]), 1, 257, block_table=table
+        )
     with pytest.raises(BlockTableError, match="no page of the pool"):
-        flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cumulative([5]), 1, 5,
-                               block_table=torch.tensor([[3]], dtype=torch.int32))  # fmt: skip
+        flash_attn_varlen_func(
+            q,
+            pool_k,
+            pool_v,
+            cu_q,
+            cumulative([5]),
+            1,
+            5,
+            block_table=torch.tensor([[3]], dtype=torch.int32),
+        )

@@ -34,8 +34,10 @@ def _packed_leaves(form, g):
         return [torch.randn(2, 5, H, D, generator=g), torch.randn(2, 7, 2, Hkv, D, generator=g)], 2
     if form == "varlen qkvpacked":
         return [torch.randn(sum(LEN_Q), 3, H, D, generator=g)], 1  # (T, 3, H, D)
-    return [torch.randn(sum(LEN_Q), H, D, generator=g),
-            torch.randn(sum(LEN_K), 2, Hkv, D, generator=g)], 1  # fmt: skip
+    return [
+        torch.randn(sum(LEN_Q), H, D, generator=g),
+        torch.randn(sum(LEN_K), 2, Hkv, D, generator=g),
+    ], 1
 
 
 def _split(leaves, dim):
@@ -63,8 +65,9 @@ def _call_unpacked(form, q, k, v):
     (len_q, len_k), opts = _lengths_of(form), {**PACKED_OPTIONS, "return_attn_probs": True}
     if not form.startswith("varlen"):
         return flash_attn_func(q, k, v, **opts)
-    return flash_attn_varlen_func(q, k, v, cumulative(len_q), cumulative(len_k), max(len_q),
-                                  max(len_k), **opts)  # fmt: skip
+    return flash_attn_varlen_func(
+        q, k, v, cumulative(len_q), cumulative(len_k), max(len_q), max(len_k), **opts
+    )
 
 
 def _truth(form, q, k, v):
@@ -75,8 +78,12 @@ def _truth(form, q, k, v):
         return torch.stack([o for o, _ in rows]), torch.stack([m for _, m in rows])
     (len_q, len_k) = _lengths_of(form)
     cu_q, cu_k = cumulative(len_q), cumulative(len_k)
-    rows = [formula(q[cu_q[n] : cu_q[n + 1]], k[cu_k[n] : cu_k[n + 1]], v[cu_k[n] : cu_k[n + 1]],
-                    **opts) for n in range(len(len_q))]  # fmt: skip
+    rows = [
+        formula(
+            q[cu_q[n] : cu_q[n + 1]], k[cu_k[n] : cu_k[n + 1]], v[cu_k[n] : cu_k[n + 1]], **opts
+        )
+        for n in range(len(len_q))
+    ]
     return torch.cat([o for o, _ in rows]), torch.cat([m for _, m in rows], dim=1)
 
 

@@ -59,8 +59,9 @@ def test_a_sample_of_the_distributed_surface_keeps_the_rule(tmp_path):
     results = list(fuzz_distributed.run(3, list(range(24)), tmp_path))
     assert len(results) == 24
     failures = [(i, text, o) for i, text, outcomes in results for o in outcomes if o.failed]
-    assert not failures, "\n".join(f"case {i}: {t}\n  {o.what} {o.status}: {o.detail}"
-                                    for i, t, o in failures)  # fmt: skip
+    assert not failures, "\n".join(
+        f"case {i}: {t}\n  {o.what} {o.status}: {o.detail}" for i, t, o in failures
+    )
     ran = {o.backend for _, _, outcomes in results for o in outcomes if o.status == "ok"}
     assert ran >= {"ring", "allgather", "auto"}, ran
 

@@ -1,4 +1,4 @@
-"""attnkit.gradients: a call's dq, dk, dv from its output and log-sum-exp, by the first
+"""attnkit.call.gradients: a call's dq, dk, dv from its output and log-sum-exp, by the first
 backend whose fused backward serves it, equal to autograd's through the reference."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.call.gradients import fused_gradients, serves
 from attnkit.contracts import normalize_call
-from attnkit.gradients import fused_gradients, serves
 
 
 def _qkv(L=24, S=24, D=16, Dv=16, H=4, Hkv=2, dtype=torch.float64):

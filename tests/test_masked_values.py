@@ -11,9 +11,9 @@ from tests.helpers import max_err
 
 import attnkit as ak
 from attnkit.backends import get_backend
+from attnkit.call.visibility import all_finite, may_leak, run_masking_values
 from attnkit.contracts import normalize_call
 from attnkit.flash_attn import flash_attn_func, flash_attn_varlen_func
-from attnkit.visibility import all_finite, may_leak, run_masking_values
 
 BACKENDS = ["reference", "sdpa", "tiled", "blockwise", "native", "flex", "auto"]
 BAD = 40  # the key holding the non-finite entry

@@ -66,9 +66,14 @@ def test_to_block_mask_equals_create_block_mask(size, block_size):
             continue
         got = mask.to_block_mask(B, H, L, S, block_size=block_size)
         want = flex.create_block_mask(
-            blocks.mask_mod(mask, B, H, L, S, torch.device("cpu")), B, H, L, S,
-            device="cpu", BLOCK_SIZE=block_size,
-        )  # fmt: skip
+            blocks.mask_mod(mask, B, H, L, S, torch.device("cpu")),
+            B,
+            H,
+            L,
+            S,
+            device="cpu",
+            BLOCK_SIZE=block_size,
+        )
         _assert_same_blocks(got, want)
 
 

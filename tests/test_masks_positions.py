@@ -27,8 +27,12 @@ def test_offset_names_each_alignment_and_any_other_diagonal(L, S):
 
 def test_chunked_literal_and_with_causal():
     assert grid(ak.chunked(3), 5) == [
-        [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]
-    ]  # fmt: skip
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1],
+        [0, 0, 0, 1, 1],
+    ]
     # a static cache: 2 queries at positions 4 and 5 of 8 slots, chunks of 3
     got = grid(ak.chunked(3, offset=4) & ak.causal(offset=4), 2, 8)
     assert got == [[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 0, 0]]

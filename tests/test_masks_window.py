@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import dispatch
+from attnkit.call import dispatch
 from attnkit.masks import as_mask
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import dense_bias, is_sdpa_causal, key_bounds
@@ -26,8 +26,13 @@ MASKS = {
     "alibi": ak.alibi(H) & ak.sliding_window(5),
     "tensor": torch.rand(B, H, L, S, generator=torch.Generator().manual_seed(0)) < 0.4,
 }
-RECTANGLES = [((0, 20), (0, 20), (0, 3)), ((5, 15), (0, 10), (0, 3)), ((10, 20), (3, 8), (1, 2)),
-              ((0, 4), (12, 20), (0, 3)), ((7, 8), (0, 20), (2, 3))]  # fmt: skip
+RECTANGLES = [
+    ((0, 20), (0, 20), (0, 3)),
+    ((5, 15), (0, 10), (0, 3)),
+    ((10, 20), (3, 8), (1, 2)),
+    ((0, 4), (12, 20), (0, 3)),
+    ((7, 8), (0, 20), (2, 3)),
+]
 
 
 @pytest.mark.parametrize("name", MASKS)
@@ -75,9 +80,16 @@ def test_the_same_window_finds_its_prepared_call_until_the_mask_changes():
     def prepared():
         part = window(mask, H=1, L=L, S=S, rows=(0, 5), cols=(0, 5))
         return dispatch.prepared_call(
-            q, q, q, part, scale=None, softcap=None, dropout_p=0.0, backend="auto",
+            q,
+            q,
+            q,
+            part,
+            scale=None,
+            softcap=None,
+            dropout_p=0.0,
+            backend="auto",
             need_lse=False,
-        )  # fmt: skip
+        )
 
     first = prepared()
     assert prepared() is first

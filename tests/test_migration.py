@@ -40,8 +40,12 @@ def test_flash_attention_before_drop_in_and_attnkit_agree():
     q = torch.randn(2, 4, 4, 8, generator=g)  # (B, L, H, D), L < S
     k, v = (torch.randn(2, 9, 4, 8, generator=g) for _ in range(2))
     drop_in = flash_attn_func(q, k, v, causal=True, window_size=(3, 0), softcap=3.0)
-    before = torch.stack([flash_formula(q[b], k[b], v[b], causal=True, window=(3, 0),
-                                        softcap=3.0)[0] for b in range(2)])  # fmt: skip
+    before = torch.stack(
+        [
+            flash_formula(q[b], k[b], v[b], causal=True, window=(3, 0), softcap=3.0)[0]
+            for b in range(2)
+        ]
+    )
     torch.testing.assert_close(drop_in, before.float())
     window = ak.sliding_window(3, align="bottom_right")
     own = ak.attention(*(t.transpose(1, 2) for t in (q, k, v)), window, softcap=3.0)
@@ -53,11 +57,16 @@ def test_varlen_drop_in_and_attnkit_document_mask_agree():
     lengths = torch.tensor([3, 5, 2])
     q, k, v = (torch.randn(10, 4, 8, generator=g) for _ in range(3))
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
-    out, lse = varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0),
-                           return_aux=AuxRequest(lse=True))  # fmt: skip
+    out, lse = varlen_attn(
+        q, k, v, cu, cu, 5, 5, window_size=(-1, 0), return_aux=AuxRequest(lse=True)
+    )
     ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    own = ak.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                       ak.document(ids) & ak.causal())[0].transpose(0, 1)  # fmt: skip
+    own = ak.attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        ak.document(ids) & ak.causal(),
+    )[0].transpose(0, 1)
     torch.testing.assert_close(own, out)
     assert lse.shape == (10, 4)
 

@@ -50,10 +50,13 @@ def _matrix():
                     taken = mask_kind in FAST_LARGE and mask_kind not in REFUSED
                     slow = big and not (taken and dtype == torch.float32)
                     yield pytest.param(
-                        dtype, heads, mask_kind, size,
+                        dtype,
+                        heads,
+                        mask_kind,
+                        size,
                         marks=[pytest.mark.slow] if slow else [],
                         id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}",
-                    )  # fmt: skip
+                    )
 
 
 @pytest.mark.parametrize(("dtype", "heads", "mask_kind", "size"), list(_matrix()))
@@ -273,7 +276,7 @@ def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
     (slower still than the kernel on AVX512-BF16), and the prepared call serves the next
     steps of the growing cache's bucket without planning again; a float32 step of one
     sequence at 77 keys (B·G·bucket(S) below SHARED_KEYS) stays with SDPA."""
-    from attnkit import dispatch
+    from attnkit.call import dispatch
 
     monkeypatch.setenv("ATTNKIT_HALF_KERNELS", "float32")
     prepared = []
@@ -338,10 +341,15 @@ def test_opcheck_and_compile_fullgraph():
 )
 def test_inputs_are_checked_before_cpp(change, match):
     args = {
-        "q": torch.randn(2, 4, 9, 16), "k": torch.randn(2, 2, 11, 16),
-        "v": torch.randn(2, 2, 11, 16), "lo": torch.zeros(2, 9, dtype=torch.long),
-        "hi": torch.full((2, 9), 11), "scale": 0.25, "softcap": 0.0, "tiles": None,
-    }  # fmt: skip
+        "q": torch.randn(2, 4, 9, 16),
+        "k": torch.randn(2, 2, 11, 16),
+        "v": torch.randn(2, 2, 11, 16),
+        "lo": torch.zeros(2, 9, dtype=torch.long),
+        "hi": torch.full((2, 9), 11),
+        "scale": 0.25,
+        "softcap": 0.0,
+        "tiles": None,
+    }
     a = change(args)
     with pytest.raises(ValueError, match=match):
         visible = ops.spans(a["lo"], a["hi"], 2, 9, 11)
@@ -419,8 +427,10 @@ def test_the_suite_passes_with_the_native_build_disabled():
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", selection]
         + [str(Path(__file__).parent / name) for name in files],
-        capture_output=True, text=True, env={**os.environ, "ATTNKIT_NATIVE": "off"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ATTNKIT_NATIVE": "off"},
+    )
     assert done.returncode == 0, done.stdout[-3000:]
 
 
@@ -429,7 +439,7 @@ def test_the_suite_passes_with_the_native_build_disabled():
 def test_paged_decoding_runs_the_paged_kernel(monkeypatch, dtype, tol, left):
     """Decoding steps of many sequences (forks sharing blocks, windows crossing blocks)
     against the float64 formula, on the kernel that reads the pool in place."""
-    from attnkit.paged import attention as paged
+    from attnkit.kv import paged
 
     calls = []
     kernel = paged.native_ops.paged_decode
@@ -503,7 +513,7 @@ def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
     """A decoding step of flash-attention's `flash_attn_with_kvcache` with a `block_table`
     reads the pages in place on the paged kernel (keys and values in separate pools), and
     gives what the composed path gives; pages nobody reads may hold NaN."""
-    from attnkit import flash_cache
+    from attnkit.dropins import flash_cache
     from attnkit.flash_attn import flash_attn_with_kvcache
 
     g = torch.Generator().manual_seed(4)
@@ -524,9 +534,17 @@ def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
     def run():
         caches = (k_cache.clone(), v_cache.clone())
         return flash_attn_with_kvcache(
-            q, *caches, k=k, v=v, cache_seqlens=lengths, block_table=table, causal=causal,
-            window_size=window, softcap=softcap, return_softmax_lse=True,
-        )  # fmt: skip
+            q,
+            *caches,
+            k=k,
+            v=v,
+            cache_seqlens=lengths,
+            block_table=table,
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            return_softmax_lse=True,
+        )
 
     out, lse = run()
     assert calls == [1] and out.shape == (B, 1, H, D) and lse.shape == (B, H, 1)
@@ -544,8 +562,7 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
     per sequence run on the paged kernel: what the composed path gives, and each
     sequence's output bitwise the same in another pack (the kernel cuts a history by its
     own length only: 3,000 keys run as parts whatever the pack)."""
-    from attnkit import flash_cache
-    from attnkit.dropins import varlen_attn
+    from attnkit.dropins import flash_cache, varlen_attn
     from attnkit.flash_attn import flash_attn_varlen_func
 
     g = torch.Generator().manual_seed(8)
@@ -562,8 +579,19 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
     def run(rows, window=(-1, -1)):
         cu = torch.arange(len(rows) + 1, dtype=torch.int32)
         used, pages = lengths[rows], table[rows]
-        return varlen_attn(q[rows], keys, values, cu, None, 1, 3000, window_size=window,
-                           enable_gqa=True, seqused_k=used, block_table=pages)  # fmt: skip
+        return varlen_attn(
+            q[rows],
+            keys,
+            values,
+            cu,
+            None,
+            1,
+            3000,
+            window_size=window,
+            enable_gqa=True,
+            seqused_k=used,
+            block_table=pages,
+        )
 
     whole, other, alone = run([0, 1, 2]), run([2, 0]), run([0])
     assert torch.equal(whole[0], other[1]) and torch.equal(whole[2], other[0])
@@ -571,8 +599,9 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
     windowed = run([0, 1, 2], (100, 0))
     cu = torch.arange(4, dtype=torch.int32)
     cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
-    flash = flash_attn_varlen_func(q, keys, values, cu, cu_k, 1, 3000, causal=True,
-                                   window_size=(100, 0), block_table=table)  # fmt: skip
+    flash = flash_attn_varlen_func(
+        q, keys, values, cu, cu_k, 1, 3000, causal=True, window_size=(100, 0), block_table=table
+    )
     assert len(calls) == 5 and torch.equal(flash, windowed)
     monkeypatch.setattr(flash_cache, "native_unavailable", lambda: "off for the comparison")
     tol = 1e-5 if dtype == torch.float32 else 2e-2

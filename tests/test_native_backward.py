@@ -19,8 +19,18 @@ from test_reference_matrix import HEADS, MASKS, SIZES, truth_and_reference
 pytestmark = pytest.mark.skipif(build.setting() == "off", reason="ATTNKIT_NATIVE=off")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TAKEN = {"none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
-         "sliding_two_sided", "documents_causal", "prefix_lm", "chunked_causal_offset"}  # fmt: skip
+TAKEN = {
+    "none",
+    "causal",
+    "causal_top_left",
+    "padding",
+    "causal_left_padding",
+    "sliding",
+    "sliding_two_sided",
+    "documents_causal",
+    "prefix_lm",
+    "chunked_causal_offset",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,10 +52,13 @@ def _matrix():
                 for size in SIZES:
                     slow = max(size) > 1000 and (dtype != torch.float32 or heads != "GQA")
                     yield pytest.param(
-                        dtype, heads, mask_kind, size,
+                        dtype,
+                        heads,
+                        mask_kind,
+                        size,
                         marks=[pytest.mark.slow] if slow else [],
                         id=f"{str(dtype)[6:]}-{heads}-{mask_kind}-L{size[0]}-S{size[1]}",
-                    )  # fmt: skip
+                    )
 
 
 @pytest.mark.parametrize(("dtype", "heads", "mask_kind", "size"), list(_matrix()))
@@ -76,8 +89,9 @@ def test_softcap_and_alibi_gradients(dtype, heads, L, S, terms):
         mask = mask & ak.alibi(H, align=align)
     softcap = 2.0 if terms != "alibi" else None
     got = _grads(q, k, v, mask, dout, softcap=softcap)
-    truth = _grads(q.double(), k.double(), v.double(), mask, dout.double(), "reference",
-                   softcap=softcap)  # fmt: skip
+    truth = _grads(
+        q.double(), k.double(), v.double(), mask, dout.double(), "reference", softcap=softcap
+    )
     ref = _grads(q, k, v, mask, dout, "reference", softcap=softcap)
     for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
         assert_rule(f"native {terms} {name}", a, r, w)

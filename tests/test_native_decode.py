@@ -105,7 +105,7 @@ def test_auto_routes_a_float32_decoding_step_by_its_shared_reads(B, H, Hkv, S, b
     exact result); a shorter one, and MHA, stay with SDPA."""
     import attnkit as ak
     from attnkit.backends.native import SHARED_KEYS
-    from attnkit.steps import bucket
+    from attnkit.call.steps import bucket
 
     assert (H > Hkv and B * H // Hkv * bucket(S) >= SHARED_KEYS) == (backend == "native")
     mask = ak.causal(align="bottom_right")

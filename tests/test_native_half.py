@@ -16,8 +16,8 @@ import torch
 
 import attnkit as ak
 from attnkit import _compat
+from attnkit.call.precision import OVERRIDE_ENV
 from attnkit.native import build
-from attnkit.precision import OVERRIDE_ENV
 from helpers import assert_rule
 
 pytestmark = pytest.mark.skipif(build.setting() == "off", reason="ATTNKIT_NATIVE=off")
@@ -143,9 +143,9 @@ def test_the_cost_prices_bfloat16_on_the_half_units_by_the_kinds_factor(monkeypa
     upper bound, 1 on AVX2), nothing where they do not (`ATTNKIT_HALF_KERNELS=float32`, an
     ALiBi call); forward and backward both run on the units, so the training factor is
     the kind's `backward_half`."""
-    from attnkit import cost
     from attnkit.backends import get_backend
     from attnkit.backends.native import BF16_AVX512, half_units
+    from attnkit.call import cost
     from attnkit.contracts import normalize_call
 
     native = get_backend("native")

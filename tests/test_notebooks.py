@@ -59,9 +59,11 @@ def test_notebook_runs_top_to_bottom(path, kernel_home, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_home))
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
-        notebook, kernel_name="python3", timeout=120,  # seconds per cell
+        notebook,
+        kernel_name="python3",
+        timeout=120,  # seconds per cell
         resources={"metadata": {"path": str(path.parent)}},
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
     elapsed = time.perf_counter() - start

@@ -43,10 +43,19 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel installed into an empty folder (its own site), away from the checkout."""
     site = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(site),
-         str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--quiet",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
         check=True,
-    )  # fmt: skip
+    )
     return site
 
 

@@ -1,5 +1,5 @@
 """Packed sequences: a sequence's outputs, lse and gradients are bitwise the same
-whatever else is packed with it and in whatever order (`attnkit.packed`), for
+whatever else is packed with it and in whatever order (`attnkit.dropins.packed`), for
 `varlen_attn` and `flash_attn_varlen_func`, every dtype, windows, GQA, ALiBi."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 import attnkit as ak
 from attnkit.dropins import AuxRequest, varlen_attn
+from attnkit.dropins.packed import window_mask
 from attnkit.flash_attn import flash_attn_varlen_func
-from attnkit.packed import window_mask
 from fuzz_dropins import flash_formula
 
 LENGTHS = [37, 120, 1, 64, 0, 5, 200]  # unaligned, a single row, an empty sequence
@@ -57,8 +57,18 @@ def test_varlen_gives_each_sequence_the_same_bits_in_any_pack(dtype, window):
     sequences = _sequences(LENGTHS, 4, 2, 16, dtype)
 
     def call(q, k, v, cu):
-        return varlen_attn(q, k, v, cu, cu, 200, 200, window_size=window, enable_gqa=True,
-                           return_aux=AuxRequest(lse=True))  # fmt: skip
+        return varlen_attn(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            200,
+            200,
+            window_size=window,
+            enable_gqa=True,
+            return_aux=AuxRequest(lse=True),
+        )
 
     first = _run(call, sequences, range(len(LENGTHS)))
     _same_bits(first, _run(call, sequences, [6, 2, 4, 0, 5, 3, 1]))
@@ -81,9 +91,18 @@ def test_flash_varlen_gives_each_sequence_the_same_bits_in_any_pack(dtype, alibi
         def call(q, k, v, cu):
             by_order = slopes[list(order)] if alibi == "per_sequence" else slopes
             out, lse, _ = flash_attn_varlen_func(
-                q, k, v, cu, cu, 200, 200, causal=True, softcap=5.0, alibi_slopes=by_order,
+                q,
+                k,
+                v,
+                cu,
+                cu,
+                200,
+                200,
+                causal=True,
+                softcap=5.0,
+                alibi_slopes=by_order,
                 return_attn_probs=True,
-            )  # fmt: skip
+            )
             return out, lse.transpose(0, 1)
 
         return _run(call, sequences, order)
@@ -98,8 +117,9 @@ def test_window_mask_is_flash_attentions_window(window, L, S):
     mask = window_mask(window, L, S)
     q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (L, S, S))
     got = ak.attention(q, k, v, mask)[0].transpose(0, 1)  # (L, H, D)
-    want, _ = flash_formula(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                            window=window)  # fmt: skip
+    want, _ = flash_formula(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), window=window
+    )
     torch.testing.assert_close(got, want)
 
 
@@ -108,8 +128,16 @@ def test_bad_offsets_are_refused_naming_them():
     with pytest.raises(ValueError, match=r"cu_seq_k must rise within the 6 packed keys"):
         varlen_attn(q, k, v, torch.tensor([0, 3, 6]), torch.tensor([0, 3, 9]), 3, 3)
     with pytest.raises(ValueError, match=r"seqused_k must give each of the 2 sequences"):
-        varlen_attn(q, k, v, torch.tensor([0, 3, 6]), torch.tensor([0, 3, 6]), 3, 3,
-                    seqused_k=torch.tensor([3, 4]))  # fmt: skip
+        varlen_attn(
+            q,
+            k,
+            v,
+            torch.tensor([0, 3, 6]),
+            torch.tensor([0, 3, 6]),
+            3,
+            3,
+            seqused_k=torch.tensor([3, 4]),
+        )
     with pytest.raises(ValueError, match=r"both hold N \+ 1 offsets"):
         varlen_attn(q, k, v, torch.tensor([0, 3, 6]), torch.tensor([0, 6]), 3, 3)
 
@@ -126,8 +154,9 @@ def test_head_dims_off_the_vector_width_keep_the_bits_in_any_pack(D):
         q, k, v = (torch.cat([sequences[i][j] for i in order]) for j in range(3))
         cu = torch.tensor([0, *torch.tensor([lengths[i] for i in order]).cumsum(0)])
         with torch.no_grad():
-            out = varlen_attn(q, k, v, cu.int(), cu.int(), 7, 7, window_size=(3, 2),
-                              enable_gqa=True)  # fmt: skip
+            out = varlen_attn(
+                q, k, v, cu.int(), cu.int(), 7, 7, window_size=(3, 2), enable_gqa=True
+            )
         return dict(zip(order, torch.split(out, [lengths[i] for i in order]), strict=True))
 
     first = packed(range(5))

@@ -1,4 +1,4 @@
-"""paged_attention and PagedLayer (`attnkit.paged.attention`) against a float64 dense
+"""paged_attention and PagedLayer (`attnkit.kv.paged`) against a float64 dense
 reference: every new token attends to its own sequence's history (causal, bottom-right;
 optionally a window), whatever the step mix and the physical block order.
 """
@@ -144,14 +144,18 @@ def test_gradients_through_pages_match_the_dense_formula_across_layers(grad_of):
     f64 = dict(dtype=torch.float64)
     pages = ak.PagedKVCache(2, HKV, D, num_blocks=16, block_size=4, value_dim=DV, **f64)
     a, b = pages.add(), pages.add()
-    old = [(torch.randn(9, HKV, D, generator=g, **f64), torch.randn(9, HKV, DV, generator=g, **f64))
-           for _ in range(2)]  # fmt: skip
+    old = [
+        (torch.randn(9, HKV, D, generator=g, **f64), torch.randn(9, HKV, DV, generator=g, **f64))
+        for _ in range(2)
+    ]
     step = pages.step([a, b], [6, 3])
     for layer, (k, v) in enumerate(old):
         ak.paged_attention(torch.randn(9, 4, D, **f64), k, v, pages, step, layer)
     step = pages.step([a, b], [1, 2])  # a decodes, b prefills two more
-    new = [[torch.randn(3, h, d, generator=g, **f64) for h, d in ((4, D), (HKV, D), (HKV, DV))]
-           for _ in range(2)]  # fmt: skip
+    new = [
+        [torch.randn(3, h, d, generator=g, **f64) for h, d in ((4, D), (HKV, D), (HKV, DV))]
+        for _ in range(2)
+    ]
     for t in (t for trio in new for t in trio[: 1 if grad_of == "q" else 3]):
         t.requires_grad_(True)
     got = [ak.paged_attention(q, k, v, pages, step, i) for i, (q, k, v) in enumerate(new)]
@@ -188,8 +192,9 @@ def test_strided_inputs_give_the_same_result_as_contiguous_ones():
         for counts in ([6, 3], [1, 1], [1, 4]):
             T = sum(counts)
             q, k, v = (torch.randn(h, T, d, generator=g) for h, d in ((4, D), (HKV, D), (HKV, DV)))
-            q, k, v = (t.transpose(0, 1) if strided else t.transpose(0, 1).contiguous()
-                       for t in (q, k, v))  # fmt: skip
+            q, k, v = (
+                t.transpose(0, 1) if strided else t.transpose(0, 1).contiguous() for t in (q, k, v)
+            )
             assert q.is_contiguous() != strided
             outs.append(ak.paged_attention(q, k, v, pages, pages.step(ids, counts), 0))
         results.append(outs)
@@ -199,7 +204,7 @@ def test_strided_inputs_give_the_same_result_as_contiguous_ones():
 
 def test_a_step_prepares_each_prefill_once_for_all_its_layers(monkeypatch):
     """`Step.calls`: the first layer prepares each sequence's prefill, the others run it."""
-    from attnkit import dispatch
+    from attnkit.call import dispatch
 
     lookups = []
     real = dispatch._lookup

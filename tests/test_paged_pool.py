@@ -1,4 +1,4 @@
-"""The block allocator (`attnkit.paged.pool`): blocks freed behind a window, forks that
+"""The block allocator (`attnkit.kv.pool`): blocks freed behind a window, forks that
 share blocks, removal and reuse, running out, and its invariants under any sequence of
 operations; attention on the pages stays the dense formula's throughout.
 """

@@ -1,4 +1,4 @@
-"""Caches per mask (`attnkit.permask`): by value, by object, by the caller's tensor."""
+"""Caches per mask (`attnkit.call.permask`): by value, by object, by the caller's tensor."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit as ak
+from attnkit.call.permask import STRUCTURES_KEPT, PerMask
 from attnkit.masks.base import as_mask
 from attnkit.masks.spec import decode, encode
 from attnkit.masks.window import window
-from attnkit.permask import STRUCTURES_KEPT, PerMask
 from helpers import count_tile_plans
 
 
@@ -185,9 +185,11 @@ def _masks_over(buffers: dict[str, object], kind: str) -> ak.Mask:
 def _buffers(ids: torch.Tensor) -> dict[str, object]:
     valid = ids > 0
     return {
-        "ids": ids, "valid": valid, "dense": valid.expand(4, 4),
+        "ids": ids,
+        "valid": valid,
+        "dense": valid.expand(4, 4),
         "fn": lambda b, h, i, j: valid[0, j] & (j <= i),
-    }  # fmt: skip
+    }
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -97,9 +97,11 @@ def test_plan_regions_cover_every_visible_pair(mask, backend):
     for r in regions:
         block = covered[r.row0 : r.row0 + r.rows, r.key0 : r.key0 + r.keys]
         block |= torch.ones_like(block).tril() if r.causal else True
-    visible = torch.ones(1024, 1024, dtype=torch.bool) if mask is None else mask.materialize(
-        1, 1, 1024, 1024
-    )[0, 0]  # fmt: skip
+    visible = (
+        torch.ones(1024, 1024, dtype=torch.bool)
+        if mask is None
+        else mask.materialize(1, 1, 1024, 1024)[0, 0]
+    )
     assert not (visible & ~covered).any(), "a visible pair lies in a skipped block"
     assert sum(r.pairs for r in regions) == int(covered.sum())
     if chosen == "tiled" and mask is not None:
@@ -149,9 +151,11 @@ def test_tour_notebook_executes_and_draws(tmp_path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JUPYTER_PATH", str(tmp_path))
         client = nbclient.NotebookClient(
-            notebook, kernel_name="attnkit-test", timeout=300,
+            notebook,
+            kernel_name="attnkit-test",
+            timeout=300,
             resources={"metadata": {"path": str(tmp_path)}},
-        )  # fmt: skip
+        )
         client.execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

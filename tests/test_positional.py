@@ -1,4 +1,4 @@
-"""Rotary position embedding (`attnkit.positional`)."""
+"""Rotary position embedding (`attnkit.kv.positional`)."""
 
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit.call.planner import backend_for_run
+from attnkit.call.precision import OVERRIDE_ENV, kernel_dtype
 from attnkit.contracts import normalize_call
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
-from attnkit.planner import backend_for_run
-from attnkit.precision import OVERRIDE_ENV, kernel_dtype
 from fuzz_cases import Case, MaskSpec
 from fuzz_check import FUSED, run_case
 from helpers import span_backend

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import dispatch
+from attnkit.call import dispatch
 from helpers import EXACT_BACKENDS
 
 

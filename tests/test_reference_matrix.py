@@ -5,7 +5,7 @@ the naive computation in the same dtype (plus a small floor): attnkit's referenc
 float32; for half, `naive_same_dtype` (each op rounded to half, as a half PyTorch program
 computes). Inputs are drawn in the test dtype; the float64 truth is computed from those
 same (rounded) inputs. Half runs on the fused kernels natively and in float32 (both
-paths exist; the hardware picks one, `attnkit.precision.kernel_dtype`).
+paths exist; the hardware picks one, `attnkit.call.precision.kernel_dtype`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.precision import OVERRIDE_ENV
+from attnkit.call.precision import OVERRIDE_ENV
 from helpers import assert_rule, naive_same_dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -76,12 +76,22 @@ def make_mask(kind: str, H: int, L: int, S: int) -> ak.Mask | torch.Tensor | Non
 
 
 MASKS = [
-    "none", "causal", "causal_top_left", "padding", "causal_left_padding", "sliding",
-    "sliding_two_sided", "documents_causal", "prefix_lm", "chunked_causal_offset",
+    "none",
+    "causal",
+    "causal_top_left",
+    "padding",
+    "causal_left_padding",
+    "sliding",
+    "sliding_two_sided",
+    "documents_causal",
+    "prefix_lm",
+    "chunked_causal_offset",
     "from_mod_per_head",
     "window_or_prefix_padded",
-    "documents_alibi", "bool_tensor", "float_bias",
-]  # fmt: skip
+    "documents_alibi",
+    "bool_tensor",
+    "float_bias",
+]
 FAST_LARGE = {"causal", "causal_left_padding", "documents_causal", "float_bias"}
 
 

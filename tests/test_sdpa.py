@@ -63,8 +63,11 @@ def test_a_call_that_needs_gradients_is_cleaned_first(poison, monkeypatch):
     mask = ak.causal(align="bottom_right") & ak.key_padding(lengths)
     padded = torch.arange(S)[None, None, :, None] >= lengths[:, None, None, None]
     clean = [t.clone().requires_grad_() for t in (q, k, v)]
-    bad = [q.clone().requires_grad_(), k.masked_fill(padded, poison).requires_grad_(),
-           v.masked_fill(padded, poison).requires_grad_()]  # fmt: skip
+    bad = [
+        q.clone().requires_grad_(),
+        k.masked_fill(padded, poison).requires_grad_(),
+        v.masked_fill(padded, poison).requires_grad_(),
+    ]
     cleanings = _cleanings(monkeypatch)
     out = ak.attention(*bad, mask, backend="sdpa")
     assert cleanings[0] == 1

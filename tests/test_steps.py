@@ -1,4 +1,4 @@
-"""Decoding steps (`attnkit.steps`): which calls are steps, one plan per bucket of S for a
+"""Decoding steps (`attnkit.call.steps`): which calls are steps, one plan per bucket of S for a
 growing cache, padded or not, and a choice of backend that a plan made afresh repeats."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import dispatch
+from attnkit.call import dispatch
+from attnkit.call.steps import bucket, step_kind
 from attnkit.masks import from_hf_attention_mask
 from attnkit.native import unavailable
-from attnkit.steps import bucket, step_kind
 
 OPTIONS = (None, None, 0.0, "auto", False, True)  # scale, softcap, dropout, backend, lse, bias
 native = pytest.mark.skipif(unavailable() is not None, reason="the native kernels: not built")
@@ -139,8 +139,9 @@ def test_a_prepared_step_takes_a_growing_cache(plans):
         step = ak.prepare(q, k[:, :, :40], v[:, :, :40], mask)
         for S in range(40, 64):  # bucket 64 from 33 up
             got = step(q, k[:, :, :S], v[:, :, :S])
-            torch.testing.assert_close(got, ak.attention(q, k[:, :, :S], v[:, :, :S], mask,
-                                                         backend="reference"))  # fmt: skip
+            torch.testing.assert_close(
+                got, ak.attention(q, k[:, :, :S], v[:, :, :S], mask, backend="reference")
+            )
         assert plans[0] == 1
         with pytest.raises(ak.PreparedMismatchError, match="k's shape"):
             step(q, k[:1, :, :50], v[:1, :, :50])

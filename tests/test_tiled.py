@@ -7,7 +7,7 @@ import torch
 
 import attnkit as ak
 from attnkit.backends.tileplan import plan_tiles
-from attnkit.prepared import mask_state as state
+from attnkit.call.prepared import mask_state as state
 from helpers import count_tile_plans, out_and_grads, small_qkv, span_backend
 
 
@@ -229,8 +229,10 @@ def test_plans_are_reused_per_mask_and_renewed_when_its_tensors_change(monkeypat
     assert len(planned) == 2  # planned again for the new state
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 128, 128), (2, 4, 2048, 2048), (1, 8, 4096, 1024),
-                                   (4, 8, 512, 512), (2, 8, 1, 600)])  # fmt: skip
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 8, 128, 128), (2, 4, 2048, 2048), (1, 8, 4096, 1024), (4, 8, 512, 512), (2, 8, 1, 600)],
+)
 @pytest.mark.parametrize(
     "mask", [ak.causal(align="top_left"), ak.sliding_window(63, align="bottom_right"), None]
 )

@@ -15,9 +15,14 @@ from attnkit.masks.structure import is_sdpa_causal  # noqa: E402
 akt.register()
 
 TINY = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-)  # fmt: skip
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def _model(kind: str) -> torch.nn.Module:
@@ -30,14 +35,21 @@ def _model(kind: str) -> torch.nn.Module:
         )
     elif kind == "gemma2":
         config = transformers.Gemma2Config(
-            **TINY, head_dim=16, sliding_window=4, attn_logit_softcapping=5.0,
+            **TINY,
+            head_dim=16,
+            sliding_window=4,
+            attn_logit_softcapping=5.0,
             query_pre_attn_scalar=16,
-        )  # fmt: skip
+        )
         model = transformers.Gemma2ForCausalLM(config)
     else:
         config = transformers.GptOssConfig(
-            **TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-        )  # fmt: skip
+            **TINY,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+        )
         model = transformers.GptOssForCausalLM(config)
         with torch.no_grad():
             for layer in model.model.layers:
@@ -80,10 +92,13 @@ def test_greedy_generation_equals_eager(kind, cache):
         model.set_attn_implementation(impl)
         outs.append(
             model.generate(
-                **batch, max_new_tokens=6, do_sample=False, cache_implementation=cache,
+                **batch,
+                max_new_tokens=6,
+                do_sample=False,
+                cache_implementation=cache,
                 pad_token_id=0,
             )
-        )  # fmt: skip
+        )
     assert torch.equal(outs[0], outs[1])
 
 
@@ -128,9 +143,15 @@ def test_a_custom_4d_mask_is_exact():
     model = _model("llama")
     ids = _batch()["input_ids"][:1, :6]
     visible = torch.tensor(
-        [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0],
-         [0, 0, 1, 1, 0, 0], [1, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
-    ).bool()[None, None]  # fmt: skip
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [1, 0, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1, 1],
+        ]
+    ).bool()[None, None]
     additive = torch.zeros(1, 1, 6, 6).masked_fill(~visible, torch.finfo(torch.float32).min)
     for mask in (visible, additive):
         inputs = {"input_ids": ids, "attention_mask": mask}
@@ -330,8 +351,13 @@ def test_generate_with_a_fullgraph_compiled_step_equals_sdpa_and_never_recompile
         model.set_attn_implementation(impl)
         torch._dynamo.reset()
         config = _compile_all_devices(transformers.CompileConfig(fullgraph=True))
-        run = dict(max_new_tokens=4, do_sample=False, cache_implementation="static",
-                   compile_config=config, pad_token_id=0)  # fmt: skip
+        run = dict(
+            max_new_tokens=4,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=config,
+            pad_token_id=0,
+        )
         outs[impl] = model.generate(**batch, **run)
         with torch.compiler.set_stance("fail_on_recompile"):
             again = model.generate(**batch, **run)
@@ -354,16 +380,19 @@ def test_a_fullgraph_compiled_decoding_step_gives_sdpas_logits():
             mask = torch.cat([batch["attention_mask"], torch.ones(3, 1, dtype=torch.long)], 1)
             step = torch.compile(model.forward, fullgraph=True)
             logits[impl] = step(
-                input_ids=token, attention_mask=mask, cache=cache,
-                cache_position=torch.tensor([first]), use_cache=True,
-            ).logits  # fmt: skip
+                input_ids=token,
+                attention_mask=mask,
+                cache=cache,
+                cache_position=torch.tensor([first]),
+                use_cache=True,
+            ).logits
     torch.testing.assert_close(logits["attnkit"], logits["sdpa"], atol=2e-5, rtol=1e-4)
 
 
 def test_a_forward_prepares_its_call_once_and_every_layer_runs_it(monkeypatch):
     """Every layer shares the forward's mask object: the first prepares the call (one
     lookup), the others run it, plain and padded, prefill and decoding steps."""
-    from attnkit import dispatch
+    from attnkit.call import dispatch
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 3})

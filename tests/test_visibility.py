@@ -1,13 +1,13 @@
-"""The rows and keys nobody sees, zeroed before a kernel (`attnkit.visibility`)."""
+"""The rows and keys nobody sees, zeroed before a kernel (`attnkit.call.visibility`)."""
 
 from __future__ import annotations
 
 import torch
 
 import attnkit as ak
+from attnkit.call.visibility import cleaned, effective_visibility, hide_unseen, seen, zero_unseen
 from attnkit.contracts import normalize_call
 from attnkit.masks import structure
-from attnkit.visibility import cleaned, effective_visibility, hide_unseen, seen, zero_unseen
 
 
 def test_zero_unseen_zeroes_rows_and_gqa_keys_nobody_sees():
@@ -47,7 +47,7 @@ def test_cleaned_inputs_carry_no_nan_from_keys_nobody_sees():
 
 def _prepared_call(q, k, v, mask):
     """The call as `attention()`'s cache prepares it: its derived values kept."""
-    from attnkit.dispatch import prepared_call
+    from attnkit.call.dispatch import prepared_call
 
     options = dict(scale=None, softcap=None, dropout_p=0.0, backend="auto", need_lse=False)
     return prepared_call(q, k, v, mask, **options).call(q, k, v, mask)

@@ -58,9 +58,15 @@ MASKS = {
     ),
     "padding": ({"L": 6, "S": 8}, {"valid": 5}, ak.key_padding(torch.tensor([5]))),
 }
-KIND = {"causal": "causal", "window": "sliding_window", "window_bottom_right": "sliding_window",
-        "chunked_causal": "chunked", "prefix_offset": "prefix_lm",
-        "documents_causal": "document", "padding": "key_padding"}  # fmt: skip
+KIND = {
+    "causal": "causal",
+    "window": "sliding_window",
+    "window_bottom_right": "sliding_window",
+    "chunked_causal": "chunked",
+    "prefix_offset": "prefix_lm",
+    "documents_causal": "document",
+    "padding": "key_padding",
+}
 
 
 @pytest.mark.parametrize("case", list(MASKS))
@@ -119,8 +125,11 @@ def test_unreadable_document_lengths_show_what_to_write():
 
 def test_only_the_kinds_controls_are_shown():
     explorer = mask_explorer("chunked")
-    shown = {n for n in ("left", "chunk", "prefix", "valid", "documents", "offset")
-             if getattr(explorer, n).layout.display != "none"}  # fmt: skip
+    shown = {
+        n
+        for n in ("left", "chunk", "prefix", "valid", "documents", "offset")
+        if getattr(explorer, n).layout.display != "none"
+    }
     assert shown == {"chunk"}
     explorer.align.value = "offset"
     assert explorer.offset.layout.display != "none"

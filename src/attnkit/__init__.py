@@ -5,15 +5,20 @@ See DESIGN.md for the conventions: `True` = may attend, causal alignment never g
 empty rows give zeros.
 """
 
-from attnkit import calibrate, cost, flash_attn
+from attnkit import flash_attn
 from attnkit._version import __version__ as __version__
-from attnkit.cache import KVCache
+from attnkit.call import calibrate, cost
+from attnkit.call.functional import attention, attention_with_lse, explain
+from attnkit.call.planner import Plan
+from attnkit.call.prepare import prepare
+from attnkit.call.prepared import Prepared
+from attnkit.call.probs import attention_probs
 from attnkit.contracts import (
     attention_contract_ok,
     attention_score_elements,
     check_attention_contract,
 )
-from attnkit.dropins import sdpa, varlen_attn
+from attnkit.dropins.pytorch import sdpa, varlen_attn
 from attnkit.errors import (
     BlockTableError,
     DtypeMismatchError,
@@ -24,13 +29,11 @@ from attnkit.errors import (
     RanksDisagreeError,
     ShapeContractError,
 )
-from attnkit.functional import (
-    attention,
-    attention_with_lse,
-    explain,
-    prepare,
-)
 from attnkit.heads import merge_heads, split_heads
+from attnkit.kv.cache import KVCache
+from attnkit.kv.paged import PagedLayer, paged_attention
+from attnkit.kv.pool import PagedKVCache, Step
+from attnkit.kv.positional import RotaryEmbedding
 from attnkit.masks import (
     Mask,
     alibi,
@@ -49,11 +52,6 @@ from attnkit.masks import (
     sliding_window,
 )
 from attnkit.modules import MultiHeadAttention, SingleHeadAttention
-from attnkit.paged import PagedKVCache, PagedLayer, Step, paged_attention
-from attnkit.planner import Plan
-from attnkit.positional import RotaryEmbedding
-from attnkit.prepared import Prepared
-from attnkit.probs import attention_probs
 from attnkit.reference import (
     attention_weights,
     build_attention_mask,
@@ -62,7 +60,7 @@ from attnkit.reference import (
 )
 from attnkit.softmax import masked_softmax
 
-# the planner prices with the table `attnkit.calibrate` chooses (built in for the CPU's
+# the planner prices with the table `attnkit.call.calibrate` chooses (built in for the CPU's
 # kind, or one `attnkit calibrate` kept), found at its first use; nothing is measured
 cost.measure_with(calibrate.active_table)
 

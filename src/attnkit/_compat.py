@@ -13,9 +13,7 @@ import torch
 
 __all__ = [
     "CPU_KINDS",
-    "SDPA_HAS_GQA",
     "TORCH_SDPA",
-    "TORCH_VERSION",
     "AuxRequest",
     "cpu_features",
     "cpu_flash_attention",
@@ -27,18 +25,6 @@ __all__ = [
     "half_matmul_is_fast",
     "sdpa_zeroes_empty_rows",
 ]
-
-
-def _version_tuple(version: str) -> tuple[int, int]:
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-TORCH_VERSION: tuple[int, int] = _version_tuple(torch.__version__)
-
-# `enable_gqa=` of F.scaled_dot_product_attention arrived in torch 2.5 (a builtin: no signature
-# to inspect); older versions need K/V heads repeated by hand.
-SDPA_HAS_GQA: bool = TORCH_VERSION >= (2, 5)
 
 
 # torch's own SDPA, bound where torch defines it: code that routes
@@ -129,7 +115,7 @@ class AuxRequest(NamedTuple):
             (default False).
 
     Examples:
-        >>> from attnkit.dropins import AuxRequest
+        >>> from attnkit.dropins.pytorch import AuxRequest
         >>> q = torch.randn(5, 2, 8)  # (T, H, D): one sequence of 5
         >>> cu = torch.tensor([0, 5])
         >>> out, lse = ak.varlen_attn(q, q, q, cu, cu, 5, 5, return_aux=AuxRequest(lse=True))

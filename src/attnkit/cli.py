@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import attnkit as ak
-from attnkit.console import prepare, quiet_on_closed_pipe
+from attnkit.learn.console import prepare, quiet_on_closed_pipe
 
 KINDS = ["causal", "sliding", "chunked", "prefix", "documents", "padding"]
 # the options each kind reads besides -L and -S (any other one given is an error)
@@ -43,8 +43,11 @@ def _sized(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with S and the kind's size options filled in; an option given that the
     kind does not read, or more documents than keys, raise `OptionError`."""
     args.S = args.L if args.S is None else args.S
-    stray = [n for n in ("align", "offset", *SIZED) if getattr(args, n) is not None
-             and n not in OWN[args.kind]]  # fmt: skip
+    stray = [
+        n
+        for n in ("align", "offset", *SIZED)
+        if getattr(args, n) is not None and n not in OWN[args.kind]
+    ]
     if stray:
         given = ", ".join(f"--{n}" for n in stray)
         reads = ", ".join(f"--{n}" for n in OWN[args.kind])
@@ -79,7 +82,7 @@ def _mask_from_args(args: argparse.Namespace) -> ak.Mask:
 
 
 def _cmd_tour(args: argparse.Namespace) -> int:
-    from attnkit.tour import run_tour
+    from attnkit.learn.tour import run_tour
 
     return 1 if run_tour() else 0
 
@@ -107,13 +110,19 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from attnkit.benchmark import run_bench, table
+    from attnkit.learn.benchmark import run_bench, table
 
     dtype = getattr(torch, args.dtype)
     rows = run_bench(
-        args.S, heads=args.heads, dim=args.dim, dtype=dtype, patterns=tuple(args.patterns),
-        backward=args.backward, runs=args.runs, progress=sys.stderr,
-    )  # fmt: skip
+        args.S,
+        heads=args.heads,
+        dim=args.dim,
+        dtype=dtype,
+        patterns=tuple(args.patterns),
+        backward=args.backward,
+        runs=args.runs,
+        progress=sys.stderr,
+    )
     print(table(rows, args.S, dtype, heads=args.heads, dim=args.dim))
     return 0
 
@@ -171,10 +180,15 @@ def _parser() -> argparse.ArgumentParser:
             "-L", type=_count(1), default=default_L, help=f"queries (default: {default_L})"
         )
         p.add_argument("-S", type=_count(1), default=None, help="keys (default: L)")
-        p.add_argument("--align", choices=["top_left", "bottom_right"], default=None,
-                       help="all but padding: where the diagonal sits when L != S")  # fmt: skip
-        p.add_argument("--offset", type=int, default=None,
-                       help="all but padding: key j visible iff j <= i + N")  # fmt: skip
+        p.add_argument(
+            "--align",
+            choices=["top_left", "bottom_right"],
+            default=None,
+            help="all but padding: where the diagonal sits when L != S",
+        )
+        p.add_argument(
+            "--offset", type=int, default=None, help="all but padding: key j visible iff j <= i + N"
+        )
         for option, kind, least, what in (
             ("window", "sliding", 0, "keys left of the diagonal"),
             ("right", "sliding", 0, "keys right of it"),
@@ -188,8 +202,12 @@ def _parser() -> argparse.ArgumentParser:
         if name == "explain":
             p.add_argument("--batch", type=_count(1), default=1, help="B (default: 1)")
             p.add_argument("--heads", type=_count(1), default=8, help="query heads H (default: 8)")
-            p.add_argument("--kv-heads", type=_count(1), default=None,
-                           help="key/value heads Hkv, dividing H (default: H)")  # fmt: skip
+            p.add_argument(
+                "--kv-heads",
+                type=_count(1),
+                default=None,
+                help="key/value heads Hkv, dividing H (default: H)",
+            )
             p.add_argument(
                 "--dim", type=_count(1), default=64, help="head size D = Dv (default: 64)"
             )
@@ -201,8 +219,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-S", type=_count(1), default=2048, help="queries = keys (default: 2048)")
     p.add_argument("--heads", type=_count(1), default=8, help="heads H (default: 8)")
     p.add_argument("--dim", type=_count(1), default=64, help="head size D (default: 64)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="(default: float32)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="(default: float32)",
+    )
     every = ["causal", "sliding", "documents", "padding"]
     patterns_help = f"masks to time (default: all: {' '.join(every)})"
     p.add_argument("--patterns", nargs="+", choices=every, default=every, help=patterns_help)
@@ -220,9 +242,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare(sys.stderr)
     args = _parser().parse_args(argv)
     commands = {
-        "tour": _cmd_tour, "mask": _cmd_mask, "explain": _cmd_explain, "bench": _cmd_bench,
+        "tour": _cmd_tour,
+        "mask": _cmd_mask,
+        "explain": _cmd_explain,
+        "bench": _cmd_bench,
         "calibrate": _cmd_calibrate,
-    }  # fmt: skip
+    }
     try:
         return quiet_on_closed_pipe(lambda: commands[args.command](args))
     except (ak.ShapeContractError, ak.MaskError, OptionError) as err:

@@ -23,7 +23,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from attnkit.derived import Derived
+from attnkit.call.derived import Derived
 from attnkit.errors import DtypeMismatchError, ShapeContractError
 from attnkit.masks import Mask, as_mask, check_broadcastable, integer_mask_error, structure
 from attnkit.masks.checks import check_additive
@@ -352,8 +352,9 @@ def check_sinks(sinks: object, q: Tensor) -> Tensor:
     H = q.shape[1] if q.dim() == 4 else None
     if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
         got = sinks.dtype if isinstance(sinks, Tensor) else type(sinks).__name__
-        raise TypeError(f"sinks must be a float tensor of shape (H,), one logit per query "
-                        f"head, got {got}.")  # fmt: skip
+        raise TypeError(
+            f"sinks must be a float tensor of shape (H,), one logit per query head, got {got}."
+        )
     if sinks.dim() != 1 or (H is not None and sinks.shape[0] != H):
         raise ShapeContractError(
             f"sinks has shape {tuple(sinks.shape)} but q has H={H} heads; give one logit "

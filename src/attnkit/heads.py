@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.call.precision import compute_dtype
 from attnkit.errors import ShapeContractError
-from attnkit.precision import compute_dtype
 
 __all__ = ["merge_heads", "repeat_kv", "repeat_kv_exact_grad", "split_heads", "sum_groups"]
 

@@ -7,15 +7,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit.attender import PLAIN, Attender
 from attnkit.backends import backend_names
-from attnkit.cache import KVCache
+from attnkit.call.habits import points_habits
 from attnkit.errors import MaskError, ShapeContractError
-from attnkit.habits import points_habits
 from attnkit.heads import merge_heads, split_heads
+from attnkit.kv.attender import PLAIN, Attender
+from attnkit.kv.cache import KVCache
+from attnkit.kv.paged import PagedLayer
+from attnkit.kv.positional import RotaryEmbedding
 from attnkit.masks import Mask
-from attnkit.paged import PagedLayer
-from attnkit.positional import RotaryEmbedding
 from attnkit.reference import build_attention_mask, build_causal_mask, scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "SingleHeadAttention"]
@@ -135,7 +135,7 @@ class MultiHeadAttention(nn.Module):
     """Multi-head self- or cross-attention on (B, L, E), with GQA/MQA, RoPE and a KV cache.
 
     Every call reads project → attend → merge: q, k and v are projected and split into
-    heads of head_dim = E / H, attend through one protocol (`attnkit.attender`):
+    heads of head_dim = E / H, attend through one protocol (`attnkit.kv.attender`):
     `attnkit.attention(..., backend=)`, a `KVCache`, a paged cache's layer, or, with
     `context` set (`attnkit.distributed.parallelize`), context-parallel attention over a
     sequence sharded across processes (self-attention, no cache); then the heads are

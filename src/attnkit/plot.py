@@ -18,12 +18,12 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import BACKENDS
+from attnkit.call.functional import explain
+from attnkit.call.probs import attention_probs
 from attnkit.contracts import normalize_call
-from attnkit.functional import explain
 from attnkit.masks import Mask, as_mask
 from attnkit.masks.spans import CHUNK_ELEMENTS
 from attnkit.masks.structure import is_sdpa_causal
-from attnkit.probs import attention_probs
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -94,9 +94,14 @@ def _show_density(ax: Any, image: Tensor, L: int, S: int) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.imshow(
-        image.numpy(), cmap="Blues", vmin=0.0, vmax=1.0, extent=(-0.5, S - 0.5, L - 0.5, -0.5),
-        interpolation="nearest", aspect="auto" if max(L, S) > 4 * min(L, S) else "equal",
-    )  # fmt: skip
+        image.numpy(),
+        cmap="Blues",
+        vmin=0.0,
+        vmax=1.0,
+        extent=(-0.5, S - 0.5, L - 0.5, -0.5),
+        interpolation="nearest",
+        aspect="auto" if max(L, S) > 4 * min(L, S) else "equal",
+    )
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("key j")
@@ -219,16 +224,18 @@ def attention(
     fig = _figure(3.2 * columns, 3.0 * math.ceil(len(chosen) / columns))
     for n, (h, w) in enumerate(zip(chosen, weights.detach().float(), strict=True)):
         ax = fig.add_subplot(math.ceil(len(chosen) / columns), columns, n + 1)
-        image = ax.imshow(w.numpy(), cmap="viridis", vmin=0.0, aspect="auto",
-                          interpolation="nearest")  # fmt: skip
+        image = ax.imshow(
+            w.numpy(), cmap="viridis", vmin=0.0, aspect="auto", interpolation="nearest"
+        )
         ax.set_title(f"head {h}", fontsize=9)
         ax.set_xlabel("key j")
         if len(row_ids) <= 16:
             ax.set_yticks(range(len(row_ids)), [str(i) for i in row_ids.tolist()])
         ax.set_ylabel("query i")
         fig.colorbar(image, ax=ax, shrink=0.8)
-    fig.suptitle(f"attention weights, batch row {batch}: {m if m is not None else 'no mask'}",
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"attention weights, batch row {batch}: {m if m is not None else 'no mask'}", fontsize=10
+    )
     return fig
 
 
@@ -322,10 +329,11 @@ def computed_regions(
         blocks = block.to_dense()  # (B|1, 1, L blocks, S blocks), nonzero = computed
         present = blocks[min(batch, blocks.shape[0] - 1), 0]
         return backend, [
-            Region(i * size_q, min(size_q, d.L - i * size_q), j * size_k,
-                   min(size_k, d.S - j * size_k))
+            Region(
+                i * size_q, min(size_q, d.L - i * size_q), j * size_k, min(size_k, d.S - j * size_k)
+            )
             for i, j in present.nonzero().tolist()
-        ]  # fmt: skip
+        ]
     causal = backend == "sdpa" and call.mask is not None and is_sdpa_causal(call.mask, d.L, d.S)
     return backend, [Region(0, d.L, 0, d.S, causal)]
 
@@ -383,8 +391,9 @@ def plan(
             corners = [(x, y), (x, y + rows), (x + keys, y + rows)]
             ax.add_patch(Polygon(corners, fill=False, edgecolor="tab:orange", linewidth=0.8))
         else:
-            ax.add_patch(Rectangle((x, y), keys, rows, fill=False,
-                                   edgecolor="tab:orange", linewidth=0.8))  # fmt: skip
+            ax.add_patch(
+                Rectangle((x, y), keys, rows, fill=False, edgecolor="tab:orange", linewidth=0.8)
+            )
     computed = sum(r.pairs for r in regions) / (L * S)
     ax.set_title(
         f"backend '{backend}': computes {computed:.1%} of L×S (outlined)\n"

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit.call.precision import compute_dtype
+from attnkit.call.visibility import effective_visibility, hide_unseen, values_poison
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.heads import repeat_kv
 from attnkit.masks import Mask, causal_offset, integer_mask_error, structure
-from attnkit.precision import compute_dtype
 from attnkit.softmax import softmax_with_lse
-from attnkit.visibility import effective_visibility, hide_unseen, values_poison
 
 __all__ = [
     "attend",

@@ -23,9 +23,9 @@ import math
 import torch
 from torch import Tensor
 
+from attnkit.call.precision import compute_dtype
 from attnkit.errors import ShapeContractError
 from attnkit.masks import integer_mask_error
-from attnkit.precision import compute_dtype
 
 __all__ = [
     "add_sinks",

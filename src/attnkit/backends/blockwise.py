@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnkit import cost
 from attnkit.backends.protocol import Backend, Probe
+from attnkit.call import cost
+from attnkit.call.precision import compute_dtype
+from attnkit.call.visibility import cleaned, effective_visibility
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal
 from attnkit.masks.structure import key_bounds
-from attnkit.precision import compute_dtype
 from attnkit.reference import weighted_values, weights_and_lse
-from attnkit.visibility import cleaned, effective_visibility
 
 __all__ = ["BlockwiseBackend"]
 

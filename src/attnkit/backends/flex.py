@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import cost, precision
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.backends.protocol import Backend
+from attnkit.call import cost, precision
+from attnkit.call.precision import compute_dtype
+from attnkit.call.threads import in_fresh_thread
+from attnkit.call.visibility import cleaned
 from attnkit.contracts import AttentionCall
 from attnkit.masks import blocks
-from attnkit.precision import compute_dtype
 from attnkit.reference import attend
-from attnkit.threads import in_fresh_thread
-from attnkit.visibility import cleaned
 
 __all__ = ["FlexBackend"]
 

@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit import cost
 from attnkit.backends.protocol import Backend, Block, Kernel, Probe, Work
+from attnkit.call import cost
+from attnkit.call.precision import HALF
+from attnkit.call.steps import DECODE_ROWS, bucket, step_of
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal, sliding_window
 from attnkit.masks.biases import alibi_rows
@@ -41,8 +43,6 @@ from attnkit.native.ops import (
     on_half_units,
     span_forward,
 )
-from attnkit.precision import HALF
-from attnkit.steps import DECODE_ROWS, bucket, step_of
 
 __all__ = ["NativeBackend", "half_units"]
 
@@ -174,11 +174,19 @@ class NativeBackend(Backend):
     # a 2-core AVX512-BF16 CPU, where brgemm's micro-kernels multiply float32 faster than
     # SDPA's BLAS (within ±13%); `attnkit calibrate` times them on this machine
     cost_factors = cost.Factors(
-        {"pair": 1.05, "piece": 300.0, "call": 68_000.0, "kv": 0.36, "head": 0.57,
-         "step": 5_000.0, "backward": 3.6, "backward_half": 4.5, "bf16": 1.0},
-        {"amx": {"bf16": 2.9},
-         "avx512_bf16": {"pair": 0.86, "piece": 350.0, "bf16": BF16_AVX512}},
-    )  # fmt: skip
+        {
+            "pair": 1.05,
+            "piece": 300.0,
+            "call": 68_000.0,
+            "kv": 0.36,
+            "head": 0.57,
+            "step": 5_000.0,
+            "backward": 3.6,
+            "backward_half": 4.5,
+            "bf16": 1.0,
+        },
+        {"amx": {"bf16": 2.9}, "avx512_bf16": {"pair": 0.86, "piece": 350.0, "bf16": BF16_AVX512}},
+    )
     # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
     # key of each K/V head (read once for its G query heads), `head` per key of each query
     # head, `step` per call, in units of SDPA's decoding pair (its cost counts B·H·L·S);
@@ -328,10 +336,18 @@ class NativeBackend(Backend):
         q, k, v = (t.detach() for t in (call.q, call.k, call.v))
         dtype = q.dtype
         return span_backward(
-            q, k, v, out.detach().to(dtype), dout.to(dtype), lse.detach().float(),
-            rows.visible, call.scale,
-            None if dlse is None else dlse.float(), call.softcap or 0.0, rows.bias,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            out.detach().to(dtype),
+            dout.to(dtype),
+            lse.detach().float(),
+            rows.visible,
+            call.scale,
+            None if dlse is None else dlse.float(),
+            call.softcap or 0.0,
+            rows.bias,
+        )
 
     def notes(self, call: AttentionCall) -> list[str]:
         tiles, d = self._tiles(call), call.dims

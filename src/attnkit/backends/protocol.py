@@ -3,7 +3,7 @@ pictures call, so none of them reaches for a backend by its class.
 
 Every backend answers `can_use` (None = can serve, else why not), `cost` (estimated
 time, in units of one query-key pair of one head in SDPA's dense kernel: see
-`attnkit.cost`), `peak_bytes` and `run`. It owns the factors it prices with
+`attnkit.call.cost`), `peak_bytes` and `run`. It owns the factors it prices with
 (`cost_factors`, built in per kind of CPU; `factors()`, as the table of the process has
 them) and their measurement (`calibrate`, timed through a `Probe` by `attnkit
 calibrate`). The rest has defaults a backend overrides
@@ -16,7 +16,7 @@ kernels turning warm), which cached plans carry.
 `serves_backward` says whether `backward` takes a call (`sdpa`: one fused call for dense
 and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
 in the registry that serves); `dense_fastest` marks the backend cheapest per pair on a
-dense call, which `auto` takes for such a call and for a decoding step (`attnkit.steps`)
+dense call, which `auto` takes for such a call and for a decoding step (`attnkit.call.steps`)
 without pricing (`sdpa`), unless a backend `takes_step` that step (`native`: the steps it
 wins, by a rule that reads S only by its bucket); `work` is read
 by `plot.computed_regions` and the calibration. A backend keeps no cache of its own:
@@ -35,10 +35,10 @@ from typing import ClassVar, Protocol
 
 from torch import Tensor
 
-from attnkit import cost
+from attnkit.call import cost
+from attnkit.call.precision import HALF
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.masks import Mask
-from attnkit.precision import HALF
 
 __all__ = ["Backend", "Block", "Inputs", "Kernel", "Probe", "Work"]
 
@@ -59,7 +59,7 @@ class Kernel(Protocol):
 
 
 class Probe(Protocol):
-    """What a backend's calibration times with (`attnkit.calibrate`). Times are in the
+    """What a backend's calibration times with (`attnkit.call.calibrate`). Times are in the
     cost model's unit: one query-key pair of one head in SDPA's dense kernel, timed on
     this CPU just before."""
 

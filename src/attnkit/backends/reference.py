@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit import cost
 from attnkit.backends.protocol import Backend, Probe
+from attnkit.call import cost
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal
 from attnkit.reference import attend

@@ -5,7 +5,7 @@ holding NaN leak through `0 * NaN`, it returns no log-sum-exp, and a row that se
 nothing has no defined output. Top-left causal masks run as `is_causal=True`, with no
 mask tensor at all.
 
-Cleaning the unseen rows and keys (`attnkit.visibility`) is skipped where it is provably
+Cleaning the unseen rows and keys (`attnkit.call.visibility`) is skipped where it is provably
 unneeded. On a kernel that zeroes empty rows itself (PyTorch's CPU kernel) it is skipped
 when one min/max pass shows no score can overflow. A call that needs no gradient and no
 lse runs the kernel on the inputs as given and cleans only when the output is not
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit import cost, precision
 from attnkit._compat import (
     TORCH_SDPA,
     cpu_flash_attention,
@@ -35,14 +34,15 @@ from attnkit._compat import (
     sdpa_zeroes_empty_rows,
 )
 from attnkit.backends.protocol import Backend, Probe
+from attnkit.call import cost, precision
+from attnkit.call.precision import HALF
+from attnkit.call.visibility import effective_visibility, hide_unseen, seen, zero_unseen
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import is_sdpa_causal
-from attnkit.precision import HALF
 from attnkit.softmax import with_lse_gradient
-from attnkit.visibility import effective_visibility, hide_unseen, seen, zero_unseen
 
 __all__ = ["SdpaBackend"]
 
@@ -176,9 +176,15 @@ class _Kernel:
         if self.kernel_dtype != self.dtype:
             q, k, v = q.to(self.kernel_dtype), k.to(self.kernel_dtype), v.to(self.kernel_dtype)
         out = TORCH_SDPA(
-            q, k, v, attn_mask=self.attn_mask, dropout_p=self.dropout_p,
-            is_causal=self.is_causal, scale=self.scale, enable_gqa=self.gqa,
-        )  # fmt: skip  # (B, H, L, Dv)
+            q,
+            k,
+            v,
+            attn_mask=self.attn_mask,
+            dropout_p=self.dropout_p,
+            is_causal=self.is_causal,
+            scale=self.scale,
+            enable_gqa=self.gqa,
+        )  # (B, H, L, Dv)
         # one pass over the output: its sum is finite only if every entry is (a sum that
         # overflows sends a finite output to `run`, which gives the same result)
         if self.checked and not math.isfinite(out.sum().item()):
@@ -325,7 +331,7 @@ class SdpaBackend(Backend):
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> _Kernel | None:
         """The kernel call `run` makes for `call`, with everything but q, k, v decided
-        (`attnkit.dispatch` keeps it for repeated calls), or None where `run` has
+        (`attnkit.call.dispatch` keeps it for repeated calls), or None where `run` has
         per-call work (a bias, the log-sum-exp, cleaning before a masked call with
         gradients, half K/V heads repeated for their gradients) or the mask tensor is
         too large to keep (`KEPT_MASK_ELEMENTS`)."""
@@ -350,9 +356,15 @@ class SdpaBackend(Backend):
             if attn_mask is not None and not _check_instead_of_cleaning(call, need_lse):
                 return None  # cleaning first (gradients, dropout, other devices)
         return _Kernel(
-            call.q.dtype, kernel_dtype, attn_mask, is_causal, call.scale, call.dropout_p,
-            d.groups > 1, checked=attn_mask is not None,
-        )  # fmt: skip
+            call.q.dtype,
+            kernel_dtype,
+            attn_mask,
+            is_causal,
+            call.scale,
+            call.dropout_p,
+            d.groups > 1,
+            checked=attn_mask is not None,
+        )
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims

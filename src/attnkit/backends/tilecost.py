@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from attnkit import cost
 from attnkit._compat import cpu_flash_attention
 from attnkit.backends.protocol import Probe
 from attnkit.backends.sdpa import SdpaBackend
+from attnkit.call import cost
 from attnkit.masks import causal, sliding_window
 
 if TYPE_CHECKING:

@@ -23,18 +23,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit import precision
 from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends import tilecost
 from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
+from attnkit.call import precision
+from attnkit.call.precision import compute_dtype
+from attnkit.call.visibility import Seen, seen, zero_unseen
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal
-from attnkit.precision import compute_dtype
 from attnkit.softmax import merge_in_place, with_lse_gradient
-from attnkit.visibility import Seen, seen, zero_unseen
 
 __all__ = ["CHUNK_BYTES", "FORWARD_CHUNK_BYTES", "TiledBackend"]
 

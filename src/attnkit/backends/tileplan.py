@@ -276,9 +276,14 @@ def _tiles_around(
 
 
 def best_plan(
-    mask: Mask | None, B: int, H: int, Hkv: int, L: int, S: int,
+    mask: Mask | None,
+    B: int,
+    H: int,
+    Hkv: int,
+    L: int,
+    S: int,
     priced: dict[str, float] | None = None,
-) -> TilePlan:  # fmt: skip
+) -> TilePlan:
     """The plan of least estimated cost over the tile heights in `TILES`, with and
     without causal runs as whole blocks, priced with tiled's factors `priced` (None: as
     the process's table has them)."""

@@ -45,10 +45,15 @@ T = TypeVar("T")
 _ERRORS: dict[str, type[Exception]] = {
     e.__name__: e
     for e in (
-        ShapeContractError, MaskError, BlockTableError, DtypeMismatchError, TypeError,
-        ValueError, RuntimeError,
+        ShapeContractError,
+        MaskError,
+        BlockTableError,
+        DtypeMismatchError,
+        TypeError,
+        ValueError,
+        RuntimeError,
     )
-}  # fmt: skip
+}
 
 
 def agree(

@@ -242,9 +242,14 @@ def agreed(
         g,
         validate,
         shards={"q": q, "k": k, "v": v},
-        shared={"mask": mask, "layout": layout, "strategy": strategy, "scale": scale,
-                "softcap": softcap},
-    )  # fmt: skip
+        shared={
+            "mask": mask,
+            "layout": layout,
+            "strategy": strategy,
+            "scale": scale,
+            "softcap": softcap,
+        },
+    )
 
 
 def explain(

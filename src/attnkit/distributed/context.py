@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnkit.attender import Attender
 from attnkit.distributed.api import attention
 from attnkit.distributed.comm import group_of
 from attnkit.distributed.layout import Layout
+from attnkit.kv.attender import Attender
 from attnkit.masks import Mask
 
 __all__ = ["ContextParallel", "parallelize"]
@@ -56,7 +56,7 @@ class ContextParallel(Attender):
         global_rows = Layout.of(self.layout, g.size, rows * g.size).positions(g.rank)
         return global_rows if device is None else global_rows.to(device)
 
-    # a module's attender (`attnkit.attender`): this rank's rows of one sequence
+    # a module's attender (`attnkit.kv.attender`): this rank's rows of one sequence
     def check(
         self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
     ) -> None:

@@ -21,15 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attnkit.call.dispatch import prepared_call
+from attnkit.call.functional import attention_with_lse
+from attnkit.call.gradients import fused_gradients, serves
+from attnkit.call.precision import compute_dtype
 from attnkit.contracts import normalize_call
-from attnkit.dispatch import prepared_call
 from attnkit.distributed.layout import Layout, Span
-from attnkit.functional import attention_with_lse
-from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
 from attnkit.masks.structure import key_bounds
 from attnkit.masks.window import window
-from attnkit.precision import compute_dtype
 from attnkit.softmax import merge_partials
 
 __all__ = ["Accumulator", "Problem"]
@@ -98,10 +98,16 @@ class Problem:
             acc = Accumulator(q.shape[0], self.H, lq[1] - lq[0], self.Dv, q)
             for (q0, q1), (k0, k1), part in self.rectangles(r, s):
                 if (q0, q1) == lq:
-                    acc.add(*attention_with_lse(
-                        q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], part,
-                        scale=self.scale, softcap=self.softcap,
-                    ))  # fmt: skip
+                    acc.add(
+                        *attention_with_lse(
+                            q[:, :, q0:q1],
+                            k[:, :, k0:k1],
+                            v[:, :, k0:k1],
+                            part,
+                            scale=self.scale,
+                            softcap=self.softcap,
+                        )
+                    )
             outs.append(acc.out)
             lses.append(acc.lse)
         return torch.cat(outs, 2), torch.cat(lses, 2)
@@ -110,16 +116,28 @@ class Problem:
         """True if every piece's gradients can come from the rows' global output and
         log-sum-exp (`gradients.fused_gradients`), with no piece recomputed."""
         probe = normalize_call(
-            q[:, :, :1], q.new_empty(q.shape[0], self.Hkv, 1, self.D),
-            q.new_empty(q.shape[0], self.Hkv, 1, self.Dv), None, scale=self.scale,
-            softcap=self.softcap, dropout_p=0.0,
-        )  # fmt: skip
+            q[:, :, :1],
+            q.new_empty(q.shape[0], self.Hkv, 1, self.D),
+            q.new_empty(q.shape[0], self.Hkv, 1, self.Dv),
+            None,
+            scale=self.scale,
+            softcap=self.softcap,
+            dropout_p=0.0,
+        )
         return serves(probe, self.scale)
 
     def piece_grads(
-        self, r: int, s: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        dout: Tensor, dlse: Tensor | None,
-    ) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+        self,
+        r: int,
+        s: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        dlse: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
         """dq, dk, dv (compute dtype) of rank r's queries against rank s's keys, from the
         rows' global `out`, `lse` and their gradients: one fused backward per rectangle
         (dS = P ⊙ (dP − rowsum(dO ⊙ O)), P from the global lse); None where a rectangle
@@ -130,9 +148,16 @@ class Problem:
         for (q0, q1), (k0, k1), part in self.rectangles(r, s):
             qp, kp, vp = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
             prepared = prepared_call(  # the forward's piece: its plan, seen rows and keys
-                qp, kp, vp, part, scale=self.scale, softcap=self.softcap, dropout_p=0.0,
-                backend="auto", need_lse=True,
-            )  # fmt: skip
+                qp,
+                kp,
+                vp,
+                part,
+                scale=self.scale,
+                softcap=self.softcap,
+                dropout_p=0.0,
+                backend="auto",
+                need_lse=True,
+            )
             call = prepared.call(qp, kp, vp, part)
             if not serves(call, self.scale):
                 return None

@@ -11,7 +11,7 @@ to their owners.
 (every rank then attends over the whole sequence for H/P heads) and back.
 
 The fused backward (CPU, a positive scale, a backend whose backward takes the piece;
-`attnkit.gradients`): the weights of any shard of keys are `P = exp(s − lse)` with the
+`attnkit.call.gradients`): the weights of any shard of keys are `P = exp(s − lse)` with the
 global lse and `dS = P ⊙ (dP − rowsum(dO ⊙ O))` with the global O (plus `P·dlse`), which
 is what one fused backward per rectangle computes (SDPA's flash backward for unmasked
 and causal rectangles, the native kernel's or `tiled`'s elsewhere): no piece is
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.call.functional import attention_with_lse
 from attnkit.distributed.comm import Group, all_to_all_heads
 from attnkit.distributed.pieces import Accumulator, Problem
 from attnkit.distributed.transports import FORWARD, TRANSPORTS, Transport
-from attnkit.functional import attention_with_lse
 from attnkit.masks.window import window
 from attnkit.softmax import part_gradients
 
@@ -98,8 +98,12 @@ class _KeysToQueries(torch.autograd.Function):
             acc.add(*problem.piece(r, s, q, k_s, v_s))
         ctx.save_for_backward(q, k, v, acc.out, acc.lse)
         ctx.problem, ctx.group, ctx.transport, ctx.needs, ctx.kept = (
-            problem, group, transport, needs, kept
-        )  # fmt: skip
+            problem,
+            group,
+            transport,
+            needs,
+            kept,
+        )
         ctx.fused = fused
         return acc.out.to(q.dtype), acc.lse
 

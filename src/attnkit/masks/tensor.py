@@ -136,8 +136,9 @@ class _ModMask(Mask):
             heads = torch.arange(2).view(1, 2, 1, 1)
             try:
                 out = self.fn(zero, heads, zero, zero)
-                self._per_head = not (isinstance(out, Tensor) and out.dim() == 4
-                                      and out.shape[1] == 1)  # fmt: skip
+                self._per_head = not (
+                    isinstance(out, Tensor) and out.dim() == 4 and out.shape[1] == 1
+                )
             except Exception:  # the real call raises its own error; be safe here
                 self._per_head = True
         return self._per_head

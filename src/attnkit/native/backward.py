@@ -65,10 +65,23 @@ def span_backward(
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
     half = on_half_units(q, alibi=bias is not None)
     grads: tuple[Tensor, Tensor, Tensor] = torch.ops.attnkit_native.span_backward(
-        _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(out), _unit_last(dout),
-        lse.contiguous(), None if glse is None else glse.contiguous(), lo, hi,
-        slopes, positions, float(scale), float(softcap), rows, keys, half,
-    )  # fmt: skip
+        _unit_last(q),
+        _unit_last(k),
+        _unit_last(v),
+        _unit_last(out),
+        _unit_last(dout),
+        lse.contiguous(),
+        None if glse is None else glse.contiguous(),
+        lo,
+        hi,
+        slopes,
+        positions,
+        float(scale),
+        float(softcap),
+        rows,
+        keys,
+        half,
+    )
     return grads
 
 

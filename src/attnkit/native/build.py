@@ -132,8 +132,10 @@ def _ninja_dir() -> str | None:
 def _sanitizer_runtimes(cxx: str) -> list[str]:
     """The AddressSanitizer and UndefinedBehaviorSanitizer runtimes the compiler links."""
     names = ("libasan.so", "libubsan.so")
-    printed = [subprocess.run([cxx, f"-print-file-name={n}"], capture_output=True, text=True)
-               for n in names]  # fmt: skip
+    printed = [
+        subprocess.run([cxx, f"-print-file-name={n}"], capture_output=True, text=True)
+        for n in names
+    ]
     return [p.stdout.strip() for p in printed]
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit.precision import HALF, kernel_dtype
+from attnkit.call.precision import HALF, kernel_dtype
 
 __all__ = [
     "DTYPES",
@@ -267,9 +267,17 @@ def paged_decode(
     blocks, table_at, lo, hi = tables
     _check_tables(blocks, table_at, lo, hi, block_size, slots // block_size)
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.paged_decode(
-        _unit_last(q), _unit_last(keys), _unit_last(values), blocks, table_at, lo, hi,
-        block_size, float(scale), float(softcap),
-    )  # fmt: skip
+        _unit_last(q),
+        _unit_last(keys),
+        _unit_last(values),
+        blocks,
+        table_at,
+        lo,
+        hi,
+        block_size,
+        float(scale),
+        float(softcap),
+    )
     return out
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
+from attnkit.call.probs import attention_probs
 from attnkit.masks import Mask
-from attnkit.probs import attention_probs
 from attnkit.widgets._common import BLUE, PANEL, error_html, ipywidgets, show
 
 __all__ = ["AttentionExplorer", "AttentionView", "attention_explorer"]
@@ -118,12 +118,15 @@ class AttentionExplorer:
             key_tokens = tokens
         self.key_labels = _labels(key_tokens, S, B, "key_tokens")
         self.layer = w.IntSlider(value=0, min=0, max=len(self.layers) - 1, description="layer")
-        self.batch = w.Dropdown(options=[(f"row {b}", b) for b in range(B)], value=0,
-                                description="batch")  # fmt: skip
+        self.batch = w.Dropdown(
+            options=[(f"row {b}", b) for b in range(B)], value=0, description="batch"
+        )
         self.heads = w.SelectMultiple(
-            options=[(f"head {h}", h) for h in range(H)], value=tuple(range(min(H, 4))),
-            rows=min(H, 8), description="heads",
-        )  # fmt: skip
+            options=[(f"head {h}", h) for h in range(H)],
+            value=tuple(range(min(H, 4))),
+            rows=min(H, 8),
+            description="heads",
+        )
         self.picture = w.HTML()
         show(self.layer, len(self.layers) > 1)
         show(self.batch, B > 1)

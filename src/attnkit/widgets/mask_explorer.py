@@ -17,10 +17,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from attnkit.functional import explain
+from attnkit.call.functional import explain
+from attnkit.call.planner import Plan
 from attnkit.masks import Align, Mask, causal, chunked, document, key_padding, prefix_lm
 from attnkit.masks import sliding_window as window
-from attnkit.planner import Plan
 from attnkit.widgets._common import BLUE, PANEL, error_html, ipywidgets, show, slider
 
 __all__ = ["KINDS", "MaskExplorer", "MaskView", "mask_explorer"]
@@ -34,8 +34,12 @@ KINDS = {
     "documents": "document",
     "padding": "key_padding",
 }
-ALIGNMENTS = {"none (L == S only)": "none", "top_left": "top_left",
-              "bottom_right": "bottom_right", "offset n": "offset"}  # fmt: skip
+ALIGNMENTS = {
+    "none (L == S only)": "none",
+    "top_left": "top_left",
+    "bottom_right": "bottom_right",
+    "offset n": "offset",
+}
 SIDE = 64  # cells a side at most: one a pair up to this size, blocks of pairs beyond
 PIXELS = 448  # the picture's longer side
 
@@ -151,20 +155,28 @@ class MaskExplorer:
             style={"description_width": "initial"},
         )
         self.valid = slider("real keys", max(1, S - S // 4), 0, max_len)
-        self.align = w.Dropdown(options=list(ALIGNMENTS.items()), value="none",
-                                description="align")  # fmt: skip
+        self.align = w.Dropdown(options=list(ALIGNMENTS.items()), value="none", description="align")
         self.offset = slider("offset n", 0, -max_len, max_len)
         self.and_causal = w.Checkbox(value=False, description="& causal", indent=False)
         self.picture = w.HTML()
         self.info = w.HTML()
-        self._parameters = [self.left, self.right, self.chunk, self.prefix, self.documents,
-                            self.valid, self.offset]  # fmt: skip
-        self.widget = w.VBox([
-            w.HBox([self.kind, self.align, self.and_causal]),
-            w.HBox([self.L, self.S]),
-            w.HBox(self._parameters, layout=w.Layout(flex_flow="row wrap")),
-            w.HBox([self.picture, self.info]),
-        ])  # fmt: skip
+        self._parameters = [
+            self.left,
+            self.right,
+            self.chunk,
+            self.prefix,
+            self.documents,
+            self.valid,
+            self.offset,
+        ]
+        self.widget = w.VBox(
+            [
+                w.HBox([self.kind, self.align, self.and_causal]),
+                w.HBox([self.L, self.S]),
+                w.HBox(self._parameters, layout=w.Layout(flex_flow="row wrap")),
+                w.HBox([self.picture, self.info]),
+            ]
+        )
         self._view = MaskView(L, S)
         for control in (self.kind, self.L, self.S, self.align, self.and_causal, *self._parameters):
             control.observe(self._on_change, names="value")

@@ -12,7 +12,7 @@ anew, by its value with its tensors' identity; held weakly: they go when the mas
 its tensors go), at most `PREPARED_PER_MASK` each, and never hold the mask or q, k, v
 themselves.
 
-A decoding step (`attnkit.steps`: few queries, a mask that sees every key but key
+A decoding step (`attnkit.call.steps`: few queries, a mask that sees every key but key
 padding) is planned once per bucket of S, the power of two at or above it: its plan is
 kept under a key without the mask or S (`_step_key`, beside the calls without a mask)
 and serves the next steps of a growing cache (one more key, a new mask object each
@@ -38,21 +38,25 @@ on the mask object a forward shares, a paged `Step` one per prefilling sequence)
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from attnkit.bounded import Bounded
+from attnkit.call.bounded import Bounded
+from attnkit.call.fit import fit, inputs_kind
+from attnkit.call.permask import MaskTensors, PerMask
+from attnkit.call.planner import step_order
+from attnkit.call.prepared import Prepared, prepare_call
+from attnkit.call.steps import StepKind, bucket, step_kind
 from attnkit.contracts import normalize_call
 from attnkit.masks import Mask
-from attnkit.permask import MaskTensors, PerMask
-from attnkit.planner import step_order
-from attnkit.prepared import Prepared, fit, inputs_kind, prepare_call
-from attnkit.steps import StepKind, bucket, step_kind
 
 __all__ = ["PREPARED_PER_MASK", "StepCalls", "attention_call", "clear", "prepared_call"]
 
 MaskArg = Mask | Tensor | None
+# scale, softcap, dropout_p, backend, need_lse, check_bias
+Options = tuple[float | None, float | None, float, str, bool, bool]
 
 PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
 
@@ -88,8 +92,9 @@ class StepCalls:
 
     def __init__(self) -> None:
         # place -> (inputs' kind, the prepared call, its mask, the mask's tensors, their state)
-        self._calls: dict[object, tuple[tuple[object, ...], Prepared, MaskArg, MaskTensors,
-                                        tuple[object, ...]]] = {}  # fmt: skip
+        self._calls: dict[
+            object, tuple[tuple[object, ...], Prepared, MaskArg, MaskTensors, tuple[object, ...]]
+        ] = {}
 
     def run(
         self,
@@ -110,12 +115,19 @@ class StepCalls:
         kind = (inputs_kind(q, k, v), grad, options)
         entry = self._calls.get(place)
         if (
-            entry is None or entry[0] != kind or type(q) is not Tensor
+            entry is None
+            or entry[0] != kind
+            or type(q) is not Tensor
             or (entry[3].has_tensors and entry[3].state() != entry[4])  # changed in place
-        ):  # fmt: skip
+        ):
             tensors = MaskTensors(mask)
-            entry = (kind, _lookup(q, k, v, mask, options, None, True), mask, tensors,
-                     tensors.state())  # fmt: skip
+            entry = (
+                kind,
+                _lookup(q, k, v, mask, options, None, True),
+                mask,
+                tensors,
+                tensors.state(),
+            )
             self._calls[place] = entry
         return entry[1].run(q, k, v, entry[2])[0]
 
@@ -210,20 +222,31 @@ def _prepared(
     grad: bool | None,
 ) -> Prepared:
     """Validate, plan and prepare a call that is not cached."""
-    scale, softcap, dropout_p, backend, need_lse, check_bias = options
+    scale, softcap, dropout_p, backend, need_lse, check_bias = cast(Options, options)
     call = normalize_call(
-        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p,  # type: ignore[arg-type]
-        check_bias=check_bias,  # type: ignore[arg-type]
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        check_bias=check_bias,
+    )
     # a kernel takes the inputs as given: only where normalizing changed none of them,
     # and never for a tensor given as the mask (the kernel would hold it, and with it
     # its own cache entry)
     as_given = call.q is q and call.k is k and call.v is v
-    given_scale = 1.0 / math.sqrt(call.dims.D) if scale is None else float(scale)  # type: ignore[arg-type]
+    given_scale = 1.0 / math.sqrt(call.dims.D) if scale is None else float(scale)
     return prepare_call(
-        call, backend, bool(need_lse), given_scale, fit=key, grad=grad,  # type: ignore[arg-type]
+        call,
+        backend,
+        bool(need_lse),
+        given_scale,
+        fit=key,
+        grad=grad,
         kernel_ok=as_given and not isinstance(mask, Tensor),
-    )  # fmt: skip
+    )
 
 
 def _step_key(

@@ -39,17 +39,17 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import TORCH_SDPA
-from attnkit.attender import Attender
-from attnkit.dispatch import StepCalls
+from attnkit.call.dispatch import StepCalls
+from attnkit.call.precision import kernel_dtype
 from attnkit.errors import MaskError, ShapeContractError
+from attnkit.kv.attender import Attender
 from attnkit.masks import Mask, causal, sliding_window
 from attnkit.masks.positions import _SlidingWindow
 from attnkit.native import ops as native_ops
 from attnkit.native import unavailable as native_unavailable
-from attnkit.precision import kernel_dtype
 
 if TYPE_CHECKING:  # the pool makes layers of itself: it imports this module
-    from attnkit.paged.pool import PagedKVCache, Step
+    from attnkit.kv.pool import PagedKVCache, Step
 
 __all__ = ["PagedLayer", "paged_attention"]
 
@@ -88,7 +88,7 @@ class PagedLayer(Attender):
         """`paged_attention` of (T, H, D), (T, Hkv, D), (T, Hkv, Dv): (T, H, Dv)."""
         return paged_attention(q, k, v, self.pages, self.step, self.layer, mask)
 
-    # a module's attender (`attnkit.attender`): the step's tokens packed as (1, T, E)
+    # a module's attender (`attnkit.kv.attender`): the step's tokens packed as (1, T, E)
     def check(
         self, query: Tensor, key: Tensor | None, value: Tensor | None, dropout_p: float
     ) -> None:
@@ -266,9 +266,15 @@ def _prefill(
     step's first layer for the sequence at `place` and run by the others, (n, H, Dv)."""
     mask = causal(offset=offset) if left is None else sliding_window(left, offset=offset)
     out = calls.run(
-        place, q.transpose(0, 1)[None], keys, values, mask, scale=scale, softcap=softcap,
+        place,
+        q.transpose(0, 1)[None],
+        keys,
+        values,
+        mask,
+        scale=scale,
+        softcap=softcap,
         dropout_p=0.0,
-    )  # fmt: skip
+    )
     return out[0].transpose(0, 1)
 
 

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit.dropins.packed import Window, attend_spans, flash_window, spans_mask, window_spans
 from attnkit.errors import BlockTableError, ShapeContractError
 from attnkit.native import ops as native_ops
 from attnkit.native import unavailable as native_unavailable
-from attnkit.packed import Window, attend_spans, flash_window, spans_mask, window_spans
 
 __all__ = [
     "cache_lengths",
@@ -64,10 +64,17 @@ def decode_pages(
     D = q.shape[-1]
     with torch.no_grad():
         out, lse = native_ops.paged_decode(
-            q[:, 0], keys, values, block_table.reshape(-1).cpu(),
-            torch.arange(B) * width, lo.cpu(), hi.cpu(), page_size,
-            D**-0.5 if scale is None else scale, softcap,
-        )  # fmt: skip  # (B, H, Dv), (B, H)
+            q[:, 0],
+            keys,
+            values,
+            block_table.reshape(-1).cpu(),
+            torch.arange(B) * width,
+            lo.cpu(),
+            hi.cpu(),
+            page_size,
+            D**-0.5 if scale is None else scale,
+            softcap,
+        )  # (B, H, Dv), (B, H)
     return out[:, None], lse[:, :, None]
 
 
@@ -291,8 +298,9 @@ def flash_attn_with_kvcache(
     new = 0 if k is None else k.shape[1]
     if block_table is not None:  # before any write
         named = "cache_seqlens[{n}]" + (f" + {new} new keys" if new else "")
-        check_block_table("flash_attn_with_kvcache", block_table, seqlens + new, pool_size(k_cache),
-                          named)  # fmt: skip
+        check_block_table(
+            "flash_attn_with_kvcache", block_table, seqlens + new, pool_size(k_cache), named
+        )
     else:
         check_cache_room(seqlens + new, k_cache.shape[1], new)
     if rotary_cos is not None and rotary_sin is not None:
@@ -321,8 +329,15 @@ def flash_attn_with_kvcache(
     keys, values = read_cache(k_cache, v_cache, rows, block_table, end)  # (B, S, Hkv, D)
     mask = spans_mask(spans, alibi_slopes, q.dtype)
     with torch.no_grad():
-        out, lse = attend_spans(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                           mask, softmax_scale, softcap, 0.0)  # fmt: skip
+        out, lse = attend_spans(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            mask,
+            softmax_scale,
+            softcap,
+            0.0,
+        )
     out = out.transpose(1, 2).contiguous()  # (B, L, H, Dv)
     return (out, lse.contiguous()) if return_softmax_lse else out
 

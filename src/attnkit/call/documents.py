@@ -2,7 +2,7 @@
 
 `attention(q, k, v, document(ids) & causal())` over a row of packed documents must give
 each document the bits it gets alone, whatever is packed beside it and in whatever
-order (`attnkit.packed` says why one call over the row cannot: its blocks start at
+order (`attnkit.dropins.packed` says why one call over the row cannot: its blocks start at
 positions that move with the packing). Where the mask says so exactly, the call is cut
 into one call per document:
 

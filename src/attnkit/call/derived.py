@@ -2,7 +2,7 @@
 
 A call's mask and sizes decide more than the backend: which rows and keys anybody sees,
 a tile plan, a block mask, SDPA's mask tensor. `Derived` holds those for one prepared
-call (`attnkit.prepared.Prepared`), so a backend finds them where it found them the
+call (`attnkit.call.prepared.Prepared`), so a backend finds them where it found them the
 first time and keeps no cache of its own; a call that was not prepared gets a `Derived`
 of its own, used once. Everything in it is for one device, one set of sizes and one
 state of the mask's tensors: the prepared call that owns it is keyed by all three.

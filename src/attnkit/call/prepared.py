@@ -31,82 +31,24 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import Backend, Kernel, get_backend
-from attnkit.backends import state as backend_state
+from attnkit.call.execute import execute
+from attnkit.call.fit import FIT_FIELDS, LENGTHS, REGISTRY, STRIDES, fit, inputs_kind
+from attnkit.call.permask import MaskTensors, mask_state
+from attnkit.call.planner import Plan, backend_for_run, plan_call
+from attnkit.call.steps import step_kind, step_padding
+from attnkit.call.visibility import all_finite, may_leak
 from attnkit.contracts import AttentionCall, Dims, normalize_inputs
 from attnkit.errors import PreparedMismatchError
-from attnkit.execute import execute
 from attnkit.masks import Mask
 from attnkit.masks.base import as_mask
-from attnkit.permask import MaskTensors, mask_state
-from attnkit.planner import Plan, backend_for_run, plan_call
-from attnkit.precision import HALF, kernel_dtype
 from attnkit.softmax import add_sinks
-from attnkit.steps import step_kind, step_padding
-from attnkit.visibility import all_finite, may_leak
 
-__all__ = ["FIT_FIELDS", "Prepared", "fit", "inputs_kind", "mask_state", "prepare_call"]
+__all__ = ["Prepared", "mask_state", "prepare_call"]
 
 MaskArg = Mask | Tensor | None
 Route = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
 # a routed call's plan from the row's: (plan, q, k, v, verbose) -> the plan of what runs
 Explained = Callable[[Plan, Tensor, Tensor, Tensor, bool], Plan]
-
-_PLAIN = (float, int, type(None))  # score options a key can hold (bool is refused later)
-
-# what each place of a `fit` key holds, for the error that names what changed
-FIT_FIELDS = (
-    "q's shape", "k's shape", "v's shape", "q's strides", "k's strides", "v's strides",
-    "q's dtype", "k's dtype", "v's dtype", "q's device", "k's device", "v's device",
-    "the dtype half inputs compute in", "whether autograd records (grad mode, requires_grad)",
-    "scale", "softcap", "dropout_p", "backend", "need_lse", "check_bias",
-    "the mask's tensors (identity and version: changed in place?)",
-    "the backends registered and their state",
-)  # fmt: skip
-_STRIDES = range(3, 6)  # other strides: the same call without the prepared kernel
-_LENGTHS = {1, 2}  # k's and v's shapes: a decoding step's cache grows
-_VERSION = len(FIT_FIELDS) - 1  # a backend turning warm: the plan is still exact
-
-
-def fit(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_shape: tuple[int, ...],
-    k_shape: tuple[int, ...],
-    v_shape: tuple[int, ...],
-    state: tuple[object, ...],
-    options: tuple[object, ...],
-    grad: bool | None = None,
-) -> tuple[object, ...] | None:
-    """Everything validation, planning and preparing read (of plain tensors q, k, v;
-    the sizes as given: a decoding step's key may leave S out; `state`: `mask_state`;
-    `options`: scale, softcap, dropout_p, backend, need_lse, check_bias; `grad`: planned
-    as if autograd records, None: whether it does). None where a call is not cached (an
-    option that is not a plain number: the full path checks it)."""
-    scale, softcap, dropout_p, backend = options[:4]
-    if not (type(scale) in _PLAIN and type(softcap) in _PLAIN and type(dropout_p) in _PLAIN):
-        return None
-    if type(backend) is not str:
-        return None
-    if grad is None:
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    device = q.device
-    return (
-        q_shape, k_shape, v_shape, q.stride(), k.stride(), v.stride(),
-        q.dtype, k.dtype, v.dtype, device, k.device, v.device,
-        kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
-        grad, *options, state,
-        backend_state(),
-    )  # fmt: skip
-
-
-def inputs_kind(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
-    """What a fit holds of plain q, k, v themselves (its first twelve fields): shapes,
-    strides, dtypes, devices."""
-    return (
-        q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype,
-        v.dtype, q.device, k.device, v.device,
-    )  # fmt: skip
 
 
 class Prepared:
@@ -183,7 +125,7 @@ class Prepared:
         return execute(call, self.backend, need_lse=self.need_lse, finite=finite)
 
     def at_length(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask | None) -> Prepared | None:
-        """The plan of a decoding step of this one's bucket (`attnkit.steps`: another S, a
+        """The plan of a decoding step of this one's bucket (`attnkit.call.steps`: another S, a
         mask of the same kind, checked by the caller): this backend, its call made anew;
         None where the backend cannot serve it (the full path plans it)."""
         q, k, v, scale = normalize_inputs(q, k, v, self.scale)
@@ -206,9 +148,17 @@ class Prepared:
         visibility = None if mask is None or _is_bias(mask) else as_mask(mask)
         bias = mask if isinstance(mask, Tensor) and _is_bias(mask) else None
         return AttentionCall(
-            q, k, v, visibility, bias, scale, self.softcap, self.dropout_p, self.dims,
+            q,
+            k,
+            v,
+            visibility,
+            bias,
+            scale,
+            self.softcap,
+            self.dropout_p,
+            self.dims,
             self.derived,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------- attnkit.prepare's
 
@@ -317,8 +267,8 @@ class Prepared:
         now = fit(q, k, v, q.shape, k.shape, v.shape, self._tensors.state(), options)
         assert now is not None  # the options are the prepared call's own
         changed = [i for i, (a, b) in enumerate(zip(now, self.fit, strict=True)) if a != b]
-        wrong = [i for i in changed if i not in _STRIDES and i != _VERSION]
-        if wrong and set(wrong) <= _LENGTHS and self._grows(k.shape, v.shape):
+        wrong = [i for i in changed if i not in STRIDES and i != REGISTRY]
+        if wrong and set(wrong) <= LENGTHS and self._grows(k.shape, v.shape):
             return self._with_sinks(*self._route(q, k, v))  # a step's cache grew
         if wrong:
             i = wrong[0]
@@ -333,7 +283,7 @@ class Prepared:
         return self._with_sinks(out, lse)  # other strides: the kernel takes none as given
 
     def _grows(self, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> bool:
-        """k and v of this decoding step's sizes but S (`attnkit.steps`: the cache grew)."""
+        """k and v of this decoding step's sizes but S (`attnkit.call.steps`: the cache grew)."""
         assert self.fit is not None
         k_was, v_was = cast(torch.Size, self.fit[1]), cast(torch.Size, self.fit[2])
         if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[2] != v_shape[2]:
@@ -353,12 +303,14 @@ class Prepared:
         f = self.fit
         assert f is not None
         return (
-            type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            type(q) is Tensor
+            and type(k) is Tensor
+            and type(v) is Tensor
             and inputs_kind(q, k, v) == f[:12]
-            and f[13] == (torch.is_grad_enabled() and (
-                q.requires_grad or k.requires_grad or v.requires_grad))
+            and f[13]
+            == (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and (not self._tensors.has_tensors or self._tensors.state() == f[20])
-        )  # fmt: skip
+        )
 
     def _with_sinks(self, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
         if self._sinks is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.functional import attention
+from attnkit.call.functional import attention
 from attnkit.masks import Mask
 
 __all__ = ["PLAIN", "Attender"]

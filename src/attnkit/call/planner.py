@@ -1,7 +1,7 @@
 """The planner: which backend serves a call, and why each other one does not.
 
 `plan_call` never runs attention: it asks every backend whether it can serve the call
-(`can_use`), prices those that can with the cost model (`cost`, with `attnkit.cost`'s
+(`can_use`), prices those that can with the cost model (`cost`, with `attnkit.call.cost`'s
 table: built in for this CPU's kind, or measured here by `attnkit calibrate`, never by the
 call; a call autograd records at its forward and backward, `Backend.training_factor`; a
 backend whose cheap `cost_floor` is no better than the best priced so far is not
@@ -17,11 +17,11 @@ import math
 import textwrap
 from dataclasses import dataclass, field
 
-from attnkit import cost
 from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
+from attnkit.call import cost
+from attnkit.call.steps import step_of
 from attnkit.contracts import AttentionCall
 from attnkit.masks.structure import count_allowed_pairs
-from attnkit.steps import step_of
 
 __all__ = ["Plan", "backend_for_run", "choose_backend", "cost_summary", "plan_call", "step_order"]
 

@@ -1,4 +1,4 @@
-"""Measure the planner's cost table on this CPU, when asked, and keep it (`attnkit.cost`).
+"""Measure the planner's cost table on this CPU, when asked, and keep it (`attnkit.call.cost`).
 
 `auto` never measures on its own: it prices with the table `attnkit calibrate` measured on
 this machine and kept, if there is one, else with the table built in for the CPU's kind
@@ -29,7 +29,7 @@ keep the table; a file path, the table kept in that file (else the built-in one)
 `attnkit calibrate` then writes.
 
     attnkit calibrate                  # measure now, keep the table, print it
-    python -m attnkit.calibrate        # the same
+    python -m attnkit.call.calibrate        # the same
 
 Calls are timed at L = 4096, where large calls are decided (SDPA's per-pair efficiency
 varies with L). A calibration that fails logs a warning and prices with the built-in
@@ -52,12 +52,12 @@ from pathlib import Path
 
 import torch
 
-from attnkit import cost
 from attnkit._compat import CPU_KINDS, TORCH_SDPA, cpu_features, cpu_kind
 from attnkit._version import __version__
 from attnkit.backends import BACKENDS, Backend, Inputs
-from attnkit.cost import BUILT_IN, CostTable
-from attnkit.functional import attention
+from attnkit.call import cost
+from attnkit.call.cost import BUILT_IN, CostTable
+from attnkit.call.functional import attention
 from attnkit.masks import Mask
 
 __all__ = ["active_table", "cache_path", "factors", "main", "measure"]
@@ -129,9 +129,12 @@ def machine_key() -> dict[str, object]:
     """What a table is measured for: the CPU, its units, the threads, torch, attnkit."""
 
     return {
-        "cpu": _cpu_model(), "features": cpu_features(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "attnkit": __version__,
-    }  # fmt: skip
+        "cpu": _cpu_model(),
+        "features": cpu_features(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "attnkit": __version__,
+    }
 
 
 def cache_path() -> Path:
@@ -216,9 +219,11 @@ def _write(path: Path, table: CostTable) -> CostTable:
     """Keep `table` at `path` (OSError where it cannot), and the table as read back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {
-        "machine": machine_key(), "factors": factors(table), "when": time.time(),
+        "machine": machine_key(),
+        "factors": factors(table),
+        "when": time.time(),
         "busy": BUSY in table.source,
-    }  # fmt: skip
+    }
     path.write_text(json.dumps(data, indent=1))
     kept = _read(path)
     return kept if kept is not None else table
@@ -365,8 +370,11 @@ def main() -> int:
     keyword = setting.lower() in (*OFF, *CPU_KINDS, MEASURE)
     path = Path(setting).expanduser() if setting and not keyword else cache_path()
     threads = torch.get_num_threads()
-    print(f"measuring the cost model on this CPU ({_cpu_model()}, {threads} threads) ...",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"measuring the cost model on this CPU ({_cpu_model()}, {threads} threads) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     table = measure()
     try:
         kept = _write(path, table)
@@ -380,8 +388,10 @@ def main() -> int:
         warning = "another program shared its cores, which slows small calls more than large ones"
         print(f"attnkit calibrate: warning: {BUSY}: {warning}; {AGAIN}", file=sys.stderr)
     if keyword and setting.lower() != MEASURE:  # off or a kind: kept, but not read
-        print(f"note: ATTNKIT_CALIBRATION={setting} prices with a built-in table, not this one",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"note: ATTNKIT_CALIBRATION={setting} prices with a built-in table, not this one",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import Backend
+from attnkit.call.precision import compute_dtype
+from attnkit.call.visibility import all_finite, may_leak, run_masking_values
 from attnkit.contracts import AttentionCall
-from attnkit.precision import compute_dtype
-from attnkit.visibility import all_finite, may_leak, run_masking_values
 
 __all__ = ["execute", "run_backend"]
 

@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 
 from torch import Tensor
 
-from attnkit.bounded import Bounded
+from attnkit.call.bounded import Bounded
 from attnkit.masks import Mask
 from attnkit.masks.structure import value_key
 from attnkit.masks.tensor import given_tensor
@@ -153,8 +153,14 @@ class MaskTensors:
         if self._given:
             given = tensors[0]
             assert given is not None  # found by it: alive
-            return (given.data_ptr(), given._version, given.shape, given.stride(),
-                    given.dtype, given.device)  # fmt: skip
+            return (
+                given.data_ptr(),
+                given._version,
+                given.shape,
+                given.stride(),
+                given.dtype,
+                given.device,
+            )
         return tuple((t.data_ptr(), t._version, t.shape) for t in tensors if t is not None)
 
 

@@ -45,15 +45,15 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from attnkit.call.dispatch import attention_call, prepared_call
+from attnkit.call.execute import execute, run_backend
+from attnkit.call.gradients import fused_gradients, serves
+from attnkit.call.precision import compute_dtype
+from attnkit.call.prepared import Prepared
+from attnkit.call.threads import in_fresh_thread
 from attnkit.contracts import _check_shapes, unit_last_stride
-from attnkit.dispatch import attention_call, prepared_call
-from attnkit.execute import execute, run_backend
-from attnkit.gradients import fused_gradients, serves
 from attnkit.masks import Mask
 from attnkit.masks.spec import decode, encodable, encode
-from attnkit.precision import compute_dtype
-from attnkit.prepared import Prepared
-from attnkit.threads import in_fresh_thread
 
 R = TypeVar("R")
 
@@ -129,9 +129,17 @@ def _run_eagerly(
     need_lse: bool,
 ) -> tuple[Tensor, Tensor]:
     out, lse = attention_call(
-        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend,
-        need_lse=need_lse, check_bias=False,
-    )  # fmt: skip  # a compiled call never reads a float mask's values (nor does `sdpa`)
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        backend=backend,
+        need_lse=need_lse,
+        check_bias=False,
+    )  # a compiled call never reads a float mask's values (nor does `sdpa`)
     return out, _lse_or_empty(lse, q)
 
 
@@ -155,9 +163,18 @@ def _prepared(
     of inputs requiring grad (`grad`) or not would be: each op call of a compiled step
     plans once."""
     return prepared_call(
-        q, k, v, mask, scale=scale, softcap=softcap, dropout_p=0.0, backend=backend,
-        need_lse=need_lse, check_bias=False, grad=grad,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=0.0,
+        backend=backend,
+        need_lse=need_lse,
+        check_bias=False,
+        grad=grad,
+    )
 
 
 @torch.library.custom_op("attnkit::attention_forward", mutates_args=())
@@ -189,10 +206,17 @@ def attention_op(
         kept = True
     else:
         # keep the log-sum-exp for the backward op where it can use it (no second forward)
-        kept = prepared.derived.get("compiled.keep", lambda: need_lse or (
-            requires_grad and serves(call, scale)
-            and prepared.backend.can_use(call, need_lse=True) is None  # type: ignore[union-attr]
-        ))  # fmt: skip
+        kept = prepared.derived.get(
+            "compiled.keep",
+            lambda: (
+                need_lse
+                or (
+                    requires_grad
+                    and serves(call, scale)
+                    and prepared.backend.can_use(call, need_lse=True) is None  # type: ignore[union-attr]
+                )
+            ),
+        )
         with torch.no_grad():
             out, lse = run_backend(call, prepared.backend, need_lse=kept)
         if requires_grad and not kept:
@@ -266,9 +290,17 @@ def attention_backward_op(
             lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             with torch.enable_grad():
                 out, lse = attention_call(
-                    lq, lk, lv, mask, scale=scale, softcap=softcap, dropout_p=0.0,
-                    backend=backend, need_lse=need_lse, check_bias=False,
-                )  # fmt: skip
+                    lq,
+                    lk,
+                    lv,
+                    mask,
+                    scale=scale,
+                    softcap=softcap,
+                    dropout_p=0.0,
+                    backend=backend,
+                    need_lse=need_lse,
+                    check_bias=False,
+                )
                 outputs, grads = [out], [dout]
                 if need_lse and lse is not None and dlse.numel():
                     outputs.append(lse)

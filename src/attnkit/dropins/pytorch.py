@@ -1,4 +1,4 @@
-"""Drop-ins: PyTorch's attention calls with their exact signatures, run by attnkit.
+"""PyTorch's attention calls with their exact signatures, run by attnkit.
 
 `sdpa` is `torch.nn.functional.scaled_dot_product_attention` and `varlen_attn` is
 `torch.nn.attention.varlen.varlen_attn`: swap the import and the call runs on attnkit's
@@ -26,11 +26,12 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import AuxRequest
-from attnkit.flash_cache import check_block_table, decode_pages
-from attnkit.functional import attend, attention_with_lse
+from attnkit.call.functional import attention_with_lse
+from attnkit.call.route import attend
+from attnkit.dropins.flash_cache import check_block_table, decode_pages
+from attnkit.dropins.packed import KeySpans, attend_packed, window_mask, window_spans
 from attnkit.masks import causal, row_spans
 from attnkit.masks.convert import from_torch_mask
-from attnkit.packed import KeySpans, attend_packed, window_mask, window_spans
 
 __all__ = ["AuxRequest", "sdpa", "varlen_attn"]
 
@@ -104,9 +105,17 @@ def sdpa(
     if isinstance(mask, Tensor):
         mask = _batched_mask(mask, lead)
     out, _ = attend(
-        q, k, v, mask, scale=scale, softcap=None, dropout_p=dropout_p, backend="auto",
-        need_lse=False, check_bias=False,
-    )  # (B, Hq, L, Ev)  # fmt: skip
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        softcap=None,
+        dropout_p=dropout_p,
+        backend="auto",
+        need_lse=False,
+        check_bias=False,
+    )  # (B, Hq, L, Ev)
     shape = (*lead, *out.shape[1:])
     return out.reshape(shape[len(shape) - max(query.dim(), key.dim(), value.dim()) :])
 
@@ -148,8 +157,10 @@ def _flattened(
         lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         lead, heads = lead[:-1], (lead[-1],) * 3
     B = math.prod(lead)
-    flat = tuple(t.expand(*lead, h, *t.shape[-2:]).reshape(B, h, *t.shape[-2:])
-                 for t, h in zip((q, k, v), heads, strict=True))  # fmt: skip
+    flat = tuple(
+        t.expand(*lead, h, *t.shape[-2:]).reshape(B, h, *t.shape[-2:])
+        for t, h in zip((q, k, v), heads, strict=True)
+    )
     return flat, lead  # type: ignore[return-value]
 
 
@@ -241,13 +252,13 @@ def varlen_attn(
 
     Differs from torch: runs on any device attnkit serves; a query that sees no key
     gives 0 (lse -inf); backward works with `seqused_k` and `block_table` too. Each
-    sequence is attended on its own (`attnkit.packed`), so its outputs and gradients are
+    sequence is attended on its own (`attnkit.dropins.packed`), so its outputs and gradients are
     bitwise the same whatever else is packed with it, in any order (under
     `torch.compile` the pack is one call over each query's key interval: exact, not
     order-invariant).
 
     Examples:
-        >>> from attnkit.dropins import AuxRequest
+        >>> from attnkit.dropins.pytorch import AuxRequest
         >>> q, k, v = torch.randn(7, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
         >>> cu = torch.tensor([0, 3, 7])  # two sequences: rows 0..2 and 3..6
         >>> out, lse = ak.varlen_attn(q, k, v, cu, cu, 4, 4, window_size=(-1, 0),
@@ -268,8 +279,9 @@ def varlen_attn(
         pool = (key.shape[0], key.shape[1])  # (pages, page_size)
         check_block_table("varlen_attn", block_table, seqused_k, pool, "seqused_k[{n}]")
         window = (int(window_size[0]), int(window_size[1]))
-        decoded = decode_packed(query, key, value, cu_seq_q, block_table, seqused_k, window,
-                                scale, 0.0)  # fmt: skip
+        decoded = decode_packed(
+            query, key, value, cu_seq_q, block_table, seqused_k, window, scale, 0.0
+        )
         if decoded is not None:  # (T_q, H, Dv), (T_q, H)
             return decoded if return_aux is not None and return_aux.lse else decoded[0]
         key, value, cu_seq_k = gather_pages(key, value, block_table, seqused_k)
@@ -283,9 +295,15 @@ def varlen_attn(
     else:  # each sequence on its own: order-invariant
         window = (int(window_size[0]), int(window_size[1]))
         out, lse = attend_packed(
-            query, key, value, cu_seq_q, cu_seq_k, lambda n, L, S: window_mask(window, L, S),
-            scale=scale, used=seqused_k,
-        )  # fmt: skip
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            lambda n, L, S: window_mask(window, L, S),
+            scale=scale,
+            used=seqused_k,
+        )
     out = out.contiguous()  # (T_q, H, Dv): .view(T_q, H * Dv) works
     if return_aux is not None and return_aux.lse:
         return out, lse.transpose(0, 1).contiguous()  # (T_q, H)

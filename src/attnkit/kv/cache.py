@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.attender import Attender
+from attnkit.call.functional import attention
 from attnkit.errors import ShapeContractError
-from attnkit.functional import attention
+from attnkit.kv.attender import Attender
 from attnkit.masks import Mask
 
 __all__ = ["KVCache"]
@@ -50,7 +50,7 @@ class KVCache(Attender):
         self._v: Tensor | None = None  # (B, Hkv, capacity, Dv)
         self.length = 0
 
-    # a module's attender (`attnkit.attender`): the new rows follow the cached ones
+    # a module's attender (`attnkit.kv.attender`): the new rows follow the cached ones
     def positions(self, rows: int, device: torch.device) -> int | Tensor:
         return self.length
 

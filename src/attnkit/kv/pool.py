@@ -36,9 +36,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit.dispatch import StepCalls
+from attnkit.call.dispatch import StepCalls
 from attnkit.errors import OutOfBlocksError
-from attnkit.paged.attention import PagedLayer
+from attnkit.kv.paged import PagedLayer
 
 __all__ = ["PagedKVCache", "Step"]
 
@@ -186,8 +186,14 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         value_dim = head_dim if value_dim is None else value_dim
-        sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                     num_blocks=num_blocks, block_size=block_size, value_dim=value_dim)  # fmt: skip
+        sizes = dict(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            value_dim=value_dim,
+        )
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be a positive int, got {value!r}.")
@@ -310,9 +316,13 @@ class PagedKVCache:
         self.version += 1
         tables = [self._tables[seq] for seq in ids]
         return Step(
-            tuple(ids), tuple(counts), starts, self.version, released,
+            tuple(ids),
+            tuple(counts),
+            starts,
+            self.version,
+            released,
             *self._layout(starts, counts, tables),
-        )  # fmt: skip
+        )
 
     def _layout(
         self, starts: tuple[int, ...], counts: list[int], tables: list[array.array[int]]

@@ -36,8 +36,8 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from attnkit.documents import placed_alike
-from attnkit.functional import attention_with_lse
+from attnkit.call.documents import placed_alike
+from attnkit.call.functional import attention_with_lse
 from attnkit.masks import Mask, causal, row_spans, sliding_window
 from attnkit.masks.biases import _ALiBi
 
@@ -99,9 +99,14 @@ def attend_packed(
     for n, (q, k, v) in enumerate(zip(torch.split(query, lq), keys, values, strict=True)):
         q, k, v = (placed_alike(t.transpose(0, 1)[None]) for t in (q, k, v))  # (1, H|Hkv, L|S, D)
         out, lse = attention_with_lse(
-            q, k, v, mask_of(n, q.shape[2], k.shape[2]), scale=scale, softcap=softcap,
+            q,
+            k,
+            v,
+            mask_of(n, q.shape[2], k.shape[2]),
+            scale=scale,
+            softcap=softcap,
             dropout_p=dropout_p,
-        )  # fmt: skip  # (1, H, L, Dv), (1, H, L)
+        )  # (1, H, L, Dv), (1, H, L)
         outs.append(out[0].transpose(0, 1))  # (L, H, Dv)
         lses.append(lse[0])  # (H, L)
     if not outs:  # no sequence: nothing to attend

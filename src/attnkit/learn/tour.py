@@ -107,8 +107,9 @@ def masks(t: Tour) -> None:
         ak.causal().draw(2, 5)
         t.check(False, "causal() with L != S refuses to guess")
     except ak.ShapeContractError as err:
-        said = textwrap.fill(str(err), 84, initial_indent=" " * 6, subsequent_indent=" " * 6,
-                             break_on_hyphens=False)  # fmt: skip
+        said = textwrap.fill(
+            str(err), 84, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
+        )
         t.check(True, f"causal() with L != S refuses to guess, and says why:\n{said}")
     q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     empty = ak.key_padding(torch.tensor([0]))

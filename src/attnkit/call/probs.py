@@ -11,12 +11,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from attnkit.call.habits import points_habits
+from attnkit.call.visibility import effective_visibility, hide_unseen
 from attnkit.contracts import check_sinks, normalize_call, row_index
-from attnkit.habits import points_habits
 from attnkit.masks import Mask
 from attnkit.reference import weights_and_lse
 from attnkit.softmax import add_sinks
-from attnkit.visibility import effective_visibility, hide_unseen
 
 __all__ = ["attention_probs"]
 
@@ -65,7 +65,7 @@ def attention_probs(
         (torch.Size([1, 2, 1, 6]), True)
     """
     if torch.compiler.is_compiling():  # reads mask tensors as data: eager, a graph break
-        from attnkit.compiled import run_eagerly
+        from attnkit.call.compiled import run_eagerly
 
         probs: Tensor = run_eagerly(_probs, q, k, mask, scale, softcap, sinks, rows)
         return probs

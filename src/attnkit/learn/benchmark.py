@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit as ak
-from attnkit.console import Progress
+from attnkit.learn.console import Progress
 
 __all__ = ["PATTERNS", "Row", "round_robin", "run_bench", "table"]
 

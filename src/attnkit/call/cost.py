@@ -13,7 +13,7 @@ measured on this machine and kept, if there is one, else the one built in for th
 kind (`built_in`, `_compat.cpu_kind`), measured on a CPU of that kind or, for a kind not
 measured yet, the nearest measured kind's. No call measures unless asked
 (`ATTNKIT_CALIBRATION=measure`), so the same call picks the same backend in every
-process, however loaded the machine; `explain` names the table. `attnkit.calibrate`
+process, however loaded the machine; `explain` names the table. `attnkit.call.calibrate`
 reads `ATTNKIT_CALIBRATION` (`off`: the built-in table; a kind: that kind's; a path: the
 table kept there).
 
@@ -116,7 +116,7 @@ def built_in(kind: str | None = None) -> CostTable:
     return TABLES[chosen]
 
 
-# where the table comes from at its first use: `attnkit.calibrate.active_table` (a kept
+# where the table comes from at its first use: `attnkit.call.calibrate.active_table` (a kept
 # table, or the built-in one, as `ATTNKIT_CALIBRATION` says), set by the package
 # (calibrating runs attention, which prices with this module: the choosing is handed in,
 # so this module imports none of it)
@@ -132,7 +132,7 @@ def measure_with(source: Callable[[], CostTable]) -> None:
 def table() -> CostTable:
     """The table the planner prices with, chosen once per process: the one `attnkit
     calibrate` kept for this machine, else the one built in for this CPU's kind
-    (`ATTNKIT_CALIBRATION` decides otherwise: `attnkit.calibrate`)."""
+    (`ATTNKIT_CALIBRATION` decides otherwise: `attnkit.call.calibrate`)."""
     global _ACTIVE
     if _ACTIVE is None:
         _ACTIVE = _MEASURE()
