@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 import attnkit as ak  # noqa: E402
 import attnkit.integrations.transformers as akt  # noqa: E402
+import attnkit.integrations.transformers_mask as akt_mask  # noqa: E402
 from attnkit.masks.structure import is_sdpa_causal  # noqa: E402
 
 akt.register()
@@ -306,7 +307,7 @@ def test_transformers_causal_function_is_causal_by_definition(monkeypatch):
 
     found, mask = akt.structure(at_offset, 2, 5, 12, shift=7)
     assert found and str(mask) == "causal(offset=7)"
-    monkeypatch.setattr(akt, "structure", None)  # never called for it
+    monkeypatch.setattr(akt_mask, "structure", None)  # never called for it
     mask = akt.mask_function(2, 1, 12, q_offset=11, mask_function=causal_mask_function)
     assert str(mask) == "causal(offset=11)"
 
@@ -316,7 +317,7 @@ def test_a_mask_function_is_checked_at_every_forward_and_its_data_read_anew(monk
     that changed since): each forward checks its function once, for all its layers."""
     calls = []
     real = akt.structure
-    monkeypatch.setattr(akt, "structure", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(akt_mask, "structure", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def window(b, h, q, kv):
         return (kv <= q) & (kv > q - 3)
