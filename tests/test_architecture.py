@@ -219,33 +219,133 @@ def test_no_module_outside_backends_looks_a_backend_up_by_its_name():
     assert sorted(_literal_backend_lookups(sample)) == [1, 2]  # the check can fail
 
 
-CACHE_TYPES = {"Bounded", "PerMask", "WeakKeyDictionary", "WeakValueDictionary"}
-# the process-wide caches: attention()'s prepared calls (the cost table is `cost`'s
-# active table, a value it is given)
-CACHES = {"attnkit.call.dispatch._CALLS"}
+CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Bounded", "PerMask"}
+CONTAINERS |= {"WeakKeyDictionary", "WeakValueDictionary"}
+MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "update", "add", "discard"}
+MUTATORS |= {"setdefault", "put", "popitem", "__setitem__"}
+# the one module that holds the process's state (`Runtime`)
+STATE_HOLDER = "attnkit.runtime"
+# state not yet moved into the runtime (each entry goes when its state does)
+NOT_YET = {
+    "attnkit._compat: @functools.cache cpu_flash_gqa",
+    "attnkit._compat: @functools.cache half_matmul_is_fast",
+    "attnkit._compat: @functools.cache cpu_kind",
+    "attnkit._compat: @functools.cache sdpa_zeroes_empty_rows",
+    "attnkit.masks.base: Mask._kinds set at run time",
+    "attnkit.masks.algebra: Mask._wrappers set at run time",
+    "attnkit.masks.tensor: Mask._wrappers set at run time",
+}
 
 
-def _module_caches(name: str, tree: ast.Module) -> set[str]:
-    found = set()
+def _containers(tree: ast.Module) -> set[str]:
+    """Names bound at module level to a mutable container."""
+    names = set()
     for node in tree.body:
-        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
-        if isinstance(value, ast.Call):
-            called = ast.unparse(value.func).rpartition(".")[2]
-            if called in CACHE_TYPES:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                found.update(f"{name}.{ast.unparse(t)}" for t in targets)
-    return found
+        if isinstance(node, ast.Assign):
+            value, targets = node.value, node.targets
+        elif isinstance(node, ast.AnnAssign):
+            value, targets = node.value, [node.target]
+        else:
+            continue
+        literal = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp))
+        made = isinstance(value, ast.Call) and _last_name(value.func) in CONTAINERS
+        if literal or made:
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
 
 
-def test_process_wide_caches_are_the_known_few():
-    """What a call derives belongs to its prepared call (`attnkit.call.prepared`): no module
-    keeps a cache of its own beyond these."""
-    found = set()
-    for name, path in _modules().items():
-        found |= _module_caches(name, ast.parse(path.read_text(encoding="utf-8")))
-    assert found <= CACHES, f"new module-level caches: {sorted(found - CACHES)}"
-    sample = ast.parse("_X: Bounded[int, int] = Bounded(4)\n_Y = weakref.WeakKeyDictionary()\n")
-    assert _module_caches("m", sample) == {"m._X", "m._Y"}  # the check can fail
+def _last_name(node: ast.expr) -> str:
+    return ast.unparse(node).rpartition(".")[2]
+
+
+def _changed(node: ast.AST) -> str | None:
+    """The name a statement or call changes in place (`X[k] = v`, `X.append(v)`, `X += v`)."""
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        for target in targets:
+            if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                return target.value.id
+            if isinstance(node, ast.AugAssign) and isinstance(target, ast.Name):
+                return target.id
+    method = _mutator(node)
+    return method.value.id if method is not None and isinstance(method.value, ast.Name) else None
+
+
+def _mutator(node: ast.AST) -> ast.Attribute | None:
+    """`X.append` of a call `X.append(v)` (any method in `MUTATORS`), else None."""
+    func = node.func if isinstance(node, ast.Call) else None
+    return func if isinstance(func, ast.Attribute) and func.attr in MUTATORS else None
+
+
+def _class_attributes_set(tree: ast.Module, classes: set[str]) -> set[str]:
+    """`Cls.attr = v`, `Cls.attr[k] = v` or `Cls.attr.update(...)` outside the class's
+    body: a class used as a registry (filled at import or at run time)."""
+    changed: list[ast.expr] = []
+    for node in ast.walk(tree):
+        method = _mutator(node)
+        if method is not None:
+            changed.append(method.value)
+        for target in node.targets if isinstance(node, ast.Assign) else []:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            changed.append(target)
+    return {
+        f"{target.value.id}.{target.attr} set at run time"
+        for target in changed
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id in classes
+    }
+
+
+def _state(tree: ast.Module, classes: set[str]) -> set[str]:
+    """What a module keeps across calls: module-level containers it changes, `global`,
+    memoizing decorators, class attributes set at run time."""
+    containers = _containers(tree)
+    found = {
+        f"{name} changed in place" for n in ast.walk(tree) if (name := _changed(n)) in containers
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            found.update(f"global {name}" for name in node.names)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for decorator in node.decorator_list:
+                text = ast.unparse(decorator)
+                if text.rpartition(".")[2] in {"cache", "lru_cache"} or "lru_cache(" in text:
+                    found.add(f"@{text} {node.name}")
+    return found | _class_attributes_set(tree, classes)
+
+
+def _package_state() -> set[str]:
+    trees = {name: ast.parse(path.read_text(encoding="utf-8")) for name, path in _modules().items()}
+    classes = {n.name for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef)}
+    return {
+        f"{name}: {what}"
+        for name, tree in trees.items()
+        if name != STATE_HOLDER
+        for what in _state(tree, classes)
+    }
+
+
+def test_the_process_state_lives_in_the_runtime():
+    """What the process remembers lives in one object (`attnkit.runtime.Runtime`): no
+    other module keeps a container it changes, a `global`, a memo or a class used as a
+    registry."""
+    found = _package_state()
+    assert found <= NOT_YET, f"state outside attnkit.runtime: {sorted(found - NOT_YET)}"
+    assert NOT_YET <= found, f"gone: take them off NOT_YET: {sorted(NOT_YET - found)}"
+    sample = ast.parse(
+        "import functools\n_SEEN = {}\n_N = 0\nclass K:\n    memo = {}\n    kinds = {}\n"
+        "def f(x):\n    global _N\n    _SEEN[x] = 1\n    K.memo = {}\n"
+        "@functools.cache\ndef g():\n    return 1\nK.kinds.update(a=1)\n"
+    )
+    assert _state(sample, {"K"}) == {  # the check can fail
+        "_SEEN changed in place",
+        "global _N",
+        "@functools.cache g",
+        "K.memo set at run time",
+        "K.kinds set at run time",
+    }
 
 
 VAGUE_NAMES = {"found", "held", "lane", "who"}  # names that say nothing of the value

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.call import cost
 from attnkit.call.precision import OVERRIDE_ENV
 from attnkit.native import unavailable
@@ -78,14 +79,14 @@ def test_auto_plans_the_fastest_backend_measured(kind, part, row, case_of, monke
     """Half runs as on the table's kind: natively where it has bfloat16 units."""
     monkeypatch.setenv(OVERRIDE_ENV, "float32" if kind == "avx2" else "native")
     mask, q = case_of(row)
-    cost.use(cost.built_in(kind))
+    runtime.current().costs.use(cost.built_in(kind))
     try:
         grad = part == "train"
         q = q.requires_grad_(grad)
         with torch.set_grad_enabled(grad):
             picked = ak.explain(q, q, q, mask).backend
     finally:
-        cost.use(None)
+        runtime.current().costs.use(None)
     times = {name: row[f"{name}_ms"] for name in BACKENDS if row.get(f"{name}_ms")}
     if row["auto"] == picked:  # the auto column timed the same call again: the better
         times[picked] = min(times[picked], row["auto_ms"])

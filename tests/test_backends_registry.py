@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.backends import (
     BACKENDS,
     Backend,
@@ -39,7 +40,9 @@ class Toy(Backend):
         return "toy serves no dropout" if call.dropout_p > 0 else None
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
-        return self.factors()["pair"] * call.dims.B * call.dims.H * call.dims.L * call.dims.S
+        return (
+            self.factors(call.table)["pair"] * call.dims.B * call.dims.H * call.dims.L * call.dims.S
+        )
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         self.probed.append(probe.time(lambda: None))
@@ -108,10 +111,12 @@ def test_the_fuzz_harness_runs_a_registered_backend(toy):
 def test_the_calibration_times_a_registered_backends_own_factors(toy, monkeypatch, tmp_path):
     """Its factors are built in per kind, timed by its own probe, kept, read back and
     named by `explain`, with nothing in cost.py or calibrate.py naming it."""
-    assert toy.factors() == {"pair": 1e-9}  # the tests price with avx2's table
+    assert toy.factors(runtime.current().costs.table()) == {
+        "pair": 1e-9
+    }  # the tests price with avx2's table
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(tmp_path / "cost.json"))
     monkeypatch.setattr(calibrate.time, "sleep", lambda s: None)  # a busy CPU: again at once
-    before = cost.table()
+    before = runtime.current().costs.table()
     try:
         measured = calibrate.measure()
         assert toy.probed and measured.measured["toy"] == {"pair": 3e-9}
@@ -121,11 +126,11 @@ def test_the_calibration_times_a_registered_backends_own_factors(toy, monkeypatc
         assert timed["tiled"]["causal"] == pytest.approx(1.15 * timed["sdpa"]["causal"])
         kept = calibrate._write(tmp_path / "cost.json", measured)
         assert kept.of("toy", Toy.cost_factors) == {"pair": 3e-9}
-        cost.use(kept)
+        runtime.current().costs.use(kept)
         q, k, v = _qkv()
         assert "toy pair 3e-09" in " ".join(ak.explain(q, k, v, ak.causal(), verbose=True).notes)
     finally:
-        cost.use(before)
+        runtime.current().costs.use(before)
     assert cost.built_in("avx512").of("toy", Toy.cost_factors) == {"pair": 2e-9}  # amx's
 
 
@@ -162,15 +167,17 @@ def test_a_calibration_naming_factors_the_backend_has_not_fails_and_prices_built
         calibrate.measure()
     monkeypatch.setenv("ATTNKIT_CALIBRATION", "measure")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    before = cost.table()
-    cost.use(None)
+    before = runtime.current().costs.table()
+    runtime.current().costs.use(None)
     try:
-        found = cost.table()  # the calibration failed: the built-in table, saying why
+        found = (
+            runtime.current().costs.table()
+        )  # the calibration failed: the built-in table, saying why
         kind = found.kind  # this CPU's: its built-in factors (the nearest measured kind's)
         assert found.of("toy", Toy.cost_factors) == Toy.cost_factors.built_in(kind)
         assert "calibration failed" in found.source and not list(tmp_path.iterdir())
     finally:
-        cost.use(before)
+        runtime.current().costs.use(before)
 
 
 def test_register_refuses_a_taken_name_and_other_objects():

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit._compat import CPU_KINDS, cpu_kind
 from attnkit.backends import BACKENDS, get_backend
 from attnkit.call import calibrate, cost
@@ -23,13 +24,13 @@ from helpers import span_backend
 
 @pytest.fixture
 def fresh_table(monkeypatch, tmp_path):
-    """`cost.table()` decides again under the test's environment (an empty cache
+    """`runtime.current().costs.table()` decides again under the test's environment (an empty cache
     directory; no measuring unless the test allows it), and forgets after."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("ATTNKIT_CALIBRATION", raising=False)
-    cost.use(None)
+    runtime.current().costs.use(None)
     yield monkeypatch
-    cost.use(None)
+    runtime.current().costs.use(None)
 
 
 def _never_measure():
@@ -55,7 +56,7 @@ def test_with_no_setting_nothing_is_measured_and_the_built_in_table_prices(fresh
     fresh_table.setattr(calibrate, "measure", _never_measure)
     q = torch.randn(1, 2, 64, 16)
     ak.attention(q, q, q, ak.causal())
-    assert cost.table() is cost.built_in() is cost.TABLES[cpu_kind()]
+    assert runtime.current().costs.table() is cost.built_in() is cost.TABLES[cpu_kind()]
     assert f"built in for {cpu_kind()} (" in str(ak.explain(q, q, q, ak.causal()))
     assert not (tmp_path / "cache").exists()  # nothing written either
 
@@ -65,13 +66,13 @@ def test_a_kept_table_is_read_and_off_ignores_it(fresh_table):
     fake = cost.CostTable(cpu_kind(), "measured here (a test)", measured={"tiled": {"pair": 9.0}})
     kept = calibrate._write(calibrate.cache_path(), fake)
     assert calibrate.factors(kept) == calibrate.factors(fake)
-    found = cost.table()
+    found = runtime.current().costs.table()
     assert calibrate.factors(found) == calibrate.factors(fake)
     assert found.of("tiled", get_backend("tiled").cost_factors)["pair"] == 9.0
     assert found.source.startswith(f"measured on this CPU, kept in {calibrate.cache_path()}")
     fresh_table.setenv("ATTNKIT_CALIBRATION", "off")
-    cost.use(None)
-    assert cost.table() is cost.built_in()
+    runtime.current().costs.use(None)
+    assert runtime.current().costs.table() is cost.built_in()
 
 
 def test_a_named_file_that_holds_no_table_for_this_machine_gives_the_built_in_one(
@@ -82,8 +83,8 @@ def test_a_named_file_that_holds_no_table_for_this_machine_gives_the_built_in_on
     fresh_table.setenv("ATTNKIT_CALIBRATION", str(path))
     for content in ("not json", json.dumps({"machine": {"cpu": "elsewhere"}, "factors": {}})):
         path.write_text(content)
-        cost.use(None)
-        found = cost.table()
+        runtime.current().costs.use(None)
+        found = runtime.current().costs.table()
         assert calibrate.factors(found) == calibrate.factors(cost.built_in())
         assert found.source.startswith(cost.built_in().source)
         assert f"no table for this machine in {path}" in found.source
@@ -115,7 +116,7 @@ def test_every_kind_has_a_built_in_table_that_names_it():
 @pytest.mark.parametrize("kind", CPU_KINDS)
 def test_a_kind_named_in_the_setting_prices_with_its_table(fresh_table, kind):
     fresh_table.setenv("ATTNKIT_CALIBRATION", kind)
-    assert cost.table() is cost.built_in(kind)
+    assert runtime.current().costs.table() is cost.built_in(kind)
 
 
 def test_a_table_decides_auto(fresh_table):
@@ -124,7 +125,7 @@ def test_a_table_decides_auto(fresh_table):
     mask = ak.sliding_window(16) & ak.causal()
     assert ak.explain(q, q, q, mask).backend == span_backend()
     slow = {"tiled": {"pair": 50.0, "causal": 50.0}, "native": {"pair": 50.0}}
-    cost.use(cost.CostTable("avx2", "a test", measured=slow))
+    runtime.current().costs.use(cost.CostTable("avx2", "a test", measured=slow))
     plan = ak.explain(q, q, q, mask)
     assert plan.backend == "sdpa" and "a test" in str(plan)
 
@@ -144,8 +145,8 @@ def test_a_measured_table_is_kept_and_read_back(fresh_table, tmp_path, capsys):
     assert factors["sdpa"] != built_in["sdpa"]  # timed
     assert f"kept in {path}" in capsys.readouterr().out
     fresh_table.setattr(calibrate, "measure", _never_measure)
-    cost.use(None)
-    again = cost.table()
+    runtime.current().costs.use(None)
+    again = runtime.current().costs.table()
     assert calibrate.factors(again) == factors and str(path) in again.source
     q = torch.randn(1, 2, 64, 16)
     assert str(path) in str(ak.explain(q, q, q, ak.causal()))  # explain says where from
@@ -155,13 +156,13 @@ def test_measure_measures_at_first_use_and_keeps_the_table(fresh_table):
     fresh_table.setenv("ATTNKIT_CALIBRATION", "measure")
     measured, calls = _fake_measurement(tiled={"call": 2e6})
     fresh_table.setattr(calibrate, "_measured", measured)
-    found = cost.table()
+    found = runtime.current().costs.table()
     assert calls and _tiled_call(found) == 2e6
     assert found.source.startswith(f"measured on this CPU, kept in {calibrate.cache_path()}")
     fresh_table.delenv("ATTNKIT_CALIBRATION")  # a later process, asking for nothing
     fresh_table.setattr(calibrate, "measure", _never_measure)
-    cost.use(None)
-    assert _tiled_call(cost.table()) == 2e6
+    runtime.current().costs.use(None)
+    assert _tiled_call(runtime.current().costs.table()) == 2e6
 
 
 def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_path):
@@ -171,7 +172,7 @@ def test_a_failed_calibration_prices_with_the_built_in_table(fresh_table, tmp_pa
         raise RuntimeError("no timer here")
 
     fresh_table.setattr(calibrate, "measure", failing)
-    found = cost.table()
+    found = runtime.current().costs.table()
     assert calibrate.factors(found) == calibrate.factors(cost.built_in())
     assert "no timer here" in found.source
     q = torch.randn(1, 2, 64, 16)
@@ -187,7 +188,7 @@ def test_a_table_measured_on_a_busy_cpu_is_kept_with_a_warning(fresh_table, capl
     fresh_table.setattr(calibrate, "_measured", measured)
     fresh_table.setattr(calibrate.time, "sleep", lambda s: None)
     with caplog.at_level(logging.WARNING, logger="attnkit"):
-        found = cost.table()
+        found = runtime.current().costs.table()
     assert len(calls) == calibrate.ATTEMPTS  # measured again after a pause
     assert _tiled_call(found) == 2e6 and calibrate.BUSY in found.source
     assert calibrate.cache_path().exists()  # asked for: kept all the same
@@ -202,20 +203,21 @@ def test_a_quiet_retry_leaves_no_warning(fresh_table, caplog):
     shares = iter([0.4, 0.97])
     fresh_table.setattr(calibrate, "_measured", lambda: ({}, next(shares)))
     fresh_table.setattr(calibrate.time, "sleep", lambda s: None)
-    found = cost.table()
+    found = runtime.current().costs.table()
     assert calibrate.BUSY not in found.source and calibrate.cache_path().exists()
     assert calibrate.BUSY not in caplog.text
 
 
 def test_the_measured_cost_of_short_blocks_picks_the_tile_height(fresh_table):
     """A CPU where short blocks run badly (a large tiled `short`) gets taller tiles."""
+    from attnkit.backends.tilecost import FACTORS
     from attnkit.backends.tileplan import best_plan
 
     mask = ak.sliding_window(255) & ak.causal()
     heights = {}
     for short in (0.01, 0.5):
-        cost.use(cost.CostTable("avx2", "a test", measured={"tiled": {"short": short}}))
-        heights[short] = best_plan(mask, 1, 8, 8, 4096, 4096).tile
+        table = cost.CostTable("avx2", "a test", measured={"tiled": {"short": short}})
+        heights[short] = best_plan(mask, 1, 8, 8, 4096, 4096, table.of("tiled", FACTORS)).tile
     assert heights[0.01] < heights[0.5]
 
 
@@ -235,7 +237,7 @@ def test_a_kept_table_naming_other_factors_than_a_backend_has_is_not_read(fresh_
     data["factors"]["tiled"]["old_name"] = 1.0
     path.write_text(json.dumps(data))
     assert calibrate._read(path) is None
-    assert cost.table() is cost.built_in()
+    assert runtime.current().costs.table() is cost.built_in()
     del data["factors"]["tiled"]["old_name"], data["factors"]["sdpa"]  # one backend absent
     path.write_text(json.dumps(data))
     kept = calibrate._read(path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.cli import in_cli_terms, main
 from attnkit.learn.benchmark import run_bench
 from attnkit.learn.console import Progress
@@ -190,7 +191,7 @@ def test_size_options_scale_with_the_call_when_left_out(capsys):
 
 def test_calibrate_command_keeps_the_table_and_prints_it(monkeypatch, tmp_path, capsys):
     from attnkit.backends import get_backend
-    from attnkit.call import calibrate, cost
+    from attnkit.call import calibrate
 
     path = tmp_path / "cost.json"
     monkeypatch.setenv("ATTNKIT_CALIBRATION", str(path))  # a file named: kept there
@@ -198,9 +199,11 @@ def test_calibrate_command_keeps_the_table_and_prints_it(monkeypatch, tmp_path, 
     monkeypatch.setattr(calibrate, "_measured", lambda: (measured, 0.97))  # a quiet CPU
     try:
         assert main(["calibrate"]) == 0
-        assert get_backend("tiled").factors()["call"] == 3e5  # this process prices with it too
+        assert (
+            get_backend("tiled").factors(runtime.current().costs.table())["call"] == 3e5
+        )  # this process prices with it too
     finally:
-        cost.use(None)
+        runtime.current().costs.use(None)
     captured = capsys.readouterr()
     assert f"kept in {path}" in captured.out and '"call": 300000.0' in captured.out
     assert "measuring the cost model" in captured.err and "warning" not in captured.err

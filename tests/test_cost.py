@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit._compat import CPU_KINDS
 from attnkit.backends import BACKENDS, get_backend
 from attnkit.backends.tilecost import pair_cost
@@ -58,15 +59,20 @@ def test_use_sets_the_table_and_none_decides_again():
     from attnkit.call.planner import cost_summary
 
     mine = cost.CostTable("avx2", "mine", measured={"sdpa": {"masked": 9.0}})
-    before = cost.table()
+    before = runtime.current().costs.table()
     try:
-        cost.use(mine)
-        assert cost.table() is mine and get_backend("sdpa").factors()["masked"] == 9.0
+        runtime.current().costs.use(mine)
+        assert (
+            runtime.current().costs.table() is mine
+            and get_backend("sdpa").factors(runtime.current().costs.table())["masked"] == 9.0
+        )
         assert "mine" in cost_summary() and "masked 9" in cost_summary()
-        cost.use(None)
-        assert cost.table() == before  # chosen again the same way (the tests pin avx2)
+        runtime.current().costs.use(None)
+        assert (
+            runtime.current().costs.table() == before
+        )  # chosen again the same way (the tests pin avx2)
     finally:
-        cost.use(before)
+        runtime.current().costs.use(before)
 
 
 def test_a_timed_factor_scales_its_default_and_is_never_free():
@@ -75,7 +81,7 @@ def test_a_timed_factor_scales_its_default_and_is_never_free():
 
 
 def test_short_blocks_cost_more_per_pair_and_256_rows_cost_the_base():
-    priced = get_backend("tiled").factors()
+    priced = get_backend("tiled").factors(runtime.current().costs.table())
     assert pair_cost(256, priced) == pytest.approx(priced["pair"])
     assert pair_cost(1024, priced) == pytest.approx(priced["pair"])  # capped at 256 rows
     costs = [pair_cost(rows, priced) for rows in (1, 16, 64, 128, 256)]
@@ -85,7 +91,7 @@ def test_short_blocks_cost_more_per_pair_and_256_rows_cost_the_base():
 
 def _call(dtype: torch.dtype, grad: bool, mask: ak.Mask | None) -> AttentionCall:
     q, k, v = (torch.randn(1, 2, 64, 16, dtype=dtype, requires_grad=grad) for _ in range(3))
-    return normalize_call(q, k, v, mask, scale=None, softcap=None, dropout_p=0.0)
+    return normalize_call(q, k, v, mask, table=runtime.current().costs.table())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -104,7 +110,9 @@ def test_sdpa_prices_half_training_as_half_only_where_its_kernel_computes_half()
     call = _call(torch.bfloat16, True, None)
     sdpa = get_backend("sdpa")
     half = precision.kernel_dtype(torch.bfloat16, call.q.device, bias=False) in precision.HALF
-    expected = sdpa.factors()["backward_half" if half else "backward"]
+    expected = sdpa.factors(runtime.current().costs.table())[
+        "backward_half" if half else "backward"
+    ]
     assert sdpa.training_factor(call) == expected
 
 

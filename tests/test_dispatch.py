@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.call import dispatch
 from attnkit.masks.structure import value_key
 from helpers import EXACT_BACKENDS, small_qkv
@@ -142,12 +143,14 @@ def test_the_cache_holds_neither_masks_nor_inputs():
     ak.attention(q, k, v, mask)
     ak.attention(q, k, v, tensor_mask)
     masks = [id(mask), id(tensor_mask)]
-    assert mask in dispatch._CALLS and tensor_mask in dispatch._CALLS
+    assert mask in runtime.current().calls and tensor_mask in runtime.current().calls
     alive = [weakref.ref(x) for x in (mask, tensor_mask, q, k, v)]
     del mask, tensor_mask, q, k, v
     gc.collect()
     assert all(ref() is None for ref in alive)
-    assert not any(i in dispatch._CALLS._by_object for i in masks)  # their entries went with them
+    assert not any(
+        i in runtime.current().calls._by_object for i in masks
+    )  # their entries went with them
 
 
 def test_masks_built_anew_share_the_calls_of_their_structure(plans):

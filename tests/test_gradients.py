@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.call.gradients import fused_gradients, serves
 from attnkit.contracts import normalize_call
 
@@ -41,7 +42,7 @@ def test_fused_gradients_equal_autograds(mask, with_lse):
     outputs = [out, lse] if with_lse else [out]
     grads = [dout, torch.where(torch.isfinite(lse), dlse, 0)] if with_lse else [dout]
     want = torch.autograd.grad(outputs, leaves, grads)
-    call = normalize_call(q, k, v, mask)
+    call = normalize_call(q, k, v, mask, table=runtime.current().costs.table())
     assert serves(call, None)
     got = fused_gradients(call, out.detach(), lse.detach(), dout, dlse)
     assert got is not None

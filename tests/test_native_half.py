@@ -154,32 +154,20 @@ def test_the_cost_prices_bfloat16_on_the_half_units_by_the_kinds_factor(monkeypa
     assert native.cost_factors.built_in("avx2")["bf16"] == 1.0
     q, k, v = _inputs(1, 8, 8, 2048, 2048, 64, 64, seed=0)
     monkeypatch.setenv(OVERRIDE_ENV, "native")
-    call = normalize_call(q, k, v, ak.causal(), scale=None, softcap=None, dropout_p=0.0)
-    alibi = normalize_call(
-        q, k, v, ak.causal() & ak.alibi(8), scale=None, softcap=None, dropout_p=0.0
-    )
+    table = cost.built_in("avx512_bf16")
+    call = normalize_call(q, k, v, ak.causal(), table=table)
+    alibi = normalize_call(q, k, v, ak.causal() & ak.alibi(8), table=table)
     assert half_units(call) and not half_units(alibi)
-    before = cost.table()
-    try:
-        cost.use(cost.built_in("avx512_bf16"))
-        fast = native.cost(call, need_lse=False)
-        monkeypatch.setenv(OVERRIDE_ENV, "float32")
-        assert not half_units(call)
-        slow = native.cost(call, need_lse=False)
-        call_cost = native.factors()["call"]
-        assert fast - call_cost == pytest.approx((slow - call_cost) * BF16_AVX512)
-        monkeypatch.setenv(OVERRIDE_ENV, "native")
-        grad = normalize_call(
-            *(t.requires_grad_() for t in (q, k, v)),
-            ak.causal(),
-            scale=None,
-            softcap=None,
-            dropout_p=0.0,
-        )
-        backward = native.factors()["backward_half"]
-        assert native.training_factor(grad) == pytest.approx(backward)
-    finally:
-        cost.use(before)
+    fast = native.cost(call, need_lse=False)
+    monkeypatch.setenv(OVERRIDE_ENV, "float32")
+    assert not half_units(call)
+    slow = native.cost(call, need_lse=False)
+    call_cost = native.factors(table)["call"]
+    assert fast - call_cost == pytest.approx((slow - call_cost) * BF16_AVX512)
+    monkeypatch.setenv(OVERRIDE_ENV, "native")
+    grad = normalize_call(*(t.requires_grad_() for t in (q, k, v)), ak.causal(), table=table)
+    backward = native.factors(table)["backward_half"]
+    assert native.training_factor(grad) == pytest.approx(backward)
 
 
 GRAD_MASKS = ["none", "causal", "padding", "causal_left_padding", "sliding", "prefix_lm"]

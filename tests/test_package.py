@@ -102,7 +102,7 @@ def test_one_version_in_the_metadata_and_the_changelog():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     top = re.search(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M)
     assert top is not None and top.group(1) == ak.__version__
-    assert '__version__ = "' in (ROOT / "src/attnkit/_version.py").read_text()
+    assert '__version__ = "' in (ROOT / "src/attnkit/__init__.py").read_text()
     assert "version =" not in (ROOT / "pyproject.toml").read_text().split("[tool.setuptools")[0]
 
 

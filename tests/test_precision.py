@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.call.planner import backend_for_run
 from attnkit.call.precision import OVERRIDE_ENV, kernel_dtype
 from attnkit.contracts import normalize_call
@@ -115,7 +116,7 @@ def test_the_run_takes_the_backend_explain_names_for_dense_calls():
         ak.causal(align="bottom_right"),
         ak.sliding_window(400, align="bottom_right"),
     ):
-        call = normalize_call(q, k, k, mask)
+        call = normalize_call(q, k, k, mask, table=runtime.current().costs.table())
         assert (
             backend_for_run(call, "auto", need_lse=False).name == ak.explain(q, k, k, mask).backend
         )

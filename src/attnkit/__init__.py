@@ -5,9 +5,11 @@ See DESIGN.md for the conventions: `True` = may attend, causal alignment never g
 empty rows give zeros.
 """
 
-from attnkit import flash_attn
-from attnkit._version import __version__ as __version__
-from attnkit.call import calibrate, cost
+__version__ = "0.1.0"  # the one place it is written (the package metadata reads it here)
+
+from attnkit import flash_attn, runtime
+from attnkit.call import calibrate
+from attnkit.call import cost as cost
 from attnkit.call.functional import attention, attention_with_lse, explain
 from attnkit.call.planner import Plan
 from attnkit.call.prepare import prepare
@@ -60,9 +62,9 @@ from attnkit.reference import (
 )
 from attnkit.softmax import masked_softmax
 
-# the planner prices with the table `attnkit.call.calibrate` chooses (built in for the CPU's
-# kind, or one `attnkit calibrate` kept), found at its first use; nothing is measured
-cost.measure_with(calibrate.active_table)
+# the process's state, made once: its planner prices with the table `attnkit.call.calibrate`
+# chooses (built in for the CPU's kind, or one `attnkit calibrate` kept) at its first use
+runtime.start(runtime.Runtime(calibrate.active_table))
 
 __all__ = [
     "BlockTableError",

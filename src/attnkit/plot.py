@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor
 
-from attnkit.backends import BACKENDS
+from attnkit import runtime
 from attnkit.call.functional import explain
 from attnkit.call.probs import attention_probs
 from attnkit.contracts import normalize_call
@@ -312,11 +312,11 @@ def computed_regions(
         True
     """
     backend = explain(q, k, v, mask, backend=backend).backend
-    call = normalize_call(q, k, v, mask)
+    call = normalize_call(q, k, v, mask, table=runtime.current().costs.table())
     d = call.dims
     if backend == "none":
         return backend, []
-    work = BACKENDS[backend].work(call)
+    work = runtime.current().backends.get(backend).work(call)
     if work is not None:
         return backend, [
             Region(b.row0, min(b.rows, d.L - b.row0), b.key0, min(b.keys, d.S - b.key0), b.causal)

@@ -54,13 +54,13 @@ class BlockwiseBackend(Backend):
         rows = _rows(call)
         first, last, lo, hi = _block_bounds(call, rows)  # (T,) each
         pairs = int(((hi - lo).clamp(min=0) * (last + 1 - first)).sum())
-        factors = self.factors()
+        factors = self.factors(call.table)
         return factors["pair"] * d.B * d.H * pairs + factors["call"] * math.ceil(d.L / rows)
 
     def cost_floor(self, call: AttentionCall) -> float:
         """At least one block's call, and a dense call's every pair: the planner prices
         no further below that."""
-        d, factors = call.dims, self.factors()
+        d, factors = call.dims, self.factors(call.table)
         dense = factors["pair"] * d.B * d.H * d.L * d.S if call.is_dense else 0.0
         return factors["call"] + dense
 

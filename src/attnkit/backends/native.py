@@ -31,9 +31,8 @@ from attnkit.contracts import AttentionCall
 from attnkit.masks import causal, sliding_window
 from attnkit.masks.biases import alibi_rows
 from attnkit.masks.spans import exact_spans
-from attnkit.native import unavailable
 from attnkit.native.backward import span_backward
-from attnkit.native.loader import version as kernels_version
+from attnkit.native.loader import Kernels
 from attnkit.native.ops import (
     DTYPES,
     ALiBi,
@@ -203,13 +202,16 @@ class NativeBackend(Backend):
     # kernel; on AVX512-BF16 `BF16_AVX512`, the forward's per-pair times over float32's
     # (`python benchmarks/native.py`: 0.61-0.75 at S = 1024 and 4096, packed documents aside)
 
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels  # the runtime's: loaded once, or being built
+
     @property
     def version(self) -> int:
         """1 once the kernels are loaded (a background build finishing re-plans calls)."""
-        return kernels_version()
+        return self.kernels.version
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
-        if (reason := unavailable()) is not None:
+        if (reason := self.kernels.unavailable()) is not None:
             return f"attnkit's native kernels are unavailable: {reason}"
         if call.q.device.type != "cpu":
             return f"the native kernels run on the CPU, not {call.q.device.type}"
@@ -254,7 +256,7 @@ class NativeBackend(Backend):
         return call.derived.get("native.tiles", make)
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
-        tiles, factors, d = self._tiles(call), self.factors(), call.dims
+        tiles, factors, d = self._tiles(call), self.factors(call.table), call.dims
         if d.L <= DECODE_ROWS:
             keys = factors["kv"] * d.Hkv + factors["head"] * d.H
             return keys * tiles.pairs + factors["step"]
@@ -263,10 +265,10 @@ class NativeBackend(Backend):
 
     def _dtype_factor(self, call: AttentionCall) -> float:
         """The kernel's work for the call's dtype over float32's: `bf16` on the half units."""
-        return self.factors()["bf16"] if half_units(call) else 1.0
+        return self.factors(call.table)["bf16"] if half_units(call) else 1.0
 
     def cost_floor(self, call: AttentionCall) -> float:
-        return self.factors()["step" if call.dims.L <= DECODE_ROWS else "call"]
+        return self.factors(call.table)["step" if call.dims.L <= DECODE_ROWS else "call"]
 
     def takes_step(self, call: AttentionCall) -> bool:
         """The decoding steps the kernel wins (`python benchmarks/native.py`'s decoding
@@ -281,7 +283,7 @@ class NativeBackend(Backend):
         q, d = call.q, call.dims
         if call.requires_grad or q.device.type != "cpu" or step_of(call) is None:
             return False
-        if q.dtype not in DTYPES or unavailable() is not None:
+        if q.dtype not in DTYPES or self.kernels.unavailable() is not None:
             return False
         shared = d.groups > 1 and d.B * d.groups * bucket(d.S) >= SHARED_KEYS
         return q.dtype in HALF or (q.dtype == torch.float32 and shared)
@@ -290,7 +292,7 @@ class NativeBackend(Backend):
         """A call whose pairs the kernel prices below SDPA's (its per-pair factor, times
         `bf16` on the half units, below 1: AVX512-BF16) is priced like any other;
         decoding steps are the ones `takes_step` takes."""
-        per_pair = self.factors()["pair"] * self._dtype_factor(call)
+        per_pair = self.factors(call.table)["pair"] * self._dtype_factor(call)
         return call.dims.L > DECODE_ROWS and per_pair < 1.0
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
@@ -369,7 +371,7 @@ class NativeBackend(Backend):
         """`call` from a tiny causal call; `pair` and `piece` scaled together by a causal
         256-key window on 4096 rows (net of the call); nothing where the kernels are not
         built (the backend then serves no call: its built-in factors stand)."""
-        if unavailable() is not None:
+        if self.kernels.unavailable() is not None:
             return {}
         measured = {"call": probe.attention(probe.inputs(16), causal(), self.name, runs=20)}
         window = sliding_window(255) & causal()

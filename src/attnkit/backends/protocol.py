@@ -129,10 +129,16 @@ class Backend:
     # the factors `cost` prices with, as built in per kind of CPU (none: its cost needs none)
     cost_factors: ClassVar[cost.Factors] = cost.Factors()
 
-    def factors(self) -> dict[str, float]:
-        """Its factors in the table the process prices with (`cost.table()`): measured on
-        this machine where `attnkit calibrate` kept them, else built in for the CPU's kind."""
-        return cost.table().of(self.name, self.cost_factors)
+    def factors(self, table: cost.CostTable | None) -> dict[str, float]:
+        """Its factors in `table` (a call's: `AttentionCall.table`, the runtime's table
+        when it was planned): measured on this machine where `attnkit calibrate` kept
+        them, else built in for the CPU's kind."""
+        if table is None:
+            raise RuntimeError(
+                f"{self.name} was asked its cost factors for a call made without a cost "
+                "table (normalize_call(..., table=attnkit.runtime.current().costs.table()))."
+            )
+        return table.of(self.name, self.cost_factors)
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Its factors timed on this CPU (`attnkit calibrate`), while the planner prices
@@ -144,7 +150,7 @@ class Backend:
     ) -> tuple[AttentionCall, float, float]:
         """One call of this backend: the call, the cost the table prices it at (during a
         calibration: the built-in defaults'), and the time it took, in units."""
-        call = normalize_call(*inputs, mask, scale=None, softcap=None, dropout_p=0.0)
+        call = normalize_call(*inputs, mask, scale=None, softcap=None, table=cost.BUILT_IN)
         return call, self.cost(call, need_lse=False), probe.attention(inputs, mask, self.name)
 
     @property
@@ -169,7 +175,7 @@ class Backend:
         1 for a call without gradient."""
         if not call.requires_grad:
             return 1.0
-        factors = self.factors()
+        factors = self.factors(call.table)
         half = call.q.dtype in HALF and "backward_half" in factors
         return factors.get("backward_half" if half else "backward", WORK_WITH_BACKWARD)
 

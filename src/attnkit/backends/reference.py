@@ -27,7 +27,7 @@ class ReferenceBackend(Backend):
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d = call.dims
-        return self.factors()["pair"] * d.B * d.H * d.L * d.S
+        return self.factors(call.table)["pair"] * d.B * d.H * d.L * d.S
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Its per-pair factor from a small causal call."""

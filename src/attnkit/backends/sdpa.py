@@ -246,7 +246,7 @@ class SdpaBackend(Backend):
         return None
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
-        d, factors = call.dims, self.factors()
+        d, factors = call.dims, self.factors(call.table)
         pairs = d.B * d.H * d.L * d.S
         converted = 0.0
         if precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias) != call.q.dtype:
@@ -264,7 +264,7 @@ class SdpaBackend(Backend):
             return 1.0
         q = call.q
         half = precision.kernel_dtype(q.dtype, q.device, bias=call.has_bias) in HALF
-        return self.factors()["backward_half" if half else "backward"]
+        return self.factors(call.table)["backward_half" if half else "backward"]
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Its kernel with a mask tensor and with `is_causal` (per pair it computes:

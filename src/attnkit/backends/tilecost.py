@@ -25,7 +25,7 @@ from attnkit.masks import causal, sliding_window
 if TYPE_CHECKING:
     from attnkit.backends.tiled import TiledBackend
 
-__all__ = ["FACTORS", "calibrate", "factors", "pair_cost"]
+__all__ = ["FACTORS", "calibrate", "pair_cost"]
 
 # tiled's cost factors (in units of dense SDPA's per pair), built in per kind of CPU:
 # `pair` per pair inside blocks of 256+ rows; `short`: blocks of R < 256 rows cost
@@ -42,11 +42,6 @@ FACTORS = cost.Factors(
     | {"backward": 3.7, "backward_half": 3.5},
     {"amx": {"pair": 1.33, "short": 0.099, "causal": 1.30, "call": 176_600.0}},
 )
-
-
-def factors() -> dict[str, float]:
-    """Tiled's factors in the table the process prices with (`cost.table()`)."""
-    return cost.table().of("tiled", FACTORS)
 
 
 def pair_cost(rows: int, priced: dict[str, float]) -> float:

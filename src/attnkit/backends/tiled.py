@@ -275,7 +275,8 @@ class TiledBackend(Backend):
         """The tile plan of a call: made once per prepared call, for cost and run."""
         d = call.dims
         return call.derived.get(
-            "tiled.plan", lambda: best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S, self.factors())
+            "tiled.plan",
+            lambda: best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S, self.factors(call.table)),
         )
 
     def notes(self, call: AttentionCall) -> list[str]:
@@ -298,9 +299,11 @@ class TiledBackend(Backend):
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         d, mask = call.dims, call.mask
-        estimate = self.plan(call).cost(d.H, d.groups, self.factors())
+        estimate = self.plan(call).cost(d.H, d.groups, self.factors(call.table))
         if mask is not None and has_dense_tensor(mask) and exact_spans(mask, d.B, d.L, d.S) is None:
-            estimate *= self.factors()["predicate"]  # block masks gathered from an L×S tensor
+            estimate *= self.factors(call.table)[
+                "predicate"
+            ]  # block masks gathered from an L×S tensor
         return estimate
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
@@ -314,7 +317,7 @@ class TiledBackend(Backend):
         d, mask = call.dims, call.mask
         causal = mask is not None and not call.has_bias and is_sdpa_causal(mask, d.L, d.S)
         pairs = d.B * d.H * d.L * d.S * (1.0 if call.is_dense else 0.5 if causal else 0.0)
-        factors = self.factors()
+        factors = self.factors(call.table)
         return factors["call"] + min(factors["pair"], factors["causal"]) * pairs
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:

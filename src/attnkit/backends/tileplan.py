@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from attnkit.backends.tilecost import factors, pair_cost
+from attnkit.backends.tilecost import pair_cost
 from attnkit.masks import Mask
 from attnkit.masks.spans import Spans, tile_bounds
 
@@ -282,19 +282,18 @@ def best_plan(
     Hkv: int,
     L: int,
     S: int,
-    priced: dict[str, float] | None = None,
+    priced: dict[str, float],
 ) -> TilePlan:
     """The plan of least estimated cost over the tile heights in `TILES`, with and
-    without causal runs as whole blocks, priced with tiled's factors `priced` (None: as
-    the process's table has them)."""
+    without causal runs as whole blocks, priced with tiled's factors `priced` (as the
+    call's cost table has them)."""
     tiles = [tile for tile in TILES if tile < 2 * L or tile == TILES[0]]
     spans = None if mask is None else mask.key_spans(B, L, S)  # read once for every height
     plans = [plan_tiles(mask, B, L, S, tile, spans=spans) for tile in tiles]
     segments = None if mask is None else Segments.find(mask, B, L, S, spans=spans)
     if segments is not None:
         plans += [plan_tiles(mask, B, L, S, tile, segments, spans=spans) for tile in tiles]
-    factors_now = priced if priced is not None else factors()
-    return min(plans, key=lambda p: p.cost(H, H // Hkv, factors_now))
+    return min(plans, key=lambda p: p.cost(H, H // Hkv, priced))
 
 
 def _merging_last(item: tuple[tuple[int, int, int, bool, bool], object]) -> tuple[object, ...]:

@@ -4,8 +4,8 @@ first.
 The one cache of prepared calls (`dispatch`) is keyed by everything that decides a
 call, a mask by the identity and version of its tensors, and bounded by these.
 
-That cache (`dispatch._CALLS`) is attnkit's one process-wide cache; the only other
-process state is the cost table, a value chosen once (`cost.table()`).
+That cache is the runtime's (`attnkit.runtime`: `Runtime.calls`), which holds all the
+process remembers.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -52,9 +53,9 @@ from pathlib import Path
 
 import torch
 
+from attnkit import runtime
 from attnkit._compat import CPU_KINDS, TORCH_SDPA, cpu_features, cpu_kind
-from attnkit._version import __version__
-from attnkit.backends import BACKENDS, Backend, Inputs
+from attnkit.backends import Backend, Inputs
 from attnkit.call import cost
 from attnkit.call.cost import BUILT_IN, CostTable
 from attnkit.call.functional import attention
@@ -68,8 +69,8 @@ _log = logging.getLogger("attnkit")
 
 
 def active_table() -> CostTable:
-    """The table `cost.table()` prices with, as `ATTNKIT_CALIBRATION` says (it measures
-    only when that says `measure`).
+    """The table a runtime chooses to price with (`Costs.table()`), as
+    `ATTNKIT_CALIBRATION` says (it measures only when that says `measure`).
 
     Returns:
         A `CostTable`: the CPU `kind` (`amx`, `avx512_bf16`, `avx512`, `avx2`, `other`),
@@ -133,7 +134,7 @@ def machine_key() -> dict[str, object]:
         "features": cpu_features(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "attnkit": __version__,
+        "attnkit": _installed_version(),
     }
 
 
@@ -180,7 +181,7 @@ def factors(table: CostTable) -> dict[str, dict[str, float]]:
     """
     return {
         b.name: table.of(b.name, b.cost_factors)
-        for b in BACKENDS.values()
+        for b in runtime.current().backends
         if b.cost_factors.default
     }
 
@@ -198,7 +199,7 @@ def _read(path: Path) -> CostTable | None:
     kept = data.get("factors")
     if not isinstance(kept, dict) or not kept or not all(_numbers(f) for f in kept.values()):
         return None
-    names = {b.name: set(b.cost_factors.default) for b in BACKENDS.values()}
+    names = {b.name: set(b.cost_factors.default) for b in runtime.current().backends}
     if any(name in names and set(f) != names[name] for name, f in kept.items()):
         return None
     when = data.get("when")
@@ -206,6 +207,14 @@ def _read(path: Path) -> CostTable | None:
     busy = f"; {BUSY}" if data.get("busy") else ""
     source = f"measured on this CPU, kept in {path}{date}{busy}"
     return CostTable(cpu_kind(), source, measured=kept)
+
+
+def _installed_version() -> str:
+    """attnkit's version as installed (`attnkit.__version__`, which the metadata reads)."""
+    try:
+        return importlib.metadata.version("attnkit")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "not installed"
 
 
 def _numbers(backend_factors: object) -> bool:
@@ -257,18 +266,21 @@ def measure() -> CostTable:
         >>> table.source.startswith("measured on this CPU"), "sdpa" in table.measured
         (True, True)
     """
-    previous = cost._ACTIVE
-    cost.use(BUILT_IN)  # the backends plan with the defaults while they are timed
+    costs, backends = runtime.current().costs, runtime.current().backends
+    previous = costs.chosen
+    costs.use(BUILT_IN)  # the backends plan with the defaults while they are timed
     try:
         with torch.no_grad():
             for _ in range(ATTEMPTS):
                 timed, share = _measured()
-                measured = {n: _checked(BACKENDS[n], f) for n, f in timed.items() if n in BACKENDS}
+                measured = {
+                    n: _checked(backends.get(n), f) for n, f in timed.items() if n in backends
+                }
                 if share >= QUIET_SHARE:
                     break
                 time.sleep(1.0)  # a compile's workers, another program: often short
     finally:
-        cost.use(previous)
+        costs.use(previous)
     when = time.strftime("%Y-%m-%d")
     source = f"measured on this CPU ({_cpu_model()}, {when})"
     if share < QUIET_SHARE:
@@ -281,7 +293,7 @@ def _measured() -> tuple[dict[str, dict[str, float]], float]:
     were timed (about 1 on a quiet CPU: the kernels' threads run, or spin, all along)."""
     cpu, wall = time.process_time(), time.perf_counter()
     probe = _Probe()
-    measured = {name: dict(probe.measured(name)) for name in BACKENDS}
+    measured = {b.name: dict(probe.measured(b.name)) for b in runtime.current().backends}
     share = (time.process_time() - cpu) / (time.perf_counter() - wall) / torch.get_num_threads()
     return {name: factors for name, factors in measured.items() if factors}, share
 
@@ -300,9 +312,10 @@ class _Probe:
         self._unit = self.time(lambda: TORCH_SDPA(q, k, v)) / (2 * L * L)
 
     def measured(self, backend: str) -> dict[str, float]:
-        if backend not in self._timed and backend in BACKENDS:
+        backends = runtime.current().backends
+        if backend not in self._timed and backend in backends:
             self._timed[backend] = {}  # being timed: a cycle of asks ends here
-            self._timed[backend] = BACKENDS[backend].calibrate(self)
+            self._timed[backend] = backends.get(backend).calibrate(self)
         return self._timed.get(backend, {})
 
     def inputs(self, L: int, H: int = 8) -> Inputs:
@@ -344,7 +357,7 @@ def _interleaved(fns: Sequence[Callable[[], object]], runs: int = 7) -> list[flo
 
 
 def main() -> int:
-    """`attnkit calibrate`: measure now, keep the table where `cost.table()` reads it
+    """`attnkit calibrate`: measure now, keep the table where the runtime's cost table is read from
     (`ATTNKIT_CALIBRATION`'s file if it names one, else this machine's in the cache
     directory), print it; a busy CPU gets a warning, and its table is kept all the same.
 
@@ -363,7 +376,7 @@ def main() -> int:
         measured on this CPU ...; kept in .../cost.json
         >>> status, os.path.exists(path)
         (0, True)
-        >>> ak.cost.use(None)  # from the next call, price as the environment says again
+        >>> ak.runtime.current().costs.use(None)  # price as the environment says again
         >>> folder.cleanup()
     """
     setting = os.environ.get("ATTNKIT_CALIBRATION", "").strip()
@@ -381,7 +394,7 @@ def main() -> int:
     except OSError as err:
         print(f"attnkit calibrate: cannot keep the table at {path} ({err})", file=sys.stderr)
         return 1
-    cost.use(kept)
+    runtime.current().costs.use(kept)
     print(json.dumps({"machine": machine_key(), "factors": factors(table)}, indent=1))
     print(f"{table.source}; kept in {path}")
     if BUSY in table.source:

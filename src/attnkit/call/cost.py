@@ -8,10 +8,10 @@ declares its factors as built in (`Factors`: the values timed on a 2-core AVX2 C
 each other measured kind's values that differ) and how to time them on this CPU
 (`Backend.calibrate`); this module names no backend.
 
-`table()` is chosen, never measured, at its first use: the one `attnkit calibrate`
-measured on this machine and kept, if there is one, else the one built in for this CPU's
-kind (`built_in`, `_compat.cpu_kind`), measured on a CPU of that kind or, for a kind not
-measured yet, the nearest measured kind's. No call measures unless asked
+A runtime's table (`Costs.table()`) is chosen, never measured, at its first use: the one
+`attnkit calibrate` measured on this machine and kept, if there is one, else the one
+built in for this CPU's kind (`built_in`, `_compat.cpu_kind`), measured on a CPU of that
+kind or, for a kind not measured yet, the nearest measured kind's. No call measures unless asked
 (`ATTNKIT_CALIBRATION=measure`), so the same call picks the same backend in every
 process, however loaded the machine; `explain` names the table. `attnkit.call.calibrate`
 reads `ATTNKIT_CALIBRATION` (`off`: the built-in table; a kind: that kind's; a path: the
@@ -36,12 +36,10 @@ __all__ = [
     "NEAREST",
     "TABLES",
     "CostTable",
+    "Costs",
     "Factors",
     "built_in",
-    "measure_with",
     "rescaled",
-    "table",
-    "use",
 ]
 
 # where each measured kind's factors were timed
@@ -105,7 +103,6 @@ def _built_in_source(kind: str) -> str:
 
 TABLES: dict[str, CostTable] = {kind: CostTable(kind, _built_in_source(kind)) for kind in CPU_KINDS}
 BUILT_IN = TABLES["avx2"]  # every backend's defaults: what prices while `attnkit calibrate` times
-_ACTIVE: CostTable | None = None
 
 
 def built_in(kind: str | None = None) -> CostTable:
@@ -116,30 +113,25 @@ def built_in(kind: str | None = None) -> CostTable:
     return TABLES[chosen]
 
 
-# where the table comes from at its first use: `attnkit.call.calibrate.active_table` (a kept
-# table, or the built-in one, as `ATTNKIT_CALIBRATION` says), set by the package
-# (calibrating runs attention, which prices with this module: the choosing is handed in,
-# so this module imports none of it)
-_MEASURE: Callable[[], CostTable] = built_in
+class Costs:
+    """The table a runtime prices with (`attnkit.runtime`): `choose()` picks it at its
+    first use (`attnkit.call.calibrate.active_table`: a kept table, or the one built in,
+    as `ATTNKIT_CALIBRATION` says), and it stays until `use` gives another. `changes`
+    counts the tables given, so plans made on an older one are made again."""
 
+    def __init__(self, choose: Callable[[], CostTable] = built_in) -> None:
+        self.choose = choose
+        self.chosen: CostTable | None = None
+        self.changes = 0
 
-def measure_with(source: Callable[[], CostTable]) -> None:
-    """Take the table from `source()` at its first use (`attnkit` sets the calibration)."""
-    global _MEASURE
-    _MEASURE = source
+    def table(self) -> CostTable:
+        """The table the planner prices with, chosen once: the one `attnkit calibrate`
+        kept for this machine, else the one built in for this CPU's kind."""
+        if self.chosen is None:
+            self.chosen = self.choose()
+        return self.chosen
 
-
-def table() -> CostTable:
-    """The table the planner prices with, chosen once per process: the one `attnkit
-    calibrate` kept for this machine, else the one built in for this CPU's kind
-    (`ATTNKIT_CALIBRATION` decides otherwise: `attnkit.call.calibrate`)."""
-    global _ACTIVE
-    if _ACTIVE is None:
-        _ACTIVE = _MEASURE()
-    return _ACTIVE
-
-
-def use(chosen: CostTable | None) -> None:
-    """Price with `chosen` from now on (None: decide again at the next call of `table`)."""
-    global _ACTIVE
-    _ACTIVE = chosen
+    def use(self, chosen: CostTable | None) -> None:
+        """Price with `chosen` from now on (None: choose again at the next `table()`)."""
+        self.chosen = chosen
+        self.changes += 1

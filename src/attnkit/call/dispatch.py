@@ -1,5 +1,5 @@
-"""Dispatch: one attention call from its arguments to a result, through the one cache of
-prepared calls.
+"""Dispatch: one attention call from its arguments to a result, through the runtime's
+cache of prepared calls (`attnkit.runtime`: `Runtime.calls`).
 
 The first call of a kind is prepared (`prepared.prepare_call`: validated, planned, the
 backend's kernel made) and kept under its `prepared.fit` key; a repeated call -- each
@@ -9,7 +9,7 @@ identity and version of the mask's tensors).
 
 Prepared calls are calls per mask (`permask.PerMask`: a mask by its object or, built
 anew, by its value with its tensors' identity; held weakly: they go when the mask or
-its tensors go), at most `PREPARED_PER_MASK` each, and never hold the mask or q, k, v
+its tensors go), at most `runtime.PREPARED_PER_MASK` each, and never hold the mask or q, k, v
 themselves.
 
 A decoding step (`attnkit.call.steps`: few queries, a mask that sees every key but key
@@ -23,7 +23,7 @@ it is given and runs it on its plan's backend (`Prepared.at_length`), where that
 can serve it. The backend of a step is chosen by a rule that reads S only by its
 bucket (`Backend.takes_step`), so a plan made afresh chooses the backend that served it.
 
-Bounds: `PREPARED_PER_MASK` fits per mask, four times that for calls without a mask, and
+Bounds: `runtime.PREPARED_PER_MASK` fits per mask, four times that for calls without a mask, and
 `permask.STRUCTURES_KEPT` masks found by value. The step key checks only what it
 leaves out: S >= 1, the same S in k and v, and the mask's own check. The compiled op and
 the context-parallel pieces' backward take their calls from this cache too (the op's
@@ -43,22 +43,21 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from attnkit.call.bounded import Bounded
+from attnkit import runtime
 from attnkit.call.fit import fit, inputs_kind
-from attnkit.call.permask import MaskTensors, PerMask
+from attnkit.call.permask import MaskTensors
 from attnkit.call.planner import step_order
 from attnkit.call.prepared import Prepared, prepare_call
 from attnkit.call.steps import StepKind, bucket, step_kind
 from attnkit.contracts import normalize_call
 from attnkit.masks import Mask
+from attnkit.runtime import MaskCalls
 
-__all__ = ["PREPARED_PER_MASK", "StepCalls", "attention_call", "clear", "prepared_call"]
+__all__ = ["StepCalls", "attention_call", "clear", "prepared_call"]
 
 MaskArg = Mask | Tensor | None
 # scale, softcap, dropout_p, backend, need_lse, check_bias
 Options = tuple[float | None, float | None, float, str, bool, bool]
-
-PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
 
 
 def attention_call(
@@ -169,7 +168,11 @@ def _lookup(
     steps = plain and grad is None and (mask is None or isinstance(mask, Mask))
     kind: StepKind = "dense"
     step = _step_key(q, k, v, mask, options, kind) if steps else None  # type: ignore[arg-type]
-    step_plan = None if step is None or not any_length_ok else _CALLS.of(None).plans.get(step)
+    step_plan = (
+        None
+        if step is None or not any_length_ok
+        else runtime.current().calls.of(None).plans.get(step)
+    )
     if step_plan is not None:  # a dense step: the kernel of its bucket
         return step_plan
     calls = _calls_of(mask)
@@ -182,7 +185,11 @@ def _lookup(
     if prepared is None and steps and step is None:  # a padded step: its bucket's backend
         kind = "padded"
         step = _step_key(q, k, v, mask, options, kind)  # type: ignore[arg-type]
-        step_plan = None if step is None or not any_length_ok else _CALLS.of(None).plans.get(step)
+        step_plan = (
+            None
+            if step is None or not any_length_ok
+            else runtime.current().calls.of(None).plans.get(step)
+        )
         if step_plan is not None:
             prepared = step_plan.at_length(q, k, v, mask)  # type: ignore[arg-type]
         if prepared is not None:
@@ -194,7 +201,9 @@ def _lookup(
         if key is not None:
             calls.plans.put(key, prepared)  # type: ignore[union-attr]
     if step is not None and _serves_steps(prepared, kind, q, k, v, mask):
-        _CALLS.of(None).plans.put(step, prepared)  # the steps of its bucket, any mask
+        runtime.current().calls.of(None).plans.put(
+            step, prepared
+        )  # the steps of its bucket, any mask
     return prepared
 
 
@@ -232,6 +241,7 @@ def _prepared(
         softcap=softcap,
         dropout_p=dropout_p,
         check_bias=check_bias,
+        table=runtime.current().costs.table(),
     )
     # a kernel takes the inputs as given: only where normalizing changed none of them,
     # and never for a tensor given as the mask (the kernel would hold it, and with it
@@ -292,28 +302,14 @@ def _step_key(
 # ------------------------------------------------------------------ the cache
 
 
-class _MaskCalls(MaskTensors):
-    """The prepared calls of one mask (or of calls without a mask), by `fit` key, and
-    the tensors whose identity and version every key holds (they die with the mask)."""
-
-    def __init__(self, mask: MaskArg) -> None:
-        super().__init__(mask, weak=True)
-        limit = 4 * PREPARED_PER_MASK if mask is None else PREPARED_PER_MASK
-        self.plans: Bounded[tuple[object, ...], Prepared] = Bounded(limit)
-
-
-# prepared calls by mask: a mask of numbers alone by its structure (a mask built anew
-# each step shares the calls of an equal one), others by their object
-_CALLS: PerMask[_MaskCalls] = PerMask(_MaskCalls)
-
-
-def _calls_of(mask: MaskArg) -> _MaskCalls | None:
-    """The prepared calls of `mask`; None for a mask argument of another type."""
+def _calls_of(mask: MaskArg) -> MaskCalls | None:
+    """The prepared calls of `mask` (the runtime keeps them); None for a mask argument of
+    another type."""
     if mask is None or isinstance(mask, Mask) or type(mask) is Tensor:
-        return _CALLS.of(mask)
+        return runtime.current().calls.of(mask)
     return None
 
 
 def clear() -> None:
     """Forget every prepared call (tests; after changing a backend by hand)."""
-    _CALLS.clear()
+    runtime.current().clear()

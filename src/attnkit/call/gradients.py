@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from attnkit.backends import BACKENDS, Backend
+from attnkit import runtime
+from attnkit.backends import Backend
 from attnkit.contracts import AttentionCall
 
 __all__ = ["fused_gradients", "serves"]
@@ -27,7 +28,7 @@ def serves(call: AttentionCall, scale: float | None) -> bool:
     takes it (`serves_backward`: sdpa, native or tiled, each saying which calls)."""
     if call.is_empty or (scale is not None and scale <= 0):
         return False
-    return any(b.serves_backward(call) for b in BACKENDS.values())
+    return any(b.serves_backward(call) for b in runtime.current().backends)
 
 
 def fused_gradients(
@@ -43,7 +44,7 @@ def fused_gradients(
     dtypes; None where no backend's fused backward takes the call. `first`: the backend
     that ran the forward, asked before the others (its backward is the one `auto`
     priced the call with)."""
-    others = [b for b in BACKENDS.values() if b is not first]
+    others = [b for b in runtime.current().backends if b is not first]
     for backend in ([first] if first is not None else []) + others:  # then sdpa, tiled
         if backend.serves_backward(call):
             grads = backend.backward(call, out, lse, dout, dlse)

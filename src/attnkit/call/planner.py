@@ -5,7 +5,7 @@
 table: built in for this CPU's kind, or measured here by `attnkit calibrate`, never by the
 call; a call autograd records at its forward and backward, `Backend.training_factor`; a
 backend whose cheap `cost_floor` is no better than the best priced so far is not
-priced) and picks the cheapest, ties to the earlier in `AUTO_ORDER` (or the one asked
+priced) and picks the cheapest, ties to the earlier in the registry's order (or the one asked
 for), and counts the work: `flops = 2·B·H·(allowed query-key pairs)·(D + Dv)`
 (flash-attention's convention for the forward pass).
 """
@@ -17,8 +17,8 @@ import math
 import textwrap
 from dataclasses import dataclass, field
 
-from attnkit.backends import AUTO_ORDER, BACKENDS, Backend, get_backend
-from attnkit.call import cost
+from attnkit import runtime
+from attnkit.backends import Backend
 from attnkit.call.steps import step_of
 from attnkit.contracts import AttentionCall
 from attnkit.masks.structure import count_allowed_pairs
@@ -146,10 +146,11 @@ def step_order(call: AttentionCall) -> list[Backend]:
     nor S but by its bucket: the same for every step of a bucket."""
     if call.softcap is not None or not (call.is_dense or step_of(call) is not None):
         return []
-    takers = [b for b in BACKENDS.values() if b.takes_step(call)]
-    if not takers and any(b.beats_dense(call) for b in BACKENDS.values()):
+    backends = runtime.current().backends
+    takers = [b for b in backends if b.takes_step(call)]
+    if not takers and any(b.beats_dense(call) for b in backends):
         return []  # priced: a kernel may beat the dense-fastest one here
-    return takers + [b for b in BACKENDS.values() if b.dense_fastest]
+    return takers + [b for b in backends if b.dense_fastest]
 
 
 def _dense_shortcut(call: AttentionCall, need_lse: bool) -> Backend | None:
@@ -167,9 +168,10 @@ def _pick(
     the estimated cost of each that can: a backend whose `cost_floor` (a cheap lower
     bound) is no better than the best priced so far gets that floor, unpriced (the
     last: those names)."""
-    refusals = {n: b.can_use(call, need_lse=need_lse) for n, b in BACKENDS.items()}
+    backends = runtime.current().backends
+    refusals = {b.name: b.can_use(call, need_lse=need_lse) for b in backends}
     if name != "auto":
-        backend = get_backend(name)
+        backend = backends.get(name)
         if refusals[name] is not None:
             raise ValueError(
                 f"backend {name!r} cannot serve this call: {refusals[name]}. Use "
@@ -178,8 +180,8 @@ def _pick(
         return backend, refusals, {}, set()
     costs: dict[str, float] = {}
     floored: set[str] = set()
-    for n in (n for n in AUTO_ORDER if refusals[n] is None):
-        backend = BACKENDS[n]
+    for backend in (b for b in backends if refusals[b.name] is None):
+        n = backend.name
         training = backend.training_factor(call)  # 1 without gradient
         floor = backend.cost_floor(call) * training
         if floor >= min(costs.values(), default=math.inf):
@@ -187,8 +189,8 @@ def _pick(
             floored.add(n)
         else:
             costs[n] = backend.cost(call, need_lse=need_lse) * training
-    chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in AUTO_ORDER
-    return BACKENDS[chosen], refusals, costs, floored
+    chosen = min(costs, key=costs.__getitem__)  # ties go to the earlier in the registry
+    return backends.get(chosen), refusals, costs, floored
 
 
 def choose_backend(
@@ -208,7 +210,7 @@ def choose_backend(
         reasons[shortcut.name] = None
         return shortcut, reasons
     if name != "auto":
-        for n in BACKENDS:
+        for n in reasons:
             reasons[n] = None if n == name else reasons[n] or f"not asked for (backend={name!r})"
         return backend, reasons
     chosen = backend.name
@@ -240,12 +242,13 @@ def _shapes(call: AttentionCall) -> dict[str, tuple[int, ...]]:
 
 def _empty_plan(call: AttentionCall, name: str) -> Plan:
     """Nothing to compute (B, H, L, Dv or S is 0): zeros, and no backend runs."""
+    backends = runtime.current().backends
     if name != "auto":
-        get_backend(name)  # an unknown name still raises
+        backends.get(name)  # an unknown name still raises
     why = "nothing to compute: B, H, L, Dv or S is 0, so the output is all zeros"
     return Plan(
         backend="none",
-        reasons=dict.fromkeys(BACKENDS, why),
+        reasons=dict.fromkeys(backends.names()[1:], why),
         flops=0,
         peak_bytes=0,
         shapes=_shapes(call),
@@ -258,12 +261,13 @@ def _empty_plan(call: AttentionCall, name: str) -> Plan:
 def cost_summary() -> str:
     """One line for `explain`: each backend's factors in the table the process prices
     with, and where they came from."""
+    table = runtime.current().costs.table()
     parts = [
-        f"{b.name} " + ", ".join(f"{name} {_figure(x)}" for name, x in b.factors().items())
-        for b in BACKENDS.values()
+        f"{b.name} " + ", ".join(f"{name} {_figure(x)}" for name, x in b.factors(table).items())
+        for b in runtime.current().backends
         if b.cost_factors.default
     ]
-    return f"cost model (× dense SDPA per pair): {'; '.join(parts)}; {cost.table().source}"
+    return f"cost model (× dense SDPA per pair): {'; '.join(parts)}; {table.source}"
 
 
 def _figure(x: float) -> str:
@@ -285,7 +289,8 @@ def plan_call(
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []
     notes += backend.notes(call)
     if name == "auto":  # the table it priced with (its figures where asked)
-        source = f"cost table: {cost.table().source}; its figures: explain(..., verbose=True)"
+        table = runtime.current().costs.table()
+        source = f"cost table: {table.source}; its figures: explain(..., verbose=True)"
         notes.append(cost_summary() if verbose else source)
     return Plan(
         backend=backend.name,

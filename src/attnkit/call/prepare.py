@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from attnkit import runtime
 from attnkit.call.dispatch import prepared_call
 from attnkit.call.documents import Documents, documents
 from attnkit.call.fit import fit
@@ -175,7 +176,14 @@ def _documents_plan(
     for n in sorted({n for lengths in packed.lengths for n in lengths}):
         scale, softcap, dropout_p = numbers
         one = (q[:1, :, :n], k[:1, :, :n], v[:1, :, :n])  # (1, H|Hkv, n, D|Dv)
-        call = normalize_call(*one, packed.inner, scale=scale, softcap=softcap, dropout_p=dropout_p)
+        call = normalize_call(
+            *one,
+            packed.inner,
+            scale=scale,
+            softcap=softcap,
+            dropout_p=dropout_p,
+            table=runtime.current().costs.table(),
+        )
         plans[n] = plan_call(call, backend, need_lse=need_lse, verbose=verbose)
     counts: Counter[str] = Counter()
     work: Counter[str] = Counter()

@@ -99,6 +99,7 @@ class Prepared:
         self.softcap, self.dropout_p = call.softcap, call.dropout_p
         self.kernel = kernel  # the backend's own prepared call, for inputs as given
         self.derived = call.derived  # what the backends derive on the first run
+        self.table = call.table  # the cost table it was planned with
         # the kernel may multiply hidden weights by values: K and V checked before it runs
         leaks = None if backend is None or backend.values_exact else may_leak(call)
         self.checks_values = leaks is not None
@@ -132,7 +133,9 @@ class Prepared:
         dims = replace(self.dims, S=k.shape[2])
         if mask is not None:  # what it sees: its key paddings (the rest sees every key)
             mask = step_padding(mask, dims.L, dims.S) or mask
-        call = AttentionCall(q, k, v, mask, None, scale, self.softcap, self.dropout_p, dims)
+        call = AttentionCall(
+            q, k, v, mask, None, scale, self.softcap, self.dropout_p, dims, table=self.table
+        )
         assert self.backend is not None  # a step is never empty
         if self.backend.can_use(call, need_lse=self.need_lse) is not None:
             return None
@@ -158,6 +161,7 @@ class Prepared:
             self.dropout_p,
             self.dims,
             self.derived,
+            table=self.table,
         )
 
     # ------------------------------------------------------------- attnkit.prepare's

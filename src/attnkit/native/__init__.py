@@ -10,6 +10,19 @@ builds them in the background while the composed backends serve (`loader`).
 
 from __future__ import annotations
 
-from attnkit.native.loader import library, unavailable
+from pathlib import Path
+
+from attnkit import runtime
 
 __all__ = ["library", "unavailable"]
+
+
+def library() -> tuple[Path | None, str | None]:
+    """The kernels loaded into this process, or None and the reason they are unavailable
+    (being built in the background: for now)."""
+    return runtime.current().kernels.get()
+
+
+def unavailable() -> str | None:
+    """Why the native kernels cannot run in this process now, or None where they can."""
+    return runtime.current().kernels.unavailable()

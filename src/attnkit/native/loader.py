@@ -1,7 +1,7 @@
 """Load the native kernels into this process, without a call ever waiting on a compiler.
 
 A process that finds the kernels built for its key loads them at its first question
-(`library()`, asked by the planner through `unavailable()`). Where they are not built
+(`Kernels.get`, asked by the planner through `unavailable()`). Where they are not built
 yet, `ATTNKIT_NATIVE=on` (the default) starts the build in the background (a child
 process of its own session, `python -m attnkit.native background`, its log beside the
 library) and answers "unavailable: being built": the composed backends serve, `explain`
@@ -24,7 +24,7 @@ import torch
 
 from attnkit.native.build import Home, build, home, setting
 
-__all__ = ["library", "unavailable"]
+__all__ = ["Kernels"]
 
 LOOK_EVERY = 1.0  # seconds between looks for a library being built in the background
 
@@ -69,9 +69,11 @@ class _Background:
         return lib is not None or failed is not None or self.child.poll() is not None
 
 
-class _Kernels:
+class Kernels:
     """What this process knows of its kernels: loaded or unavailable for good (`result`),
-    or being built in the background (`building`)."""
+    or being built in the background (`building`). The runtime holds one
+    (`attnkit.runtime`: a library loads into a process once, so a fresh runtime shares
+    its process's)."""
 
     def __init__(self) -> None:
         self.result: tuple[Path | None, str | None] | None = None
@@ -113,26 +115,11 @@ class _Kernels:
             print(loaded, file=sys.stderr, flush=True)
         return path, None
 
+    def unavailable(self) -> str | None:
+        """Why the kernels cannot run in this process now, or None where they can."""
+        return self.get()[1]
+
     @property
     def version(self) -> int:
         """0 until the kernels are loaded, then 1 (plans made meanwhile are made again)."""
         return 1 if self.get()[0] is not None else 0
-
-
-_KERNELS = _Kernels()  # the process's kernels: loaded once
-
-
-def library() -> tuple[Path | None, str | None]:
-    """The kernels loaded into this process, or None and the reason they are unavailable
-    (being built in the background: for now)."""
-    return _KERNELS.get()
-
-
-def unavailable() -> str | None:
-    """Why the native kernels cannot run in this process now, or None where they can."""
-    return _KERNELS.get()[1]
-
-
-def version() -> int:
-    """Changes once, when the kernels are loaded (the `native` backend's `version`)."""
-    return _KERNELS.version

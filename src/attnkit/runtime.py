@@ -1,0 +1,106 @@
+"""What the process remembers, in one object: the `Runtime`.
+
+What one call derives belongs to its plan (`attnkit.call.prepared`); what outlives calls
+lives here and nowhere else (a test finds any other module-level state):
+
+- `backends`: the registry (`attnkit.backends.registry`), in one order for ties in
+  `auto` and for which backward is asked first;
+- `costs`: the cost table the planner prices with, chosen at its first use
+  (`attnkit.call.cost.Costs`);
+- `kernels`: attnkit's native kernels, loaded once or being built in the background
+  (`attnkit.native.loader`);
+- `calls`: the prepared calls, one holder per mask (`attnkit.call.dispatch` keeps them).
+
+`current()` is the runtime calls use: the process's, which `attnkit` makes when it is
+imported (handing it the calibration that chooses its cost table), or the one a test
+entered with `fresh()`.
+
+Examples:
+    >>> from attnkit import runtime
+    >>> with runtime.fresh() as mine:  # new backends, costs and calls, for a while
+    ...     runtime.current() is mine
+    True
+    >>> "sdpa" in runtime.current().backends
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from attnkit.backends.registry import Registry, built_in
+from attnkit.call.bounded import Bounded
+from attnkit.call.cost import Costs, CostTable
+from attnkit.call.permask import MaskTensors, PerMask
+from attnkit.masks import Mask
+from attnkit.native.loader import Kernels
+
+if TYPE_CHECKING:
+    from attnkit.call.prepared import Prepared
+
+__all__ = ["PREPARED_PER_MASK", "MaskCalls", "Runtime", "current", "fresh", "start"]
+
+PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
+
+
+class MaskCalls(MaskTensors):
+    """The prepared calls of one mask (or of calls without a mask), by `fit` key, and
+    the tensors whose identity and version every key holds (they die with the mask)."""
+
+    def __init__(self, mask: Mask | Tensor | None) -> None:
+        super().__init__(mask, weak=True)
+        limit = 4 * PREPARED_PER_MASK if mask is None else PREPARED_PER_MASK
+        self.plans: Bounded[tuple[object, ...], Prepared] = Bounded(limit)
+
+
+class Runtime:
+    """The backends, the cost table, the native kernels and the prepared calls of a
+    process (or of a test: `fresh`)."""
+
+    def __init__(self, choose: Callable[[], CostTable], kernels: Kernels | None = None) -> None:
+        self.kernels = Kernels() if kernels is None else kernels
+        self.costs = Costs(choose)
+        self.backends = Registry(built_in(self.kernels))
+        self.calls: PerMask[MaskCalls] = PerMask(MaskCalls)
+
+    def state(self) -> tuple[int, int, int]:
+        """What every prepared call keys on besides its inputs: changes when a backend is
+        registered or removed, one's own state changes what it costs, or another cost
+        table is given."""
+        return (*self.backends.state(), self.costs.changes)
+
+    def clear(self) -> None:
+        """Forget every prepared call (tests; after changing a backend by hand)."""
+        self.calls.clear()
+
+
+_RUNTIMES: list[Runtime] = []  # the process's, then any a test entered (`fresh`)
+
+
+def start(runtime: Runtime) -> None:
+    """Make `runtime` the process's (`attnkit` does, once, when it is imported)."""
+    if _RUNTIMES:
+        raise RuntimeError("the process's runtime is made once, when attnkit is imported.")
+    _RUNTIMES.append(runtime)
+
+
+def current() -> Runtime:
+    """The runtime calls use now."""
+    return _RUNTIMES[-1]
+
+
+@contextlib.contextmanager
+def fresh() -> Iterator[Runtime]:
+    """A new runtime for the calls inside the block (its own backends, cost table and
+    prepared calls; the process's kernels and calibration), the previous one after."""
+    before = current()
+    runtime = Runtime(before.costs.choose, before.kernels)
+    _RUNTIMES.append(runtime)
+    try:
+        yield runtime
+    finally:
+        _RUNTIMES.remove(runtime)
