@@ -1,4 +1,5 @@
-"""Every torch-version and feature probe of attnkit, and nothing else.
+"""Every torch-version and feature probe of attnkit, and the typed doors to the few
+torch APIs its stubs leave untyped (`apply`, `eager`, `broadcast_shapes`).
 
 Core code asks these names; it never inspects `torch.__version__` itself.
 """
@@ -7,20 +8,27 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 __all__ = [
     "CPU_KINDS",
     "TORCH_SDPA",
     "AuxRequest",
+    "apply",
+    "broadcast_shapes",
     "cpu_features",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "cpu_flash_gqa",
     "cpu_kind",
     "dynamo_recompile_limit",
+    "eager",
     "flex_attention_module",
     "half_matmul_is_fast",
     "sdpa_zeroes_empty_rows",
@@ -31,6 +39,24 @@ __all__ = [
 # `F.scaled_dot_product_attention` to `attnkit.sdpa` (a drop-in's usual use) must not make
 # attnkit's backends call themselves
 TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def apply(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """`function.apply(*args)`: an autograd function's forward, recorded for backward."""
+    return function.apply(*args)  # type: ignore[no-untyped-call]
+
+
+def eager(fn: F) -> F:
+    """`torch.compiler.disable(fn)`: `fn` runs eagerly inside compiled code."""
+    return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+
+
+def broadcast_shapes(*shapes: tuple[int, ...] | torch.Size) -> torch.Size:
+    """`torch.broadcast_shapes`: the shape the given ones broadcast to (or a RuntimeError)."""
+    return cast(torch.Size, torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
 
 
 def cpu_flash_attention() -> Any | None:
@@ -203,15 +229,14 @@ def _probe_empty_rows() -> bool:
     visible = torch.tensor([[True, True, False], [False, False, False]])
     try:
         out = TORCH_SDPA(q, k, v, attn_mask=visible)
-        out.sum().backward()  # type: ignore[no-untyped-call]
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     except RuntimeError:
         return False
-    grads = (q.grad, k.grad, v.grad)
-    zero_row = bool((out[0, 0, 1] == 0).all()) and bool((q.grad[0, 0, 1] == 0).all())  # type: ignore[index]
-    return zero_row and all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    zero_row = bool((out[0, 0, 1] == 0).all()) and bool((dq[0, 0, 1] == 0).all())
+    return zero_row and all(bool(torch.isfinite(g).all()) for g in (dq, dk, dv))
 
 
-def torch_causal_bias() -> tuple[type, Any] | None:
+def torch_causal_bias() -> tuple[type[CausalBias], Any] | None:
     """torch's `CausalBias` tensor class and its `CausalVariant` enum
     (`torch.nn.attention.bias`, PyTorch 2.2+), or None: also while that module is not
     loaded, since no `CausalBias` exists then (importing it loads dynamo: seconds)."""

@@ -143,7 +143,7 @@ def in_cli_terms(message: str) -> str:
     return re.sub(r"\b(offset|window|right|chunk|prefix|length)=", r"--\1 ", message)
 
 
-def _count(minimum: int) -> type[int]:
+def _count(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:
@@ -151,7 +151,7 @@ def _count(minimum: int) -> type[int]:
         return value
 
     parse.__name__ = "int"  # argparse names the type in its errors
-    return parse  # type: ignore[return-value]
+    return parse
 
 
 KIND_HELP = (

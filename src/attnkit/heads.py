@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._compat import apply
 from attnkit.call.precision import compute_dtype
 from attnkit.errors import ShapeContractError
 
@@ -93,7 +94,8 @@ def repeat_kv_exact_grad(x: Tensor, groups: int) -> Tensor:
     """
     if groups == 1:
         return x
-    return _RepeatKV.apply(x, groups)  # type: ignore[no-untyped-call,no-any-return]
+    out: Tensor = apply(_RepeatKV, x, groups)
+    return out
 
 
 class _RepeatKV(torch.autograd.Function):

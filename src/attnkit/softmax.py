@@ -23,6 +23,7 @@ import math
 import torch
 from torch import Tensor
 
+from attnkit._compat import broadcast_shapes
 from attnkit.call.precision import compute_dtype
 from attnkit.errors import ShapeContractError
 from attnkit.masks import integer_mask_error
@@ -86,7 +87,7 @@ def masked_softmax(scores: Tensor, mask: Tensor | None = None, dim: int = -1) ->
     logits = scores.to(compute_dtype(scores.dtype))
     if mask is not None:
         try:
-            fits = torch.broadcast_shapes(mask.shape, scores.shape) == scores.shape  # type: ignore[no-untyped-call]
+            fits = broadcast_shapes(mask.shape, scores.shape) == scores.shape
         except RuntimeError:
             fits = False
         if not fits:

@@ -101,7 +101,8 @@ def _spans(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     spans = exact_spans(mask, d.B, d.L, d.S, "cpu")
     if spans is None:
         return None
-    return tuple(t.to(torch.long).clamp(0, d.S).expand(d.B, d.L).contiguous() for t in spans)  # type: ignore[return-value]
+    lo, hi = (t.to(torch.long).clamp(0, d.S).expand(d.B, d.L).contiguous() for t in spans)
+    return lo, hi
 
 
 def _alibi(call: AttentionCall) -> ALiBi | None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit._compat import cpu_flash_attention, cpu_flash_attention_backward
+from attnkit._compat import apply, cpu_flash_attention, cpu_flash_attention_backward
 from attnkit.backends import tilecost
 from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.backends.tilemask import Visibility
@@ -346,7 +346,7 @@ class TiledBackend(Backend):
         kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         vis, plan, rows_keys = self._visibility(call)
-        out, lse = _TiledAttention.apply(q, k, v, vis, plan, call.scale, rows_keys)  # type: ignore[no-untyped-call]
+        out, lse = apply(_TiledAttention, q, k, v, vis, plan, call.scale, rows_keys)
         return out.to(call.q.dtype), lse if need_lse else None
 
     def serves_backward(self, call: AttentionCall) -> bool:

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from attnkit._compat import eager
 from attnkit.call.dispatch import attention_call, prepared_call
 from attnkit.call.execute import execute, run_backend
 from attnkit.call.gradients import fused_gradients, serves
@@ -110,13 +111,13 @@ def _op_can_express(
     )
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+@eager
 def run_eagerly(fn: Callable[..., R], *args: Any) -> R:
     """`fn(*args)` run eagerly inside `torch.compile`d code: a graph break around it."""
     return fn(*args)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+@eager
 def _run_eagerly(
     q: Tensor,
     k: Tensor,
@@ -200,8 +201,8 @@ def attention_op(
     """
     mask = decode(mask_spec, mask_tensors)
     prepared = _prepared(q, k, v, mask, backend, scale, softcap, need_lse, requires_grad)
-    call = prepared.call(q, k, v, mask)
-    if prepared.backend is None:  # nothing to compute
+    call, chosen = prepared.call(q, k, v, mask), prepared.backend
+    if chosen is None:  # nothing to compute
         out, lse = execute(call, None, need_lse=True)
         kept = True
     else:
@@ -213,12 +214,12 @@ def attention_op(
                 or (
                     requires_grad
                     and serves(call, scale)
-                    and prepared.backend.can_use(call, need_lse=True) is None  # type: ignore[union-attr]
+                    and chosen.can_use(call, need_lse=True) is None
                 )
             ),
         )
         with torch.no_grad():
-            out, lse = run_backend(call, prepared.backend, need_lse=kept)
+            out, lse = run_backend(call, chosen, need_lse=kept)
         if requires_grad and not kept:
             lse = q.new_zeros(q.shape[:3], dtype=compute_dtype(q.dtype))
     lse_kept = torch.tensor(kept and requires_grad, device=q.device)

@@ -165,45 +165,37 @@ def _lookup(
     step of its bucket (then only `run` it: a dense step's sizes are another's). A step
     planned here serves the later steps of its bucket either way."""
     plain = type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
-    steps = plain and grad is None and (mask is None or isinstance(mask, Mask))
+    step_mask = mask if isinstance(mask, Mask) else None
+    steps = plain and grad is None and (mask is None or step_mask is not None)
+    # the steps' plans, kept beside the calls without a mask
+    step_plans = runtime.current().calls.of(None).plans
     kind: StepKind = "dense"
-    step = _step_key(q, k, v, mask, options, kind) if steps else None  # type: ignore[arg-type]
-    step_plan = (
-        None
-        if step is None or not any_length_ok
-        else runtime.current().calls.of(None).plans.get(step)
-    )
+    step = _step_key(q, k, v, step_mask, options, kind) if steps else None
+    step_plan = step_plans.get(step) if step is not None and any_length_ok else None
     if step_plan is not None:  # a dense step: the kernel of its bucket
         return step_plan
-    calls = _calls_of(mask)
-    plain = plain and calls is not None
+    calls = _calls_of(mask) if plain else None
+    plans = None if calls is None else calls.plans
     key = None
-    if plain:
-        state = calls.state()  # type: ignore[union-attr]
-        key = fit(q, k, v, q.shape, k.shape, v.shape, state, options, grad)
-    prepared = None if key is None else calls.plans.get(key)  # type: ignore[union-attr]
+    if calls is not None:
+        key = fit(q, k, v, q.shape, k.shape, v.shape, calls.state(), options, grad)
+    prepared = None if plans is None or key is None else plans.get(key)
     if prepared is None and steps and step is None:  # a padded step: its bucket's backend
         kind = "padded"
-        step = _step_key(q, k, v, mask, options, kind)  # type: ignore[arg-type]
-        step_plan = (
-            None
-            if step is None or not any_length_ok
-            else runtime.current().calls.of(None).plans.get(step)
-        )
+        step = _step_key(q, k, v, step_mask, options, kind)
+        step_plan = step_plans.get(step) if step is not None and any_length_ok else None
         if step_plan is not None:
-            prepared = step_plan.at_length(q, k, v, mask)  # type: ignore[arg-type]
+            prepared = step_plan.at_length(q, k, v, step_mask)
         if prepared is not None:
-            if key is not None:
-                calls.plans.put(key, prepared)  # type: ignore[union-attr]
+            if plans is not None and key is not None:
+                plans.put(key, prepared)
             return prepared
     if prepared is None:
         prepared = _prepared(q, k, v, mask, options, key, grad)
-        if key is not None:
-            calls.plans.put(key, prepared)  # type: ignore[union-attr]
+        if plans is not None and key is not None:
+            plans.put(key, prepared)
     if step is not None and _serves_steps(prepared, kind, q, k, v, mask):
-        runtime.current().calls.of(None).plans.put(
-            step, prepared
-        )  # the steps of its bucket, any mask
+        step_plans.put(step, prepared)  # the steps of its bucket, any mask
     return prepared
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._compat import apply
 from attnkit.backends import Backend
 from attnkit.call.precision import compute_dtype
 from attnkit.call.visibility import all_finite, may_leak, run_masking_values
@@ -42,9 +43,7 @@ def execute(
         return out, lse
     if not any(t.requires_grad for t in (call.q, call.k, call.v)):
         return out, lse
-    joined: tuple[Tensor, Tensor | None] = _Constant.apply(  # type: ignore[no-untyped-call]
-        out, lse, call.q, call.k, call.v
-    )
+    joined: tuple[Tensor, Tensor | None] = apply(_Constant, out, lse, call.q, call.k, call.v)
     return joined
 
 

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -133,11 +134,28 @@ def prepare_plan(
     if sinks is not None:
         sinks = check_sinks(sinks, q)
     lse = need_lse or sinks is not None  # sinks merge in through the log-sum-exp
-    mask = from_torch_mask(mask, length(q), length(k))  # type: ignore[assignment]
-    options = dict(scale=scale, softcap=softcap, dropout_p=dropout_p, backend=backend)
-    prepared = prepared_call(q, k, v, mask, **options, need_lse=lse)  # type: ignore[arg-type]
+    mask = cast(MaskLike, from_torch_mask(mask, length(q), length(k)))  # else refused later
+    prepared = prepared_call(
+        q,
+        k,
+        v,
+        mask,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        backend=backend,
+        need_lse=lse,
+    )
     packed = documents(mask, q, k)
-    route = partial(attend, mask=mask, **options, need_lse=lse)  # type: ignore[arg-type]
+    route = partial(
+        attend,
+        mask=mask,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        backend=backend,
+        need_lse=lse,
+    )
     numbers = (
         None if scale is None else float(scale),
         None if softcap is None else float(softcap),

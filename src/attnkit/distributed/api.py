@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._compat import apply
 from attnkit.contracts import normalize_call
 from attnkit.distributed.agree import agree
 from attnkit.distributed.comm import Group, group_of
@@ -91,7 +92,7 @@ def unshard(x_local: Tensor, layout: str = "zigzag", group: Any = None, *, dim: 
         >>> dist.destroy_process_group()
     """
     g = group_of(group)
-    out: Tensor = _Unshard.apply(x_local, g, layout, dim)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_Unshard, x_local, g, layout, dim)
     return out
 
 

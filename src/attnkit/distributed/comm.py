@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from attnkit._compat import apply
+
 __all__ = ["Group", "all_gather", "all_to_all_heads", "group_of"]
 
 
@@ -84,5 +86,5 @@ def _exchange(x: Tensor, group: Group, to_heads: bool) -> Tensor:
 
 
 def all_to_all_heads(x: Tensor, group: Group, *, to_heads: bool) -> Tensor:
-    out: Tensor = _AllToAllHeads.apply(x, group, to_heads)  # type: ignore[no-untyped-call]
+    out: Tensor = apply(_AllToAllHeads, x, group, to_heads)
     return out

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._compat import apply
 from attnkit.call.functional import attention_with_lse
 from attnkit.distributed.comm import Group, all_to_all_heads
 from attnkit.distributed.pieces import Accumulator, Problem
@@ -58,7 +59,7 @@ def run_strategy(
     if strategy == "ulysses":
         return _ulysses(problem, group, q, k, v)
     transport = TRANSPORTS[strategy]
-    out, lse = _KeysToQueries.apply(q, k, v, problem, group, transport, needs)  # type: ignore[no-untyped-call]
+    out, lse = apply(_KeysToQueries, q, k, v, problem, group, transport, needs)
     return out, lse
 
 

@@ -134,7 +134,7 @@ def read_cache(
     page_size, width = k_cache.shape[1], block_table.shape[1]
     used = torch.arange(width, device=end.device) * page_size < end  # (B, max_pages)
     pages = torch.where(used.to(block_table.device), block_table.long(), 0)  # (B, max_pages)
-    return tuple(t[pages].flatten(1, 2) for t in (k_cache, v_cache))  # type: ignore[return-value]
+    return k_cache[pages].flatten(1, 2), v_cache[pages].flatten(1, 2)
 
 
 def check_block_table(

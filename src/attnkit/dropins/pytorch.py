@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit._compat import AuxRequest
+from attnkit._compat import AuxRequest, broadcast_shapes
 from attnkit.call.functional import attention_with_lse
 from attnkit.call.route import attend
 from attnkit.dropins.flash_cache import check_block_table, decode_pages
@@ -157,17 +157,17 @@ def _flattened(
         lead = _broadcast(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         lead, heads = lead[:-1], (lead[-1],) * 3
     B = math.prod(lead)
-    flat = tuple(
+    qf, kf, vf = (
         t.expand(*lead, h, *t.shape[-2:]).reshape(B, h, *t.shape[-2:])
         for t, h in zip((q, k, v), heads, strict=True)
     )
-    return flat, lead  # type: ignore[return-value]
+    return (qf, kf, vf), lead
 
 
 def _broadcast(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """torch's broadcasting of leading dims, with its error on a mismatch."""
     try:
-        return tuple(torch.broadcast_shapes(*shapes))  # type: ignore[no-untyped-call]
+        return tuple(broadcast_shapes(*shapes))
     except RuntimeError as err:
         if isinstance(err, RecursionError):
             raise

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit._compat import eager
 from attnkit.call.dispatch import StepCalls
 from attnkit.integrations import ModFn, structure
 from attnkit.masks import Mask, causal, from_hf_attention_mask
@@ -112,7 +113,7 @@ def mask_function(
     return structured
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]  # reads masks as data: eager
+@eager  # reads masks as data
 def _structured(
     batch_size: int,
     q_length: int,

@@ -144,11 +144,11 @@ def from_torch_mask(mask: object, L: int | None = None, S: int | None = None) ->
     bias_types = torch_causal_bias()
     if bias_types is None or not isinstance(mask, bias_types[0]):
         return mask
-    sizes = (mask.seq_len_q, mask.seq_len_kv)  # type: ignore[attr-defined]
+    sizes = (mask.seq_len_q, mask.seq_len_kv)
     if L is not None and S is not None and sizes != (L, S):
         raise ShapeContractError(
             f"the CausalBias was made for L={sizes[0]} queries and S={sizes[1]} keys, but "
             f"the call has L={L} and S={S}; make it for these sizes, or pass "
             "attnkit.causal(align=...), which fits any size."
         )
-    return _ALIGNED[mask.variant.name]  # type: ignore[attr-defined]
+    return _ALIGNED[mask.variant.name]
