@@ -247,7 +247,6 @@ NOT_YET = {
     "attnkit._compat: @functools.cache half_matmul_is_fast",
     "attnkit._compat: @functools.cache cpu_kind",
     "attnkit._compat: @functools.cache sdpa_zeroes_empty_rows",
-    "attnkit.masks.base: Mask._kinds set at run time",
     "attnkit.masks.algebra: Mask._wrappers set at run time",
     "attnkit.masks.tensor: Mask._wrappers set at run time",
 }

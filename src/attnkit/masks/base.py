@@ -46,14 +46,9 @@ class Mask:
     # bool tensor, mask_mod, &, |, ~ -> Mask: `tensor.py` and `algebra.py` fill it, so
     # this module imports no kind
     _wrappers: ClassVar[dict[str, Callable[..., Mask]]] = {}
-    _kinds: ClassVar[dict[str, type[Mask]]] = {}  # every kind by class name (`masks.spec`)
 
     def __init__(self) -> None:
         """Masks are made by constructors (`causal`, `key_padding`, ...), not `Mask()`."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        Mask._kinds[cls.__name__] = cls
 
     # ------------------------------------------------------------ what a kind writes
 

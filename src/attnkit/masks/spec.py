@@ -1,7 +1,8 @@
 """A mask as a string and a list of tensors, and back: how masks cross `torch.compile`.
 
 `torch.library` custom ops take tensors, numbers and strings, not Python objects. A
-mask's structure (its kind and fields, nested for `&`, `|`, `~`) becomes a JSON string;
+mask's structure (its kind, as its class's `module:qualname`, and its fields, nested
+for `&`, `|`, `~`) becomes a JSON string;
 the tensors it holds (document ids, padding lengths, a tensor mask) become a list
 beside it, referenced as `{"#": i}`. `encode` is plain attribute reading and string
 formatting, which dynamo traces into constants with `fullgraph=True`; `decode` runs
@@ -13,8 +14,10 @@ The tensors are op inputs, so new document ids or lengths do not recompile.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import sys
 from typing import Any
 
 from torch import Tensor
@@ -33,7 +36,8 @@ def encode(mask: object, tensors: list[Tensor]) -> str:
     if isinstance(mask, Mask):
         fields = mask._fields()
         body = ", ".join(f"{_string(n)}: {encode(fields[n], tensors)}" for n in sorted(fields))
-        return f'{{"mask": {_string(type(mask).__name__)}, "fields": {{{body}}}}}'
+        kind = f"{type(mask).__module__}:{type(mask).__qualname__}"
+        return f'{{"mask": {_string(kind)}, "fields": {{{body}}}}}'
     if isinstance(mask, tuple):
         return "[" + ", ".join(encode(part, tensors) for part in mask) + "]"
     return _number(mask)
@@ -73,11 +77,22 @@ def decode(spec: str, tensors: list[Tensor]) -> Mask | Tensor | None:
     return built
 
 
+def _kind(name: str) -> type[Mask]:
+    """The mask class `module:qualname` names (the module is loaded: a mask of that kind
+    was encoded)."""
+    module, _, qualname = name.partition(":")
+    kind: Any = sys.modules.get(module) or importlib.import_module(module)
+    for part in qualname.split("."):
+        kind = getattr(kind, part)
+    assert isinstance(kind, type) and issubclass(kind, Mask), name
+    return kind
+
+
 def _build(value: Any, tensors: list[Tensor]) -> Any:
     if isinstance(value, dict) and "#" in value:
         return tensors[value["#"]]
     if isinstance(value, dict):
-        cls = Mask._kinds[value["mask"]]
+        cls = _kind(value["mask"])
         mask = cls.__new__(cls)  # fields as encoded: the original was validated
         for name, field in value["fields"].items():
             setattr(mask, name, _build(field, tensors))
