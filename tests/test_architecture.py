@@ -243,10 +243,6 @@ MUTATORS |= {"setdefault", "put", "popitem", "__setitem__"}
 STATE_HOLDER = "attnkit.runtime"
 # state not yet moved into the runtime (each entry goes when its state does)
 NOT_YET = {
-    "attnkit._compat: @functools.cache cpu_flash_gqa",
-    "attnkit._compat: @functools.cache half_matmul_is_fast",
-    "attnkit._compat: @functools.cache cpu_kind",
-    "attnkit._compat: @functools.cache sdpa_zeroes_empty_rows",
     "attnkit.masks.algebra: Mask._wrappers set at run time",
     "attnkit.masks.tensor: Mask._wrappers set at run time",
 }

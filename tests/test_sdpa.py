@@ -81,13 +81,15 @@ def test_a_call_that_needs_gradients_is_cleaned_first(poison, monkeypatch):
 @pytest.mark.parametrize("native", [True, False])
 def test_gqa_lse_and_flash_backward_with_and_without_the_ops_own_gqa(native, monkeypatch):
     """The log-sum-exp path and the flash backward give K/V with fewer heads to the CPU
-    flash op where it groups them itself (`cpu_flash_gqa`), else repeated: same result."""
+    flash op where it groups them itself (`TorchFacts.flash_gqa`), else repeated: same
+    result."""
     from attnkit.backends import BACKENDS
     from attnkit.contracts import normalize_call
 
-    if native and not sdpa_module.cpu_flash_gqa():
+    facts = BACKENDS["sdpa"].facts
+    if native and not facts.flash_gqa:
         pytest.skip("this torch's CPU flash op has no GQA")
-    monkeypatch.setattr(sdpa_module, "cpu_flash_gqa", lambda: native)
+    monkeypatch.setattr(facts, "flash_gqa", native)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(2, h, 10, 8, generator=g) for h in (6, 2, 2))
     mask = ak.causal()

@@ -20,18 +20,19 @@ __all__ = [
     "CPU_KINDS",
     "TORCH_SDPA",
     "AuxRequest",
+    "TorchFacts",
     "apply",
     "broadcast_shapes",
     "cpu_features",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
-    "cpu_flash_gqa",
     "cpu_kind",
     "dynamo_recompile_limit",
     "eager",
     "flex_attention_module",
     "half_matmul_is_fast",
-    "sdpa_zeroes_empty_rows",
+    "probe_empty_rows",
+    "probe_flash_gqa",
 ]
 
 
@@ -79,8 +80,22 @@ def cpu_flash_attention_backward() -> Any | None:
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
-@functools.cache
-def cpu_flash_gqa() -> bool:
+class TorchFacts:
+    """What the installed torch's CPU kernels do, probed at the first question and kept
+    (the runtime holds one: `attnkit.runtime`)."""
+
+    @functools.cached_property
+    def flash_gqa(self) -> bool:
+        """`probe_flash_gqa()`, once."""
+        return probe_flash_gqa()
+
+    @functools.cached_property
+    def zeroes_empty_rows(self) -> bool:
+        """`probe_empty_rows()`, once."""
+        return probe_empty_rows()
+
+
+def probe_flash_gqa() -> bool:
     """True if the CPU flash op and its backward take K/V with fewer heads than q (GQA,
     each K/V head serving H/Hkv query heads, its gradient summed over them) and agree
     with K/V repeated; where not, callers repeat K/V heads themselves."""
@@ -170,17 +185,13 @@ _HALF_UNITS = {
 }
 
 
-@functools.cache
 def half_matmul_is_fast(dtype: torch.dtype, device_type: str) -> bool:
     """True where `dtype` matrix products run at least at float32's speed.
 
     Always on GPUs; on CPUs with AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16
     (probed through torch.cpu's private `_is_*_supported`; absent probes read False).
     """
-    if device_type != "cpu":
-        return True
-    probes = _HALF_UNITS.get(dtype, ())
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    return device_type != "cpu" or dtype in _HALF_FAST
 
 
 def cpu_features() -> dict[str, bool]:
@@ -200,31 +211,42 @@ def cpu_features() -> dict[str, bool]:
 CPU_KINDS = ("amx", "avx512_bf16", "avx512", "avx2", "other")
 
 
-@functools.cache
 def cpu_kind() -> str:
     """This CPU's kind among `CPU_KINDS`: the best of the units attention uses that it has
     (AMX tiles, AVX512 with bfloat16, AVX512, AVX2), as `cpu_features` finds them."""
-    units = cpu_features()
+    return _CPU_KIND
+
+
+def _kind_of(units: dict[str, bool]) -> str:
     for kind, unit in (("amx", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512", "AVX512")):
         if units[unit]:
             return kind
     return "avx2" if units["AVX2"] else "other"
 
 
-@functools.cache
-def sdpa_zeroes_empty_rows() -> bool:
+# the CPU's facts, probed once at import (a few microseconds): its kind, and the half
+# dtypes its units multiply at least at float32's speed
+_CPU_KIND = _kind_of(cpu_features())
+_HALF_FAST = frozenset(
+    dtype
+    for dtype, probes in _HALF_UNITS.items()
+    if any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+)
+
+
+def probe_empty_rows() -> bool:
     """True if CPU `F.scaled_dot_product_attention` gives a query whose mask row is all
     False a zero output and zero gradients (it does in torch 2.5+, which attnkit's
-    fused path then relies on instead of cleaning such rows itself). Checked once, in a
-    fresh thread: the first caller may run under no_grad or inside an op's
-    implementation, where the probe's backward would fail and wrongly say no."""
+    fused path then relies on instead of cleaning such rows itself). Asked in a fresh
+    thread: the caller may run under no_grad or inside an op's implementation, where
+    the probe's backward would fail and wrongly say no."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_probe_empty_rows).result()
+        return pool.submit(_empty_rows_here).result()
 
 
-def _probe_empty_rows() -> bool:
+def _empty_rows_here() -> bool:
     q, k, v = (torch.ones(1, 1, n, 2, requires_grad=True) for n in (2, 3, 3))
     visible = torch.tensor([[True, True, False], [False, False, False]])
     try:

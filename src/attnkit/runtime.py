@@ -8,7 +8,8 @@ lives here and nowhere else (a test finds any other module-level state):
 - `costs`: the cost table the planner prices with, chosen at its first use
   (`attnkit.call.cost.Costs`);
 - `kernels`: attnkit's native kernels, loaded once or being built in the background
-  (`attnkit.native.loader`);
+  (`attnkit.native.loader`), and `facts`: what torch's CPU kernels do, probed once
+  (`attnkit._compat.TorchFacts`);
 - `calls`: the prepared calls, one holder per mask (`attnkit.call.dispatch` keeps them).
 
 `current()` is the runtime calls use: the process's, which `attnkit` makes when it is
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from attnkit._compat import TorchFacts
 from attnkit.backends.registry import Registry, built_in
 from attnkit.call.bounded import Bounded
 from attnkit.call.cost import Costs, CostTable
@@ -58,13 +60,19 @@ class MaskCalls(MaskTensors):
 
 
 class Runtime:
-    """The backends, the cost table, the native kernels and the prepared calls of a
-    process (or of a test: `fresh`)."""
+    """The backends, the cost table, the native kernels, torch's facts and the prepared
+    calls of a process (or of a test: `fresh`)."""
 
-    def __init__(self, choose: Callable[[], CostTable], kernels: Kernels | None = None) -> None:
+    def __init__(
+        self,
+        choose: Callable[[], CostTable],
+        kernels: Kernels | None = None,
+        facts: TorchFacts | None = None,
+    ) -> None:
         self.kernels = Kernels() if kernels is None else kernels
+        self.facts = TorchFacts() if facts is None else facts
         self.costs = Costs(choose)
-        self.backends = Registry(built_in(self.kernels))
+        self.backends = Registry(built_in(self.kernels, self.facts))
         self.calls: PerMask[MaskCalls] = PerMask(MaskCalls)
 
     def state(self) -> tuple[int, int, int]:
@@ -96,9 +104,10 @@ def current() -> Runtime:
 @contextlib.contextmanager
 def fresh() -> Iterator[Runtime]:
     """A new runtime for the calls inside the block (its own backends, cost table and
-    prepared calls; the process's kernels and calibration), the previous one after."""
+    prepared calls; the process's kernels, facts and calibration), the previous one
+    after."""
     before = current()
-    runtime = Runtime(before.costs.choose, before.kernels)
+    runtime = Runtime(before.costs.choose, before.kernels, before.facts)
     _RUNTIMES.append(runtime)
     try:
         yield runtime

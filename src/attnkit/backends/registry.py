@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from attnkit._compat import TorchFacts
 from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.backends.flex import FlexBackend
 from attnkit.backends.native import NativeBackend
@@ -23,10 +24,10 @@ from attnkit.native.loader import Kernels
 __all__ = ["Registry", "built_in"]
 
 
-def built_in(kernels: Kernels) -> list[Backend]:
+def built_in(kernels: Kernels, facts: TorchFacts) -> list[Backend]:
     """attnkit's backends, in their order (ties go to the earlier)."""
     return [
-        SdpaBackend(),
+        SdpaBackend(facts),
         NativeBackend(kernels),
         TiledBackend(),
         FlexBackend(),

@@ -28,10 +28,9 @@ from torch import Tensor
 
 from attnkit._compat import (
     TORCH_SDPA,
+    TorchFacts,
     cpu_flash_attention,
     cpu_flash_attention_backward,
-    cpu_flash_gqa,
-    sdpa_zeroes_empty_rows,
 )
 from attnkit.backends.protocol import Backend, Probe
 from attnkit.call import cost, precision
@@ -62,7 +61,14 @@ def _attn_mask(
 
 
 def _masked_inputs(
-    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, need_lse: bool, *, clean: bool = True
+    call: AttentionCall,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    need_lse: bool,
+    *,
+    clean: bool = True,
+    zeroes: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """(q, k, v) with what no one sees zeroed, the kernel's mask, and the (B|1, H|1, L)
     rows that see a key (None if all do).
@@ -71,8 +77,9 @@ def _masked_inputs(
     per mask and size (`visibility.seen`), and a mask under which every row sees every
     key (bottom-right causal at L = 1: decoding) is no mask at all. Otherwise from the
     dense mask, cleaned only where the kernel could not hide what it hides by itself
-    (`_kernel_hides_unseen`). `clean=False`: the kernel's mask alone, inputs as given
-    (`run` checks the output instead).
+    (`_kernel_hides_unseen`; `zeroes`: the kernel gives rows that see nothing zeros,
+    `TorchFacts.zeroes_empty_rows`). `clean=False`: the kernel's mask alone, inputs as
+    given (`run` checks the output instead).
     """
     d, mask = call.dims, call.mask
     if mask is not None and not call.has_bias and mask.sees_all(d.L, d.S):
@@ -96,7 +103,7 @@ def _masked_inputs(
             return q, k, v, _attn_mask(dense, None, q.dtype, as_float=need_lse), rows
     visible = None if mask is None else mask.dense(d.B, d.H, d.L, d.S, q.device)
     effective = effective_visibility(visible, call.bias)  # (B|1, H|1, L, S)
-    if _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
+    if zeroes and _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
         rows = None if not need_lse or effective is None else effective.any(-1)
     else:
         q, k, v, rows = hide_unseen(q, k, v, effective)
@@ -114,12 +121,13 @@ def _spans(
 def _kernel_hides_unseen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
     """True where the kernel alone gets hidden rows and keys right: finite inputs whose
     scores cannot overflow (an infinite score plus the mask's -inf is NaN), on a kernel
-    that gives rows seeing nothing zero outputs and gradients (PyTorch's CPU kernel).
+    that gives rows seeing nothing zero outputs and gradients (PyTorch's CPU kernel: the
+    caller knows).
 
     Costs one min/max pass over q, k, v instead of the (L, S) reductions and the copies
     of `hide_unseen`.
     """
-    if q.device.type != "cpu" or not sdpa_zeroes_empty_rows():
+    if q.device.type != "cpu":
         return False
     peaks = [
         max(-float(lo), float(hi)) for lo, hi in (torch.aminmax(t.detach()) for t in (q, k, v))
@@ -131,7 +139,7 @@ def _kernel_hides_unseen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
 _SAFE_SCORE = 1e30  # far below float32's overflow (3.4e38), even after the mask's bias
 
 
-def _check_instead_of_cleaning(call: AttentionCall, need_lse: bool) -> bool:
+def _check_instead_of_cleaning(call: AttentionCall, need_lse: bool, zeroes: bool) -> bool:
     """True where a finite output from the inputs as given is the exact result, so the
     cleaning (passes over all of K and V per call, what decoding against a padded cache
     pays) can wait until the output shows a non-finite value.
@@ -140,14 +148,15 @@ def _check_instead_of_cleaning(call: AttentionCall, need_lse: bool) -> bool:
     values there never change the output, and NaN or Inf there shows as a non-finite
     output; a row that sees nothing comes out 0 from PyTorch's CPU kernel. Gradients
     are another matter (dq = dS·K reads unseen keys: 0·NaN), so only calls that need
-    none, and no log-sum-exp, no dropout, take this path.
+    none, and no log-sum-exp, no dropout, take this path; `zeroes`: the kernel gives
+    rows that see nothing zeros (`TorchFacts.zeroes_empty_rows`).
     """
     return (
         not need_lse
         and call.dropout_p == 0
         and not call.requires_grad
         and call.q.device.type == "cpu"
-        and sdpa_zeroes_empty_rows()
+        and zeroes
     )
 
 
@@ -230,6 +239,9 @@ class SdpaBackend(Backend):
     # 9 ms for the same call in bfloat16). `backward`: forward+backward over forward, the
     # `training_factor` (float32 3.9 at S = 4096 on a 2-core AVX512-BF16 CPU, none and
     # causal alike); `backward_half` where the kernel computes half as it is (2.9-3.1)
+
+    def __init__(self, facts: TorchFacts) -> None:
+        self.facts = facts  # what torch's CPU kernels do (the runtime's, probed once)
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.softcap is not None:
@@ -314,7 +326,7 @@ class SdpaBackend(Backend):
         kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device)
         q, k, v = (t.to(kernel_dtype) for t in (call.q, call.k, call.v))
         # the op's own GQA sums a K/V head's G gradients in `kernel_dtype`: float32 only
-        repeat = d.groups > 1 and (kernel_dtype in HALF or not cpu_flash_gqa())
+        repeat = d.groups > 1 and (kernel_dtype in HALF or not self.facts.flash_gqa)
         if repeat:
             k, v = k.repeat_interleave(d.groups, 1), v.repeat_interleave(d.groups, 1)
         out, dout = out.to(kernel_dtype), unit_last_stride(dout.to(kernel_dtype))
@@ -353,7 +365,8 @@ class SdpaBackend(Backend):
         attn_mask = None
         if mask is not None and not is_causal:
             attn_mask = _masked_inputs(call, call.q, call.k, call.v, False, clean=False)[3]
-            if attn_mask is not None and not _check_instead_of_cleaning(call, need_lse):
+            checks = _check_instead_of_cleaning(call, need_lse, self.facts.zeroes_empty_rows)
+            if attn_mask is not None and not checks:
                 return None  # cleaning first (gradients, dropout, other devices)
         return _Kernel(
             call.q.dtype,
@@ -375,17 +388,18 @@ class SdpaBackend(Backend):
             q, k, v = q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype)
         is_causal = self._is_causal(call)
         if (call.mask is not None and not is_causal) or call.has_bias:
-            if _check_instead_of_cleaning(call, need_lse):
+            if _check_instead_of_cleaning(call, need_lse, self.facts.zeroes_empty_rows):
                 kernel = self._kernel(call, need_lse)  # None under a bias
                 out = None if kernel is None else kernel(call.q, call.k, call.v)
                 if out is not None:
                     return out, None
-            q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse)
+            zeroes = self.facts.zeroes_empty_rows
+            q, k, v, attn_mask, rows = _masked_inputs(call, q, k, v, need_lse, zeroes=zeroes)
         # half K/V heads repeated by attnkit, so that their G gradients sum in float32
         # (PyTorch's CPU kernels sum them in half); float32 and forward-only calls use
         # the kernel's own GQA (the flash op's where it has one)
         repeat = d.groups > 1 and (
-            (need_lse and not cpu_flash_gqa()) or (kernel_dtype in HALF and call.requires_grad)
+            (need_lse and not self.facts.flash_gqa) or (kernel_dtype in HALF and call.requires_grad)
         )
         if repeat:
             k, v = repeat_kv_exact_grad(k, d.groups), repeat_kv_exact_grad(v, d.groups)

@@ -13,7 +13,7 @@ then faster and also more precise.
 `ATTNKIT_HALF_KERNELS=native|float32` overrides the probe, and the test matrix runs both
 paths on every machine. On the native half path GQA K/V are repeated by
 `heads.repeat_kv_exact_grad` (its backward sums the G heads in float32; float32 calls
-use the kernels' own GQA, the CPU flash op's too where `_compat.cpu_flash_gqa` finds
+use the kernels' own GQA, the CPU flash op's too where `_compat.TorchFacts.flash_gqa` finds
 it), `tiled` merges block results and sums block gradients in float32 buffers, and a
 call with a score bias (alibi, a float mask) runs in float32. Flex on CPU computes half
 in float32.
