@@ -614,7 +614,7 @@ def test_calibration_without_the_kernels_times_nothing(monkeypatch):
     """`attnkit calibrate` on a machine where the kernels are not built (ATTNKIT_NATIVE=off,
     no compiler) keeps native's built-in factors instead of failing on its probe."""
     from attnkit.backends import get_backend
-    from attnkit.backends import native as backend_module
 
-    monkeypatch.setattr(backend_module, "unavailable", lambda: "disabled by a test")
-    assert get_backend("native").calibrate(None) == {}  # type: ignore[arg-type]
+    native = get_backend("native")
+    monkeypatch.setattr(native.kernels, "unavailable", lambda: "disabled by a test")
+    assert native.calibrate(None) == {}  # type: ignore[arg-type]
