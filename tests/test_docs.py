@@ -22,6 +22,7 @@ PUBLIC = (
     "attnkit.distributed",
     "attnkit.integrations.transformers",
     "attnkit.call.calibrate",
+    "attnkit.runtime",
 )
 
 

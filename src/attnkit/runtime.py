@@ -44,7 +44,7 @@ from attnkit.native.loader import Kernels
 if TYPE_CHECKING:
     from attnkit.call.prepared import Prepared
 
-__all__ = ["PREPARED_PER_MASK", "MaskCalls", "Runtime", "current", "fresh", "start"]
+__all__ = ["PREPARED_PER_MASK", "Runtime", "current", "fresh", "start"]
 
 PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
 
@@ -61,7 +61,24 @@ class MaskCalls(MaskTensors):
 
 class Runtime:
     """The backends, the cost table, the native kernels, torch's facts and the prepared
-    calls of a process (or of a test: `fresh`)."""
+    calls of a process (or of a test: `fresh`).
+
+    Args:
+        choose: makes the cost table at its first use (`attnkit.call.calibrate.
+            active_table` for the process's: a kept table, or the one built in for the
+            CPU's kind).
+        kernels: the native kernels to share (None: new ones; a library loads into a
+            process once, so `fresh` shares the process's).
+        facts: what torch's CPU kernels do, probed once (None: probed anew).
+
+    Examples:
+        >>> from attnkit import runtime
+        >>> mine = runtime.Runtime(ak.cost.built_in, runtime.current().kernels)
+        >>> mine.backends.names()  # one order: ties in `auto`, backward precedence
+        ('auto', 'sdpa', 'native', 'tiled', 'flex', 'blockwise', 'reference')
+        >>> mine.costs.table().kind == ak.cost.built_in().kind
+        True
+    """
 
     def __init__(
         self,
@@ -90,14 +107,35 @@ _RUNTIMES: list[Runtime] = []  # the process's, then any a test entered (`fresh`
 
 
 def start(runtime: Runtime) -> None:
-    """Make `runtime` the process's (`attnkit` does, once, when it is imported)."""
+    """Make `runtime` the process's (`attnkit` does, once, when it is imported).
+
+    Args:
+        runtime: the process's runtime.
+
+    Examples:
+        >>> from attnkit import runtime
+        >>> runtime.start(runtime.current())  # attnkit made it already
+        Traceback (most recent call last):
+        ...
+        RuntimeError: the process's runtime is made once, when attnkit is imported.
+    """
     if _RUNTIMES:
         raise RuntimeError("the process's runtime is made once, when attnkit is imported.")
     _RUNTIMES.append(runtime)
 
 
 def current() -> Runtime:
-    """The runtime calls use now."""
+    """The runtime calls use now: the process's, or the one a `fresh` block entered.
+
+    Returns:
+        The `Runtime` whose backends, cost table, kernels and prepared calls a call
+        reads.
+
+    Examples:
+        >>> from attnkit import runtime
+        >>> runtime.current().costs.table().source.startswith("built in for")
+        True
+    """
     return _RUNTIMES[-1]
 
 
@@ -105,7 +143,20 @@ def current() -> Runtime:
 def fresh() -> Iterator[Runtime]:
     """A new runtime for the calls inside the block (its own backends, cost table and
     prepared calls; the process's kernels, facts and calibration), the previous one
-    after."""
+    after.
+
+    Returns:
+        A context manager giving the new `Runtime`.
+
+    Examples:
+        >>> from attnkit import runtime
+        >>> before = runtime.current()
+        >>> with runtime.fresh() as mine:
+        ...     mine is runtime.current() and mine is not before
+        True
+        >>> runtime.current() is before
+        True
+    """
     before = current()
     runtime = Runtime(before.costs.choose, before.kernels, before.facts)
     _RUNTIMES.append(runtime)
