@@ -1,4 +1,4 @@
-"""Masks without structure of their own (`masks.tensor`): bool tensors, `Mask.from_mod`."""
+"""Masks without structure of their own (`masks.base`): bool tensors, `Mask.from_mod`."""
 
 from __future__ import annotations
 

@@ -27,8 +27,7 @@ import torch
 from torch import Tensor
 
 from attnkit.masks import Mask
-from attnkit.masks.algebra import _Combine
-from attnkit.masks.base import and_masks
+from attnkit.masks.base import _Combine, and_masks
 from attnkit.masks.positions import _Causal, _SlidingWindow
 from attnkit.masks.tokens import _Document
 

@@ -17,7 +17,7 @@ the caller with the mask's state (the identity and version of its tensors), and 
 A mask's value is its public attributes (`Mask._fields`); what a kind remembers about
 itself (the caller's tensor, a tensor mask's row intervals per version) is private and
 no part of it. The caller's tensor is kept by every wrapper `as_mask` makes of it
-(`masks.tensor.given_tensor`).
+(`masks.base.given_tensor`).
 
 `MaskTensors` finds the tensors a mask's state is made of once, and gives that state
 (`mask_state`: their identity, version and size), which every key of a prepared call
@@ -34,8 +34,8 @@ from torch import Tensor
 
 from attnkit.call.bounded import Bounded
 from attnkit.masks import Mask
+from attnkit.masks.base import given_tensor
 from attnkit.masks.structure import value_key
-from attnkit.masks.tensor import given_tensor
 
 __all__ = ["STRUCTURES_KEPT", "MaskTensors", "PerMask", "mask_state"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from attnkit.masks import Mask
-from attnkit.masks.algebra import _Combine
+from attnkit.masks.base import _Combine
 from attnkit.masks.tokens import _KeyPadding
 
 if TYPE_CHECKING:

@@ -15,8 +15,7 @@ from attnkit._compat import eager
 from attnkit.call.dispatch import StepCalls
 from attnkit.integrations import ModFn, structure
 from attnkit.masks import Mask, causal, from_hf_attention_mask
-from attnkit.masks.algebra import _Combine
-from attnkit.masks.base import as_mask
+from attnkit.masks.base import _Combine, as_mask
 
 __all__ = ["PreparedMask", "mask_function"]
 

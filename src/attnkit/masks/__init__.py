@@ -13,7 +13,6 @@ Conventions ([Design §2][2-semantics-that-never-change]):
   `from_hf_attention_mask` and `from_additive_mask`.
 """
 
-from attnkit.masks import algebra, tensor  # noqa: F401  (fill Mask's wrappers: &, |, ~, tensors, mask_mods)
 from attnkit.masks.base import Align, Mask, Predicate, and_masks, as_mask, or_masks
 from attnkit.masks.biases import alibi, alibi_bias, alibi_slopes
 from attnkit.masks.checks import (

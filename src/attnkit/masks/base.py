@@ -1,34 +1,52 @@
-"""The `Mask` protocol: a visibility rule over `(b, h, i, j)`, and its algebra (`&`, `|`, `~`).
+"""The `Mask`: a visibility rule over `(b, h, i, j)` (`rule.py`) and its algebra, with
+the kinds the algebra makes, which must live beside it: `a & b`, `a | b` (`_Combine`),
+`~a` (`_Not`), a bool tensor (`_TensorMask`) and a `mask_mod` function (`_ModMask`).
 
-A kind writes its `predicate`, `key_spans`, `describe` (and `bias`, `check`, ... where
-it has them); the rest derives from those in `structure.py`. The kinds `&`, `|` and `~`
-make live in `algebra.py`.
+`&` intersects the parts' key spans row by row (exact where every part's are), `|` takes
+their hull (a superset); a bias such as `alibi` combines by `&` only.
+
+A bool tensor broadcastable to (B, H, L, S) is accepted wherever a `Mask` is
+(`as_mask`); where each row's True entries form one run its spans are read from it
+(`masks.intervals`, once per wrapper and version of the tensor), so a (B, 1, L, S)
+padded causal mask from a framework runs as fast as the structured kind it is.
+`Mask.from_mod(fn)` wraps any FlexAttention-style `fn(b, h, q_idx, kv_idx) -> bool`:
+it has no structure (flex runs it natively, `sdpa` and `reference` evaluate it densely,
+`tiled` block by block unless it differs between heads, probed once by calling it on
+two heads); inside `torch.compile` such a call runs eagerly (a graph break). A bool
+tensor given as the mask is found again by the caller's tensor object
+(`given_tensor`), so a mask tensor passed again is planned once.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from attnkit.errors import MaskError
-from attnkit.masks.checks import integer_mask_error, not_a_mask_error
+from attnkit.masks.checks import (
+    batch_of,
+    check_broadcastable,
+    integer_mask_error,
+    not_a_mask_error,
+)
+from attnkit.masks.intervals import row_intervals
+from attnkit.masks.rule import Align, BiasFn, MaskRule, Predicate, indices
 from attnkit.masks.spans import Spans
 
-__all__ = ["Align", "BiasFn", "Mask", "Predicate", "and_masks", "as_mask", "or_masks"]
+__all__ = [
+    "Align",
+    "BiasFn",
+    "Mask",
+    "Predicate",
+    "and_masks",
+    "as_mask",
+    "given_tensor",
+    "indices",
+    "or_masks",
+]
 
-Align = Literal["top_left", "bottom_right"]
-# (b, h, i, j) index tensors, broadcastable to (B, H, L, S) -> bool tensor
-Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-# (b, h, i, j) index tensors -> float tensor added to the scores
-BiasFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
-ALLOWED, HIDDEN = "■", "·"
-
-
-class Mask:
+class Mask(MaskRule):
     """A visibility rule over `(b, h, i, j)`: `True` = query `i` may attend to key `j`.
 
     A rule on broadcast index tensors, not a stored L×S matrix. Compose with `&` (both),
@@ -42,236 +60,6 @@ class Mask:
         ■ · ·
         ■ ■ ·
     """
-
-    # bool tensor, mask_mod, &, |, ~ -> Mask: `tensor.py` and `algebra.py` fill it, so
-    # this module imports no kind
-    _wrappers: ClassVar[dict[str, Callable[..., Mask]]] = {}
-
-    def __init__(self) -> None:
-        """Masks are made by constructors (`causal`, `key_padding`, ...), not `Mask()`."""
-
-    # ------------------------------------------------------------ what a kind writes
-
-    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
-        """The rule for a (B, H, L, S) problem, as a function of broadcast index tensors."""
-        raise NotImplementedError
-
-    def key_spans(
-        self, B: int, L: int, S: int, device: torch.device | str | None = None
-    ) -> Spans | None:
-        """Each query row's interval of keys `[lo, hi)`, from the structure alone.
-
-        Backends skip the keys outside a row's interval; no L×S tensor is built.
-
-        Args:
-            B: batch size of the call.
-            L: query length.
-            S: key length.
-            device: where `lo` and `hi` are made (default None: the CPU).
-
-        Returns:
-            `Spans(lo, hi, exact)`, `lo` and `hi` (B|1, L|1) int64 tensors, or None where
-            the mask has no such structure. `exact` spans describe the mask completely
-            (causal, windows, sorted documents, prefix-LM, lengths, their `&`); others
-            are a superset (keys outside are hidden; backends mask inside them exactly).
-
-        Examples:
-            >>> spans = ak.sliding_window(1).key_spans(1, 4, 4)
-            >>> spans.lo.flatten().tolist(), spans.hi.flatten().tolist(), spans.exact
-            ([0, 0, 1, 2], [1, 2, 3, 4], True)
-        """
-        return None
-
-    def describe(self) -> str:
-        raise NotImplementedError
-
-    def check(self, B: int, H: int, L: int, S: int) -> None:
-        """Raise `ShapeContractError` or `MaskError` if this mask cannot serve (B, H, L, S)."""
-
-    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
-        """The additive score bias as a function of broadcast (b, h, i, j), or None."""
-        return None
-
-    @property
-    def has_bias(self) -> bool:
-        """True if this mask also adds a structured bias to the scores (e.g. `alibi`)."""
-        return False
-
-    @property
-    def batch_size(self) -> int | None:
-        """The batch size this mask carries data for, or None if it holds for any batch."""
-        return None
-
-    @property
-    def num_heads(self) -> int | None:
-        """The query-head count this mask is built for (`alibi`'s slopes), or None if any."""
-        return None
-
-    @property
-    def head_dependent(self) -> bool:
-        """True if different heads see different keys (only a tensor mask can)."""
-        return False
-
-    def sees_all(self, L: int, S: int) -> bool:
-        """True if every query row may see every key (no mask needed), as bottom-right causal
-        at L = 1; False where unsure. O(1) for the kinds over positions."""
-        spans = None if self.tensors() else self.key_spans(1, L, S)
-        if spans is None or not spans.exact:
-            return False
-        return bool((spans.lo == 0).all() and (spans.hi == S).all())
-
-    def _sdpa_causal(self, L: int, S: int) -> bool | None:
-        """`structure.is_sdpa_causal` in O(1) where a kind knows it (None: derive it)."""
-        return None
-
-    # ------------------------------------------------------------ what every mask has
-
-    def _fields(self) -> dict[str, object]:
-        """The public attributes: the value (a `_name` is a kind's memo, never part of it)."""
-        return {name: value for name, value in vars(self).items() if name[0] != "_"}
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        """Every tensor this mask holds, its parts' included (the same for its whole life)."""
-        every: list[Tensor] = []
-        for value in self._fields().values():
-            for item in value if isinstance(value, tuple) else (value,):
-                if isinstance(item, Tensor):
-                    every.append(item)
-                elif isinstance(item, Mask):
-                    every.extend(item.tensors())
-        return tuple(every)
-
-    def dense(
-        self,
-        B: int,
-        H: int,
-        L: int,
-        S: int,
-        device: torch.device | str | None = None,
-        rows: Tensor | None = None,
-        cols: Tensor | None = None,
-    ) -> Tensor:
-        """The smallest bool tensor broadcastable to (B, H, L, S); `rows` / `cols` restrict
-        the query / key positions (the last two dims then have their lengths)."""
-        self.check(B, H, L, S)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        b, h, i, j = indices(B, H, L, S, dev, rows, cols)
-        allowed = self.predicate(B, H, L, S, dev)(b, h, i, j)
-        return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
-
-    def materialize(
-        self, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
-    ) -> Tensor:
-        """The mask as a bool tensor, `True` = may attend.
-
-        Args:
-            B: batch size.
-            H: query heads.
-            L: query length.
-            S: key length.
-            device: where the tensor is made (default None: the CPU).
-
-        Returns:
-            (B, H, L, S) bool tensor, a broadcast view of the smallest tensor that holds
-            the mask (copy it before writing to it).
-
-        Raises:
-            ShapeContractError: sizes the mask cannot serve (a `key_padding` of another
-                batch, a causal mask with L != S and no alignment).
-
-        Examples:
-            >>> ak.causal().materialize(2, 4, 3, 3).shape
-            torch.Size([2, 4, 3, 3])
-        """
-        return self.dense(B, H, L, S, device).expand(B, H, L, S)
-
-    def to_block_mask(
-        self,
-        B: int | None,
-        H: int | None,
-        L: int,
-        S: int,
-        *,
-        block_size: int = 128,
-        device: torch.device | str | None = None,
-    ) -> Any:
-        """FlexAttention's `BlockMask` of this mask, to feed `flex_attention` (on a GPU too).
-
-        The same present and full blocks as `create_block_mask`, from exact key spans in
-        O(blocks), else evaluated in row chunks; its `mask_mod` is the predicate (a bias
-        such as `alibi` is not: pass it to `flex_attention` as a score_mod).
-
-        Args:
-            B: batch size, or None: the mask's own batch (a `key_padding`'s), else 1.
-            H: query heads, or None: the mask's own head count, else 1.
-            L: query length.
-            S: key length.
-            block_size: keyword-only, rows and keys a block (default 128, flex's).
-            device: keyword-only, where the block mask is made (default None: the CPU).
-
-        Returns:
-            A `torch.nn.attention.flex_attention.BlockMask` for (B, H, L, S).
-
-        Examples:
-            >>> blocks = ak.causal().to_block_mask(1, 1, 256, 256)
-            >>> blocks.shape  # 2×2 blocks of 128: on the diagonal partial, below it full
-            (1, 1, 256, 256)
-            >>> blocks.kv_num_blocks.flatten().tolist()  # partial blocks, row by row
-            [1, 1]
-            >>> blocks.full_kv_num_blocks.flatten().tolist()  # full ones
-            [0, 1]
-        """
-        from attnkit.masks.blocks import block_mask
-
-        B = (self.batch_size or 1) if B is None else B
-        H = (self.num_heads or 1) if H is None else H
-        return block_mask(self, B, H, L, S, block_size=block_size, device=device)
-
-    def draw(
-        self,
-        L: int,
-        S: int | None = None,
-        *,
-        batch: int = 0,
-        head: int = 0,
-        cells: int | None = None,
-    ) -> str:
-        """Text picture of the L×S matrix for one batch row and head: ■ may attend, · hidden.
-
-        Args:
-            L: query length (rows).
-            S: key length (columns; default None: L).
-            batch: keyword-only, the batch row drawn (default 0).
-            head: keyword-only, the head drawn (default 0).
-            cells: keyword-only, at most this many characters a side (default None: one
-                a pair); where L or S is larger, a character stands for a block of
-                pairs: ■ every pair may attend, ▪ some, · none.
-
-        Returns:
-            L lines (or `cells`) of characters separated by spaces, for `print`.
-
-        Raises:
-            ShapeContractError: sizes the mask cannot serve, as `materialize`.
-
-        Examples:
-            >>> print(ak.causal().draw(3))
-            ■ · ·
-            ■ ■ ·
-            ■ ■ ■
-            >>> print(ak.causal().draw(8, cells=4))
-            ▪ · · ·
-            ■ ▪ · ·
-            ■ ■ ▪ ·
-            ■ ■ ■ ▪
-        """
-        S = L if S is None else S
-        if cells is not None and max(L, S) > cells:
-            from attnkit.masks.picture import block_text
-
-            return block_text(self, L, S, batch=batch, head=head, cells=cells)
-        B = self.batch_size or 1
-        grid = self.materialize(B, self.num_heads or head + 1, L, S)[batch, head]  # (L, S)
-        return "\n".join(" ".join(ALLOWED if x else HIDDEN for x in row) for row in grid.tolist())
 
     @staticmethod
     def from_mod(fn: Predicate, name: str | None = None) -> Mask:
@@ -297,45 +85,22 @@ class Mask:
             · ■ ·
             ■ · ■
         """
-        return Mask._wrappers["mod"](fn, name)
-
-    def __str__(self) -> str:
-        return self.describe()
-
-    def __repr__(self) -> str:
-        return f"Mask[{self.describe()}]"
-
-    def _repr_html_(self) -> str:
-        """What a notebook shows: the description and a drawing (`masks.picture`)."""
-        from attnkit.masks.picture import mask_html
-
-        return mask_html(self)
+        return _ModMask(fn, name)
 
     def __and__(self, other: Mask | Tensor) -> Mask:
-        return Mask._wrappers["combine"]("&", (self, as_mask(other)))
+        return _Combine("&", (self, as_mask(other)))
 
     def __rand__(self, other: Tensor) -> Mask:
-        return Mask._wrappers["combine"]("&", (as_mask(other), self))
+        return _Combine("&", (as_mask(other), self))
 
     def __or__(self, other: Mask | Tensor) -> Mask:
-        return Mask._wrappers["combine"]("|", (self, as_mask(other)))
+        return _Combine("|", (self, as_mask(other)))
 
     def __ror__(self, other: Tensor) -> Mask:
-        return Mask._wrappers["combine"]("|", (as_mask(other), self))
+        return _Combine("|", (as_mask(other), self))
 
     def __invert__(self) -> Mask:
-        return Mask._wrappers["not_"](self)
-
-
-def indices(
-    B: int, H: int, L: int, S: int, dev: torch.device, rows: Tensor | None, cols: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Broadcast (b, h, i, j) index tensors over (B, H, L|R, S|C)."""
-    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    h = torch.arange(H, device=dev).view(1, H, 1, 1)
-    i = (torch.arange(L, device=dev) if rows is None else rows.to(dev)).view(1, 1, -1, 1)
-    j = (torch.arange(S, device=dev) if cols is None else cols.to(dev)).view(1, 1, 1, -1)
-    return b, h, i, j
+        return _Not(self)
 
 
 def as_mask(mask: object) -> Mask:
@@ -360,7 +125,7 @@ def as_mask(mask: object) -> Mask:
     if not isinstance(mask, Tensor):
         raise not_a_mask_error(mask)
     if mask.dtype == torch.bool:
-        return Mask._wrappers["tensor"](mask)
+        return _TensorMask(mask)
     if mask.is_floating_point():
         raise MaskError(
             f"mask has dtype {mask.dtype}: a float tensor is an additive bias (0 keeps, -inf "
@@ -390,7 +155,7 @@ def and_masks(*masks: Mask | Tensor) -> Mask:
     """
     if not masks:
         raise MaskError("and_masks needs at least one mask, e.g. and_masks(causal(), mask).")
-    return Mask._wrappers["combine"]("&", tuple(as_mask(m) for m in masks))
+    return _Combine("&", tuple(as_mask(m) for m in masks))
 
 
 def or_masks(*masks: Mask | Tensor) -> Mask:
@@ -414,4 +179,251 @@ def or_masks(*masks: Mask | Tensor) -> Mask:
     """
     if not masks:
         raise MaskError("or_masks needs at least one mask, e.g. or_masks(prefix_lm(4), mask).")
-    return Mask._wrappers["combine"]("|", tuple(as_mask(m) for m in masks))
+    return _Combine("|", tuple(as_mask(m) for m in masks))
+
+
+class _Combine(Mask):
+    def __init__(self, op: str, parts: tuple[Mask, ...]) -> None:
+        if op == "|" and any(p.has_bias for p in parts):
+            raise MaskError(
+                "a bias (such as alibi) adds to the scores; it combines with masks by `&` "
+                "only, e.g. causal() & alibi(8)."
+            )
+        self.op = op
+        self.parts = parts
+
+    @property
+    def has_bias(self) -> bool:
+        return any(p.has_bias for p in self.parts)
+
+    def bias(self, B: int, H: int, L: int, S: int, device: torch.device) -> BiasFn | None:
+        fns = [f for p in self.parts if (f := p.bias(B, H, L, S, device)) is not None]
+        if not fns:
+            return None
+        return lambda b, h, i, j: sum((f(b, h, i, j) for f in fns[1:]), fns[0](b, h, i, j))
+
+    @property
+    def batch_size(self) -> int | None:
+        return batch_of(*(p.batch_size for p in self.parts))
+
+    @property
+    def num_heads(self) -> int | None:
+        return next((n for p in self.parts if (n := p.num_heads) is not None), None)
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        for part in self.parts:
+            part.check(B, H, L, S)
+
+    @property
+    def head_dependent(self) -> bool:
+        return any(p.head_dependent for p in self.parts)
+
+    def key_spans(
+        self, B: int, L: int, S: int, device: torch.device | str | None = None
+    ) -> Spans | None:
+        """`&` intersects the parts' intervals row by row, `|` takes their hull."""
+        spans = [p.key_spans(B, L, S, device) for p in self.parts]
+        known = [s for s in spans if s is not None]
+        if not known or (self.op == "|" and len(known) < len(spans)):
+            return None
+        lo, hi = known[0].lo, known[0].hi
+        pick_lo, pick_hi = (
+            (torch.maximum, torch.minimum) if self.op == "&" else (torch.minimum, torch.maximum)
+        )
+        for part in known[1:]:
+            lo, hi = pick_lo(lo, part.lo), pick_hi(hi, part.hi)
+        exact = self.op == "&" and len(known) == len(spans) and all(s.exact for s in known)
+        return Spans(lo, hi.clamp(min=lo) if self.op == "&" else hi, exact)
+
+    def sees_all(self, L: int, S: int) -> bool:
+        answers = (p.sees_all(L, S) for p in self.parts)
+        return all(answers) if self.op == "&" else any(answers)
+
+    def _sdpa_causal(self, L: int, S: int) -> bool | None:
+        """`&` of SDPA's causal mask with masks that hide nothing is that mask."""
+        if self.op != "&" or self.has_bias:
+            return False
+        causal = [p._sdpa_causal(L, S) for p in self.parts]
+        if any(c is None for c in causal):
+            return None  # a part without an O(1) answer: derive from the spans
+        rest = all(c or p.sees_all(L, S) for c, p in zip(causal, self.parts, strict=True))
+        return any(causal) and rest
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        preds = [p.predicate(B, H, L, S, device) for p in self.parts]
+        combine = torch.logical_and if self.op == "&" else torch.logical_or
+
+        def pred(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            out = preds[0](b, h, i, j)
+            for p in preds[1:]:
+                out = combine(out, p(b, h, i, j))
+            return out
+
+        return pred
+
+    def describe(self) -> str:
+        return "(" + f" {self.op} ".join(p.describe() for p in self.parts) + ")"
+
+
+class _Not(Mask):
+    def __init__(self, inner: Mask) -> None:
+        if inner.has_bias:
+            raise MaskError("~ of a bias (such as alibi) has no meaning; negate masks only.")
+        self.inner = inner
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.inner.batch_size
+
+    @property
+    def num_heads(self) -> int | None:
+        return self.inner.num_heads
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        self.inner.check(B, H, L, S)
+
+    @property
+    def head_dependent(self) -> bool:
+        return self.inner.head_dependent
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        inner = self.inner.predicate(B, H, L, S, device)
+        return lambda b, h, i, j: ~inner(b, h, i, j)
+
+    def describe(self) -> str:
+        return f"~{self.inner.describe()}"
+
+
+# what `&`, `|`, `and_masks`, `or_masks` and `~` make
+
+
+class _TensorMask(Mask):
+    def __init__(self, tensor: Tensor) -> None:
+        # the caller's tensor: `as_mask` wraps it anew at every call (and may copy it),
+        # so what lasts as long as the caller's mask (a prepared call) is found by it
+        self._given = tensor
+        self._intervals: tuple[object, tuple[Tensor, Tensor] | None] | None = None
+        if tensor.dim() > 4:
+            check_broadcastable("mask", tuple(tensor.shape), (0, 0, 0, 0))
+        if tensor.dim() < 4:
+            tensor = tensor.reshape((1,) * (4 - tensor.dim()) + tuple(tensor.shape))
+        # an expanded dim (stride 0) holds one value: keep size 1 there, and one compact
+        # copy (compiled kernels that index the mask take dense tensors only)
+        if 0 in tensor.stride() or not tensor.is_contiguous():
+            index = tuple(slice(0, 1) if st == 0 else slice(None) for st in tensor.stride())
+            tensor = tensor[index].contiguous()
+        self.tensor = tensor  # (B|1, H|1, L|1, S|1): the caller's own where it can be
+
+    def key_spans(
+        self, B: int, L: int, S: int, device: torch.device | str | None = None
+    ) -> Spans | None:
+        """Each row's one run of visible keys, or None where a row holds more than one or
+        the heads differ (found once per version of the tensor)."""
+        if self.head_dependent:
+            return None
+        read = (self.tensor._version, S)
+        memo = getattr(self, "_intervals", None)  # absent where the compiled op decoded it
+        if memo is None or memo[0] != read:
+            memo = self._intervals = (read, row_intervals(self.tensor, S))  # (B|1, L|1) each
+        intervals = memo[1]
+        if intervals is None:
+            return None
+        lo, hi = (t.to(device or "cpu") for t in intervals)
+        return Spans(lo, hi, exact=True)
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.tensor.shape[0]
+
+    def check(self, B: int, H: int, L: int, S: int) -> None:
+        check_broadcastable("mask", tuple(self.tensor.shape), (B, H, L, S))
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        t = self.tensor.to(device)  # (B|1, H|1, L|1, S|1)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+
+        def pick(idx: Tensor, size: int) -> Tensor:
+            return idx if size > 1 else zero
+
+        return lambda b, h, i, j: t[
+            pick(b, t.shape[0]), pick(h, t.shape[1]), pick(i, t.shape[2]), pick(j, t.shape[3])
+        ]
+
+    @property
+    def head_dependent(self) -> bool:
+        return self.tensor.shape[1] > 1
+
+    def dense(
+        self,
+        B: int,
+        H: int,
+        L: int,
+        S: int,
+        device: torch.device | str | None = None,
+        rows: Tensor | None = None,
+        cols: Tensor | None = None,
+    ) -> Tensor:
+        if rows is not None or cols is not None:
+            return super().dense(B, H, L, S, device, rows, cols)
+        self.check(B, H, L, S)
+        return self.tensor.to(device or "cpu")  # itself: no gather of a copy
+
+    def describe(self) -> str:
+        return f"tensor{tuple(self.tensor.shape)}"
+
+
+class _ModMask(Mask):
+    def __init__(self, fn: Predicate, name: str | None) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"Mask.from_mod takes a function (b, h, q_idx, kv_idx) -> bool, "
+                f"got {type(fn).__name__}."
+            )
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self._per_head: bool | None = None
+
+    def predicate(self, B: int, H: int, L: int, S: int, device: torch.device) -> Predicate:
+        fn, name = self.fn, self.name
+
+        def checked(b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+            out = fn(b, h, i, j)
+            if not isinstance(out, Tensor) or out.dtype != torch.bool:
+                got = out.dtype if isinstance(out, Tensor) else type(out).__name__
+                raise MaskError(
+                    f"mask_mod {name} must return a bool tensor (True = may attend), got "
+                    f"{got}; compare indices, e.g. lambda b, h, q, kv: kv <= q."
+                )
+            return out
+
+        return checked
+
+    @property
+    def head_dependent(self) -> bool:
+        """Probed once on two heads: an output without a head dim cannot depend on h."""
+        if self._per_head is None:
+            zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+            heads = torch.arange(2).view(1, 2, 1, 1)
+            try:
+                out = self.fn(zero, heads, zero, zero)
+                self._per_head = not (
+                    isinstance(out, Tensor) and out.dim() == 4 and out.shape[1] == 1
+                )
+            except Exception:  # the real call raises its own error; be safe here
+                self._per_head = True
+        return self._per_head
+
+    def describe(self) -> str:
+        return f"from_mod({self.name})"
+
+
+def given_tensor(mask: Mask) -> Tensor | None:
+    """The caller's tensor a tensor mask was made from by `as_mask` (None for others and
+    for a mask decoded inside the compiled op, which holds the op's tensor itself).
+
+    `as_mask` wraps a tensor anew at every call; the prepared calls that should last as
+    long as the caller's mask are found by this tensor, not by the wrapper."""
+    return getattr(mask, "_given", None) if type(mask) is _TensorMask else None
+
+
+# what `as_mask` (and so `&`, `|` with a tensor) and `Mask.from_mod` make

@@ -29,13 +29,13 @@ from torch import Tensor
 from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans
 
 if TYPE_CHECKING:  # called by Mask.to_block_mask: the mask's own methods only
-    from attnkit.masks.base import Mask
+    from attnkit.masks.rule import MaskRule
 
 __all__ = ["block_mask", "block_visibility", "mask_mod"]
 
 
 def block_mask(
-    mask: Mask,
+    mask: MaskRule,
     B: int,
     H: int,
     L: int,
@@ -81,7 +81,7 @@ def _ordered(blocks: Tensor, B: int, H: int) -> tuple[Tensor, Tensor]:
 
 
 def block_visibility(
-    mask: Mask, B: int, H: int, L: int, S: int, block_size: int, device: torch.device
+    mask: MaskRule, B: int, H: int, L: int, S: int, block_size: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """(present, full), each (B|1, H|1, ⌈L/bs⌉, ⌈S/bs⌉) bool: some pair of the block
     is visible; every pair is (a block reaching past L or S never is: padding)."""
@@ -123,7 +123,7 @@ def _from_spans(lo: Tensor, hi: Tensor, L: int, S: int, bs: int) -> tuple[Tensor
 
 
 def _from_chunks(
-    mask: Mask, B: int, H: int, L: int, S: int, bs: int, device: torch.device
+    mask: MaskRule, B: int, H: int, L: int, S: int, bs: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """Blocks by evaluating the mask, a chunk of row blocks at a time (bounded memory)."""
     nq, nkv = math.ceil(L / bs), math.ceil(S / bs)
@@ -143,7 +143,7 @@ def _from_chunks(
     return torch.cat(present, 2), torch.cat(full, 2)
 
 
-def mask_mod(mask: Mask, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
+def mask_mod(mask: MaskRule, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
     """The `Mask` as FlexAttention's mask_mod.
 
     Flex evaluates it on whole blocks, so with L or S not a multiple of the block size it

@@ -7,9 +7,8 @@ from torch import Tensor
 
 from attnkit._compat import torch_causal_bias
 from attnkit.errors import MaskError, ShapeContractError
-from attnkit.masks.base import Mask
+from attnkit.masks.base import Mask, _TensorMask
 from attnkit.masks.positions import causal
-from attnkit.masks.tensor import _TensorMask
 from attnkit.masks.tokens import _KeyPadding
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # masks hand their spans in; this module builds none
-    from attnkit.masks.base import Mask
+    from attnkit.masks.rule import MaskRule
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -41,7 +41,7 @@ class Spans(NamedTuple):
 
 
 def exact_spans(
-    mask: Mask, B: int, L: int, S: int, device: torch.device | str | None = None
+    mask: MaskRule, B: int, L: int, S: int, device: torch.device | str | None = None
 ) -> tuple[Tensor, Tensor] | None:
     """(lo, hi), each (B|1, L): the one interval of keys each row sees exactly, or None
     where the mask is not one interval a row (or differs between heads)."""

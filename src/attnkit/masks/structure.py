@@ -19,9 +19,8 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit.masks.base import Mask, indices
+from attnkit.masks.base import Mask, _TensorMask, given_tensor, indices
 from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans, seen_from_spans, tile_bounds
-from attnkit.masks.tensor import _TensorMask, given_tensor
 
 __all__ = [
     "count_allowed_pairs",
