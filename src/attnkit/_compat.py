@@ -203,7 +203,12 @@ def cpu_features() -> dict[str, bool]:
         "AMX": "_is_amx_tile_supported",
         "AMX-FP16": "_is_amx_fp16_supported",
     }
-    return {k: bool(getattr(torch.cpu, v, lambda: False)()) for k, v in names.items()}
+    return {unit: _has(probe) for unit, probe in names.items()}
+
+
+def _has(probe: str) -> bool:
+    """torch.cpu's private `_is_*_supported` probe `probe`; an absent one reads False."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 # what the cost model's built-in tables are kept for: the CPU's best unit, best first
@@ -228,9 +233,7 @@ def _kind_of(units: dict[str, bool]) -> str:
 # dtypes its units multiply at least at float32's speed
 _CPU_KIND = _kind_of(cpu_features())
 _HALF_FAST = frozenset(
-    dtype
-    for dtype, probes in _HALF_UNITS.items()
-    if any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    dtype for dtype, probes in _HALF_UNITS.items() if any(_has(probe) for probe in probes)
 )
 
 

@@ -24,7 +24,6 @@ __all__ = [
     "backend_names",
     "get_backend",
     "register",
-    "state",
     "unregister",
 ]
 
@@ -55,11 +54,6 @@ def backend_names() -> tuple[str, ...]:
 def get_backend(name: str) -> Backend:
     """The backend called `name`; an unknown name raises `ValueError` listing the valid ones."""
     return runtime.current().backends.get(name)
-
-
-def state() -> tuple[int, int, int]:
-    """What prepared calls key on besides their inputs (`Runtime.state`)."""
-    return runtime.current().state()
 
 
 def register(backend: Backend) -> None:

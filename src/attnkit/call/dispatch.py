@@ -45,7 +45,7 @@ from torch import Tensor
 
 from attnkit import runtime
 from attnkit.call.fit import fit, inputs_kind
-from attnkit.call.permask import MaskTensors
+from attnkit.call.permask import MaskTensors, PerMask
 from attnkit.call.planner import step_order
 from attnkit.call.prepared import Prepared, prepare_call
 from attnkit.call.steps import StepKind, bucket, step_kind
@@ -168,13 +168,14 @@ def _lookup(
     step_mask = mask if isinstance(mask, Mask) else None
     steps = plain and grad is None and (mask is None or step_mask is not None)
     # the steps' plans, kept beside the calls without a mask
-    step_plans = runtime.current().calls.of(None).plans
+    by_mask = runtime.current().calls  # the prepared calls, by mask
+    step_plans = by_mask.of(None).plans
     kind: StepKind = "dense"
     step = _step_key(q, k, v, step_mask, options, kind) if steps else None
     step_plan = step_plans.get(step) if step is not None and any_length_ok else None
     if step_plan is not None:  # a dense step: the kernel of its bucket
         return step_plan
-    calls = _calls_of(mask) if plain else None
+    calls = _calls_of(by_mask, mask) if plain else None
     plans = None if calls is None else calls.plans
     key = None
     if calls is not None:
@@ -294,11 +295,11 @@ def _step_key(
 # ------------------------------------------------------------------ the cache
 
 
-def _calls_of(mask: MaskArg) -> MaskCalls | None:
-    """The prepared calls of `mask` (the runtime keeps them); None for a mask argument of
+def _calls_of(by_mask: PerMask[MaskCalls], mask: MaskArg) -> MaskCalls | None:
+    """The prepared calls of `mask` among the runtime's; None for a mask argument of
     another type."""
     if mask is None or isinstance(mask, Mask) or type(mask) is Tensor:
-        return runtime.current().calls.of(mask)
+        return by_mask.of(mask)
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attnkit.backends import state as backend_state
+from attnkit import runtime
 from attnkit.call.precision import HALF, kernel_dtype
 
 __all__ = ["FIT_FIELDS", "LENGTHS", "REGISTRY", "STRIDES", "fit", "inputs_kind"]
@@ -87,7 +87,7 @@ def fit(
         grad,
         *options,
         state,
-        backend_state(),
+        runtime.current().state(),
     )
 
 
