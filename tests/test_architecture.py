@@ -1,8 +1,8 @@
 """The package's shape: no import cycle, short files, a small Mask protocol.
 
 The import graph counts every import statement, the ones inside functions too (a lazy
-import is still a dependency); imports under `if TYPE_CHECKING:` are for the type
-checker only and never run, so they do not count.
+import is still a dependency) and the ones under `if TYPE_CHECKING:` (a type named is a
+dependency a reader follows; a helper below a module takes a Protocol instead).
 """
 
 from __future__ import annotations
@@ -29,23 +29,12 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
-
-
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package's modules `name` imports (`from attnkit import cost` is attnkit.cost)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    skip = _type_checking_nodes(tree)
     named: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             named.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -108,8 +97,8 @@ def test_no_module_imports_itself_back():
     assert not cycles, f"import cycles (module -> the members it imports): {detail}"
 
 
-def test_the_cycle_finder_sees_a_lazy_import_and_skips_type_checking(tmp_path):
-    """The check can fail: a function-level import back is a cycle."""
+def test_the_cycle_finder_sees_lazy_and_type_checking_imports(tmp_path):
+    """The check can fail: a function-level or type-checking import back is a cycle."""
     source = tmp_path / "x.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"
@@ -117,7 +106,7 @@ def test_the_cycle_finder_sees_a_lazy_import_and_skips_type_checking(tmp_path):
         "def f():\n    from attnkit import cost\n    from .y import g\n"
     )
     modules = {name: Path() for name in ("attnkit.x", "attnkit.y", "attnkit.cost", "attnkit.masks")}
-    assert _imports("attnkit.x", source, modules) == {"attnkit.cost", "attnkit.y"}
+    assert _imports("attnkit.x", source, modules) == {"attnkit.cost", "attnkit.masks", "attnkit.y"}
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
@@ -181,6 +170,47 @@ def test_no_module_outside_backends_names_a_concrete_backend():
             if named is not None and named(node) in CONCRETE_BACKENDS:
                 found.append(f"{name}:{getattr(node, 'lineno', '?')} {named(node)}")
     assert not found, f"concrete backends named outside attnkit/backends: {found}"
+
+
+def _private_imports(name: str, tree: ast.AST, package: str) -> list[str]:
+    """`from attnkit.<package>... import _Name` outside the package: its private kinds."""
+    return [
+        f"{name}:{node.lineno} {alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith(f"attnkit.{package}")
+        and not name.startswith(f"attnkit.{package}")
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+
+
+def test_no_private_mask_kind_is_imported_outside_masks():
+    """Callers read a mask's make-up through `masks.structure` (`packed_documents`,
+    `key_paddings`, `trailing_window`, ...), never by switching on a private kind."""
+    found = [
+        line
+        for name, path in _modules().items()
+        for line in _private_imports(name, ast.parse(path.read_text(encoding="utf-8")), "masks")
+    ]
+    assert not found, f"private mask kinds imported outside attnkit/masks: {found}"
+    sample = ast.parse("from attnkit.masks.base import _Combine, as_mask\n")
+    assert _private_imports("attnkit.call.x", sample, "masks") == ["attnkit.call.x:1 _Combine"]
+
+
+def test_the_kernels_are_reached_through_the_registry():
+    """attnkit's native kernels are a backend's: a call, a paged decoding step or a
+    flash-attention cache asks the registry (`Backend.run`, `Backend.paged_decode`); only
+    `backends/` imports them, and the runtime, which loads them."""
+    modules = _modules()
+    found = [
+        name
+        for name, path in modules.items()
+        if not name.startswith(("attnkit.backends", "attnkit.native"))
+        and name != STATE_HOLDER
+        and any(target.startswith("attnkit.native") for target in _imports(name, path, modules))
+    ]
+    assert not found, f"modules outside attnkit/backends reaching the kernels: {found}"
 
 
 TYPE_IGNORES = 10  # torch's untyped doors (`_compat`), version-dependent stubs, the fit

@@ -19,6 +19,7 @@ from attnkit.backends import (
     register,
     unregister,
 )
+from attnkit.backends.protocol import PagedDecode
 from attnkit.call import calibrate, cost, dispatch
 from attnkit.contracts import AttentionCall
 from fuzz import RandomDraw
@@ -187,3 +188,71 @@ def test_register_refuses_a_taken_name_and_other_objects():
         register(object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown backend"):
         unregister("nothing")
+
+
+def _heads(t: Tensor) -> Tensor:
+    """(n, heads, d) -> (1, heads, n, d)."""
+    return t.transpose(0, 1)[None]
+
+
+class PagedToy(Backend):
+    """A paged decoding kernel only: each sequence's keys gathered by the table, then
+    the reference's math (it serves no call)."""
+
+    name = "paged_toy"
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
+        return "paged_toy decodes pages only"
+
+    def paged_decode(self, step: PagedDecode) -> tuple[Tensor, Tensor] | None:
+        self.steps += 1
+        outs, lses = [], []
+        for n in range(step.q.shape[0]):
+            p = torch.arange(int(step.lo[n]), int(step.hi[n]))  # the key positions it sees
+            page = step.table[step.starts[n] + p // step.page_size]
+            slots = page * step.page_size + p % step.page_size
+            q, k, v = (_heads(t) for t in (step.q[n : n + 1], step.keys[slots], step.values[slots]))
+            out, lse = ak.attention_with_lse(q, k, v, scale=step.scale, backend="reference")
+            outs.append(out[0, :, 0])  # (H, Dv)
+            lses.append(lse[0, :, 0])
+        return torch.stack(outs), torch.stack(lses)
+
+
+def _paged_decode_twice() -> Tensor:
+    """Two sequences of 5 and 4 keys prefilled, then one decoding token each (float64)."""
+    g = torch.Generator().manual_seed(3)
+    pages = ak.PagedKVCache(1, 2, 8, num_blocks=8, block_size=4, dtype=torch.float64)
+    ids = [pages.add(), pages.add()]
+    q, k, v = torch.randn(9, 4, 8, generator=g), *torch.randn(2, 9, 2, 8, generator=g)
+    ak.paged_attention(q.double(), k.double(), v.double(), pages, pages.step(ids, [5, 4]), 0)
+    q, k, v = torch.randn(2, 4, 8, generator=g), *torch.randn(2, 2, 2, 8, generator=g)
+    return ak.paged_attention(q.double(), k.double(), v.double(), pages, pages.step(ids, [1, 1]), 0)
+
+
+def _flash_decode() -> Tensor:
+    """flash_attn_with_kvcache: one query per sequence over 6 and 7 keys of its pages."""
+    from attnkit.flash_attn import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, 8, generator=g)
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    table, lengths = torch.tensor([[5, 0], [2, 3]]), torch.tensor([6, 7])
+    return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table)
+
+
+def test_paged_decoding_asks_the_registry_for_its_kernel():
+    """`paged_attention` and `flash_attn_with_kvcache` find the paged kernel as `attention`
+    finds a backend: through the registry (`Backend.paged_decode`), here a toy's, and
+    gather the pages where no backend has one."""
+    with runtime.fresh() as mine:
+        mine.backends.unregister("native")
+        want = _paged_decode_twice(), _flash_decode()  # gathered: no backend has a kernel
+        toy = PagedToy()
+        mine.backends.register(toy)
+        got = _paged_decode_twice(), _flash_decode()
+    assert toy.steps == 2  # one paged step, one flash-attention call
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

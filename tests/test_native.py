@@ -18,6 +18,8 @@ import torch
 
 import attnkit as ak
 from attnkit import native
+from attnkit.backends import native as native_backend
+from attnkit.backends.native import NativeBackend
 from attnkit.flash_attn import flash_attn_func
 from attnkit.native import build, ops
 from fuzz_paged import World
@@ -439,11 +441,9 @@ def test_the_suite_passes_with_the_native_build_disabled():
 def test_paged_decoding_runs_the_paged_kernel(monkeypatch, dtype, tol, left):
     """Decoding steps of many sequences (forks sharing blocks, windows crossing blocks)
     against the float64 formula, on the kernel that reads the pool in place."""
-    from attnkit.kv import paged
-
     calls = []
-    kernel = paged.native_ops.paged_decode
-    monkeypatch.setattr(paged.native_ops, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
+    kernel = native_backend.paged_kernel  # the registry's door to the paged kernel
+    monkeypatch.setattr(native_backend, "paged_kernel", lambda *a: calls.append(1) or kernel(*a))
     world = World(H=8, dtype=dtype)
     a, b = world.add(), world.add()
     world.run([a, b], [9, 3], left=left, tol=tol)
@@ -513,7 +513,6 @@ def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
     """A decoding step of flash-attention's `flash_attn_with_kvcache` with a `block_table`
     reads the pages in place on the paged kernel (keys and values in separate pools), and
     gives what the composed path gives; pages nobody reads may hold NaN."""
-    from attnkit.dropins import flash_cache
     from attnkit.flash_attn import flash_attn_with_kvcache
 
     g = torch.Generator().manual_seed(4)
@@ -526,10 +525,8 @@ def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
     q = torch.randn(B, 1, H, D, generator=g).to(dtype)
     k, v = (torch.randn(B, 1, Hkv, D, generator=g).to(dtype) for _ in range(2))
     calls = []
-    kernel = flash_cache.native_ops.paged_decode
-    monkeypatch.setattr(
-        flash_cache.native_ops, "paged_decode", lambda *a: calls.append(1) or kernel(*a)
-    )
+    kernel = native_backend.paged_kernel
+    monkeypatch.setattr(native_backend, "paged_kernel", lambda *a: calls.append(1) or kernel(*a))
 
     def run():
         caches = (k_cache.clone(), v_cache.clone())
@@ -548,7 +545,7 @@ def test_flash_attn_with_kvcache_decodes_on_the_paged_kernel(
 
     out, lse = run()
     assert calls == [1] and out.shape == (B, 1, H, D) and lse.shape == (B, H, 1)
-    monkeypatch.setattr(flash_cache, "native_unavailable", lambda: "off for the comparison")
+    monkeypatch.setattr(NativeBackend, "paged_decode", lambda self, step: None)  # composed
     want, want_lse = run()
     assert calls == [1] and torch.isfinite(out).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -562,7 +559,7 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
     per sequence run on the paged kernel: what the composed path gives, and each
     sequence's output bitwise the same in another pack (the kernel cuts a history by its
     own length only: 3,000 keys run as parts whatever the pack)."""
-    from attnkit.dropins import flash_cache, varlen_attn
+    from attnkit.dropins import varlen_attn
     from attnkit.flash_attn import flash_attn_varlen_func
 
     g = torch.Generator().manual_seed(8)
@@ -572,9 +569,9 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
     lengths = torch.tensor([3000, 5, 700], dtype=torch.int32)
     q = torch.randn(3, H, D, generator=g).to(dtype)
     calls = []
-    kernel = flash_cache.native_ops.paged_decode
+    kernel = native_backend.paged_kernel
     spy = lambda *a: calls.append(1) or kernel(*a)  # noqa: E731
-    monkeypatch.setattr(flash_cache.native_ops, "paged_decode", spy)
+    monkeypatch.setattr(native_backend, "paged_kernel", spy)
 
     def run(rows, window=(-1, -1)):
         cu = torch.arange(len(rows) + 1, dtype=torch.int32)
@@ -603,7 +600,7 @@ def test_varlen_attn_decodes_paged_keys_on_the_kernel_order_invariantly(monkeypa
         q, keys, values, cu, cu_k, 1, 3000, causal=True, window_size=(100, 0), block_table=table
     )
     assert len(calls) == 5 and torch.equal(flash, windowed)
-    monkeypatch.setattr(flash_cache, "native_unavailable", lambda: "off for the comparison")
+    monkeypatch.setattr(NativeBackend, "paged_decode", lambda self, step: None)  # composed
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got, window in ((whole, (-1, -1)), (windowed, (100, 0))):
         assert (got.float() - run([0, 1, 2], window).float()).abs().max() < tol

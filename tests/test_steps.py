@@ -8,11 +8,12 @@ import torch
 
 import attnkit as ak
 from attnkit.call import dispatch
+from attnkit.call.fit import Options
 from attnkit.call.steps import bucket, step_kind
 from attnkit.masks import from_hf_attention_mask
 from attnkit.native import unavailable
 
-OPTIONS = (None, None, 0.0, "auto", False, True)  # scale, softcap, dropout, backend, lse, bias
+OPTIONS = Options(None, None, 0.0, "auto", need_lse=False, check_bias=True)
 native = pytest.mark.skipif(unavailable() is not None, reason="the native kernels: not built")
 
 
@@ -24,7 +25,7 @@ def plans(monkeypatch):
     original = dispatch._prepared
 
     def counting(q, k, v, mask, options, *args):
-        count[0] += options[3] != "reference"  # (scale, softcap, dropout_p, backend, ...)
+        count[0] += options.backend != "reference"
         return original(q, k, v, mask, options, *args)
 
     monkeypatch.setattr(dispatch, "_prepared", counting)

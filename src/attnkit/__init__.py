@@ -33,8 +33,8 @@ from attnkit.errors import (
 )
 from attnkit.heads import merge_heads, split_heads
 from attnkit.kv.cache import KVCache
-from attnkit.kv.paged import PagedLayer, paged_attention
-from attnkit.kv.pool import PagedKVCache, Step
+from attnkit.kv.paged import PagedKVCache, PagedLayer, paged_attention
+from attnkit.kv.pool import Step
 from attnkit.kv.positional import RotaryEmbedding
 from attnkit.masks import (
     Mask,

@@ -10,7 +10,9 @@ lives here and nowhere else (a test finds any other module-level state):
 - `kernels`: attnkit's native kernels, loaded once or being built in the background
   (`attnkit.native.loader`), and `facts`: what torch's CPU kernels do, probed once
   (`attnkit._compat.TorchFacts`);
-- `calls`: the prepared calls, one holder per mask (`attnkit.call.dispatch` keeps them).
+- `calls`: the prepared calls, one holder per mask (`attnkit.call.dispatch` keeps them),
+  and `forwards`: a model's forward, by the mask object its layers share (the transformers
+  integration's: the calls its first layer prepared, None where each layer runs a call).
 
 `current()` is the runtime calls use: the process's, which `attnkit` makes when it is
 imported (handing it the calibration that chooses its cost table), or the one a test
@@ -28,8 +30,9 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch import Tensor
 
@@ -41,22 +44,21 @@ from attnkit.call.permask import MaskTensors, PerMask
 from attnkit.masks import Mask
 from attnkit.native.loader import Kernels
 
-if TYPE_CHECKING:
-    from attnkit.call.prepared import Prepared
-
 __all__ = ["PREPARED_PER_MASK", "Runtime", "current", "fresh", "start"]
 
 PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop needs one)
 
 
 class MaskCalls(MaskTensors):
-    """The prepared calls of one mask (or of calls without a mask), by `fit` key, and
-    the tensors whose identity and version every key holds (they die with the mask)."""
+    """The prepared calls of one mask (or of calls without a mask), by key
+    (`call.fit.CallKey`), and the tensors whose identity and version every key holds
+    (they die with the mask). A plan is the dispatcher's `call.prepared.Prepared`, which
+    the runtime, below it, holds without reading (`Any`)."""
 
     def __init__(self, mask: Mask | Tensor | None) -> None:
         super().__init__(mask, weak=True)
         limit = 4 * PREPARED_PER_MASK if mask is None else PREPARED_PER_MASK
-        self.plans: Bounded[tuple[object, ...], Prepared] = Bounded(limit)
+        self.plans: Bounded[tuple[object, ...], Any] = Bounded(limit)
 
 
 class Runtime:
@@ -91,6 +93,8 @@ class Runtime:
         self.costs = Costs(choose)
         self.backends = Registry(built_in(self.kernels, self.facts))
         self.calls: PerMask[MaskCalls] = PerMask(MaskCalls)
+        # a forward's `call.dispatch.StepCalls` (or None), held without reading (`Any`)
+        self.forwards: weakref.WeakKeyDictionary[Mask, Any] = weakref.WeakKeyDictionary()
 
     def state(self) -> tuple[int, int, int]:
         """What every prepared call keys on besides its inputs: changes when a backend is
@@ -101,6 +105,7 @@ class Runtime:
     def clear(self) -> None:
         """Forget every prepared call (tests; after changing a backend by hand)."""
         self.calls.clear()
+        self.forwards.clear()
 
 
 _RUNTIMES: list[Runtime] = []  # the process's, then any a test entered (`fresh`)

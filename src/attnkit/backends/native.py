@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from attnkit.backends.protocol import Backend, Block, Kernel, Probe, Work
+from attnkit.backends.protocol import Backend, Block, Kernel, PagedDecode, Probe, Work
 from attnkit.call import cost
 from attnkit.call.precision import HALF
 from attnkit.call.steps import DECODE_ROWS, bucket, step_of
@@ -42,6 +42,7 @@ from attnkit.native.ops import (
     on_half_units,
     span_forward,
 )
+from attnkit.native.ops import paged_decode as paged_kernel
 
 __all__ = ["NativeBackend", "half_units"]
 
@@ -325,6 +326,27 @@ class NativeBackend(Backend):
             rows.bias,
         )
         return out, lse if need_lse else None
+
+    def paged_decode(self, step: PagedDecode) -> tuple[Tensor, Tensor] | None:
+        """The paged kernel (`paged_decode.cpp`) where it is built, on the CPU, for q,
+        keys and values of one dtype it takes."""
+        dtypes = {step.q.dtype, step.keys.dtype, step.values.dtype}
+        if self.kernels.unavailable() is not None or step.q.device.type != "cpu":
+            return None
+        if len(dtypes) != 1 or step.q.dtype not in DTYPES:
+            return None
+        return paged_kernel(
+            step.q,
+            step.keys,
+            step.values,
+            step.table.cpu(),
+            step.starts.cpu(),
+            step.lo.cpu(),
+            step.hi.cpu(),
+            step.page_size,
+            step.scale,
+            step.softcap,
+        )
 
     def serves_backward(self, call: AttentionCall) -> bool:
         return self.can_use(call, need_lse=True) is None

@@ -11,7 +11,10 @@ where it has more to say: a cheap lower bound on its cost (`cost_floor`), a kern
 prepared for repeated calls (`prepare`), gradients from a call's output and lse
 (`backward`), lines for `explain` (`notes`), the blocks of L×S it computes (`work`),
 and a number that changes when its own state changes what it costs (`version`: flex's
-kernels turning warm), which cached plans carry.
+kernels turning warm), which cached plans carry. Besides calls, a backend may declare
+another kind of problem it solves in place: a decoding step over a pool of pages
+(`PagedDecode`, asked by `paged_attention` and `flash_attn_with_kvcache` through the
+registry: `native`).
 
 `serves_backward` says whether `backward` takes a call (`sdpa`: one fused call for dense
 and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
@@ -40,7 +43,7 @@ from attnkit.call.precision import HALF
 from attnkit.contracts import AttentionCall, normalize_call
 from attnkit.masks import Mask
 
-__all__ = ["Backend", "Block", "Inputs", "Kernel", "Probe", "Work"]
+__all__ = ["Backend", "Block", "Inputs", "Kernel", "PagedDecode", "Probe", "Work"]
 
 Inputs = tuple[Tensor, Tensor, Tensor]
 
@@ -108,6 +111,30 @@ class Work:
     blocks: tuple[Block, ...]
     calls: int
     tile: int
+
+
+@dataclass(frozen=True)
+class PagedDecode:
+    """One new query per sequence against keys read in place from a pool of pages (no
+    gather), autograd not recording: sequence n's key p sits at slot
+    `table[starts[n] + p // page_size] · page_size + p % page_size`.
+
+    q: (N, H, D); keys (slots, Hkv, D) and values (slots, Hkv, Dv): views of the pool;
+    table: the pages in order, int64; starts, lo, hi: (N,) int64, where each sequence's
+    pages start in `table` and the key positions [lo, hi) it sees (on any device: a
+    kernel moves what it reads where it runs).
+    """
+
+    q: Tensor
+    keys: Tensor
+    values: Tensor
+    table: Tensor
+    starts: Tensor
+    lo: Tensor
+    hi: Tensor
+    page_size: int
+    scale: float
+    softcap: float  # 0: none
 
 
 # forward+backward work over the forward's (flash-attention's count: the backward does
@@ -212,6 +239,12 @@ class Backend:
     ) -> tuple[Tensor, Tensor, Tensor] | None:
         """dq, dk, dv of `call` from its output and log-sum-exp (whichever backend
         computed them), or None where this backend cannot."""
+        return None
+
+    def paged_decode(self, step: PagedDecode) -> tuple[Tensor, Tensor] | None:
+        """out (N, H, Dv) in q's dtype and lse (N, H) float32 of a paged decoding step,
+        read in place, or None where this backend has no kernel for it (the caller then
+        gathers the pages and attends)."""
         return None
 
     def notes(self, call: AttentionCall) -> list[str]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from torch import Tensor
+
 from attnkit._compat import TorchFacts
 from attnkit.backends.blockwise import BlockwiseBackend
 from attnkit.backends.flex import FlexBackend
 from attnkit.backends.native import NativeBackend
-from attnkit.backends.protocol import Backend
+from attnkit.backends.protocol import Backend, PagedDecode
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.backends.tiled import TiledBackend
@@ -59,6 +61,15 @@ class Registry:
         if name not in self._by_name:
             raise ValueError(f"unknown backend {name!r}; choose one of {self.names()}.")
         return self._by_name[name]
+
+    def paged_decode(self, step: PagedDecode) -> tuple[Tensor, Tensor] | None:
+        """The paged decoding step by the first backend, in order, with a kernel for it
+        (`Backend.paged_decode`); None where none has (the caller gathers and attends)."""
+        for backend in self._by_name.values():
+            result = backend.paged_decode(step)
+            if result is not None:
+                return result
+        return None
 
     def state(self) -> tuple[int, int]:
         """Changes when a backend is registered or removed, or one's own state changes

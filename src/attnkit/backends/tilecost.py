@@ -14,16 +14,12 @@ two would rank one kernel against itself by timing noise).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from attnkit._compat import cpu_flash_attention
-from attnkit.backends.protocol import Probe
+from attnkit.backends.protocol import Backend, Probe
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.call import cost
 from attnkit.masks import causal, sliding_window
-
-if TYPE_CHECKING:
-    from attnkit.backends.tiled import TiledBackend
 
 __all__ = ["FACTORS", "calibrate", "pair_cost"]
 
@@ -49,7 +45,7 @@ def pair_cost(rows: int, priced: dict[str, float]) -> float:
     return float(priced["pair"] * (256 / min(max(rows, 1), 256)) ** priced["short"])
 
 
-def calibrate(tiled: TiledBackend, probe: Probe) -> dict[str, float]:
+def calibrate(tiled: Backend, probe: Probe) -> dict[str, float]:
     """Tiled's factors timed on this CPU (the module doc says how)."""
     default = FACTORS.default
     measured = {
@@ -62,6 +58,7 @@ def calibrate(tiled: TiledBackend, probe: Probe) -> dict[str, float]:
         measured["causal"] = default["causal"] * moved
     call, predicted, spent = tiled.timed(probe, probe.inputs(4096), sliding_window(255) & causal())
     work = tiled.work(call)
+    assert work is not None  # tiled says the blocks it computes
     # the pairs' share: the groups' cost as just measured, on blocks of `work.tile` rows
     # priced with the short-block exponent just found
     predicted -= default["call"] * work.calls

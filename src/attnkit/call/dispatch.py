@@ -38,13 +38,12 @@ on the mask object a forward shares, a paged `Step` one per prefilling sequence)
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import torch
 from torch import Tensor
 
 from attnkit import runtime
-from attnkit.call.fit import fit, inputs_kind
+from attnkit.call.fit import CallKey, Options, fit, inputs_kind
 from attnkit.call.permask import MaskTensors, PerMask
 from attnkit.call.planner import step_order
 from attnkit.call.prepared import Prepared, prepare_call
@@ -56,8 +55,6 @@ from attnkit.runtime import MaskCalls
 __all__ = ["StepCalls", "attention_call", "clear", "prepared_call"]
 
 MaskArg = Mask | Tensor | None
-# scale, softcap, dropout_p, backend, need_lse, check_bias
-Options = tuple[float | None, float | None, float, str, bool, bool]
 
 
 def attention_call(
@@ -75,7 +72,7 @@ def attention_call(
 ) -> tuple[Tensor, Tensor | None]:
     """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached.
     `check_bias`: a float mask's values are checked at its first call (not by `sdpa`)."""
-    options = (scale, softcap, dropout_p, backend, need_lse, check_bias)
+    options = Options(scale, softcap, dropout_p, backend, need_lse, check_bias)
     return _lookup(q, k, v, mask, options, None, True).run(q, k, v, mask)
 
 
@@ -109,7 +106,7 @@ class StepCalls:
         backend: str = "auto",
     ) -> Tensor:
         """`attention(q, k, v, mask, ...)` through the place's prepared call."""
-        options = (scale, softcap, dropout_p, backend, False, True)
+        options = Options(scale, softcap, dropout_p, backend, False, True)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         kind = (inputs_kind(q, k, v), grad, options)
         entry = self._calls.get(place)
@@ -148,7 +145,7 @@ def prepared_call(
     """The prepared call of these arguments: cached, or validated, planned and kept.
     `grad`: planned as if autograd records (None: whether it does; the compiled op's
     implementation runs with autograd below it)."""
-    options = (scale, softcap, dropout_p, backend, need_lse, check_bias)
+    options = Options(scale, softcap, dropout_p, backend, need_lse, check_bias)
     return _lookup(q, k, v, mask, options, grad, False)
 
 
@@ -157,7 +154,7 @@ def _lookup(
     k: Tensor,
     v: Tensor,
     mask: MaskArg,
-    options: tuple[object, ...],
+    options: Options,
     grad: bool | None,
     any_length_ok: bool,
 ) -> Prepared:
@@ -172,7 +169,9 @@ def _lookup(
     step_plans = by_mask.of(None).plans
     kind: StepKind = "dense"
     step = _step_key(q, k, v, step_mask, options, kind) if steps else None
-    step_plan = step_plans.get(step) if step is not None and any_length_ok else None
+    step_plan: Prepared | None = None
+    if step is not None and any_length_ok:
+        step_plan = step_plans.get(step)
     if step_plan is not None:  # a dense step: the kernel of its bucket
         return step_plan
     calls = _calls_of(by_mask, mask) if plain else None
@@ -180,7 +179,7 @@ def _lookup(
     key = None
     if calls is not None:
         key = fit(q, k, v, q.shape, k.shape, v.shape, calls.state(), options, grad)
-    prepared = None if plans is None or key is None else plans.get(key)
+    prepared: Prepared | None = None if plans is None or key is None else plans.get(key)
     if prepared is None and steps and step is None:  # a padded step: its bucket's backend
         kind = "padded"
         step = _step_key(q, k, v, step_mask, options, kind)
@@ -219,12 +218,12 @@ def _prepared(
     k: Tensor,
     v: Tensor,
     mask: MaskArg,
-    options: tuple[object, ...],
-    key: tuple[object, ...] | None,
+    options: Options,
+    key: CallKey | None,
     grad: bool | None,
 ) -> Prepared:
     """Validate, plan and prepare a call that is not cached."""
-    scale, softcap, dropout_p, backend, need_lse, check_bias = cast(Options, options)
+    scale, softcap, dropout_p, backend, need_lse, check_bias = options
     call = normalize_call(
         q,
         k,
@@ -257,17 +256,16 @@ def _step_key(
     k: Tensor,
     v: Tensor,
     mask: Mask | None,
-    options: tuple[object, ...],
+    options: Options,
     kind: StepKind,
-) -> tuple[object, ...] | None:
+) -> CallKey | None:
     """The key of a decoding step of `kind` (`steps.step_kind`: every key seen, or key
     padding alone), or None where the call is not one: a bias, no keys, k and v of other
     lengths, the log-sum-exp asked. The key holds no mask (a dense step runs the same
     unmasked kernel under any mask that sees every key; a padded step makes its call
     from the mask it is given) and S only by its bucket; what it leaves out is checked
     here: S >= 1, the same in k and v, and the mask's own check."""
-    _, _, _, _, need_lse, _ = options  # scale, softcap, dropout_p, backend, ..., check_bias
-    if need_lse:  # no kernel
+    if options.need_lse:  # no kernel
         return None
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
     if len(q_shape) != 4 or len(k_shape) != 4 or len(v_shape) != 4:

@@ -26,10 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit.masks import Mask
-from attnkit.masks.base import _Combine, and_masks
-from attnkit.masks.positions import _Causal, _SlidingWindow
-from attnkit.masks.tokens import _Document
+from attnkit.masks import Mask, and_masks
+from attnkit.masks.structure import packed_documents
 
 __all__ = ["Documents", "attend_documents", "documents", "placed_alike"]
 
@@ -48,30 +46,17 @@ class Documents:
 def documents(mask: object, q: Tensor, k: Tensor) -> Documents | None:
     """The documents of a call whose mask is packed documents and position only (see the
     module doc), or None (the call runs as one)."""
-    if not isinstance(mask, (_Combine, _Document)) or q.dim() != 4 or k.dim() != 4:
-        return None  # (a document mask is one, or one part of an `&`)
-    parts = _conjuncts(mask)
-    docs = [p for p in parts if isinstance(p, _Document)]
-    inner = [p for p in parts if not isinstance(p, _Document)]
-    if len(docs) != 1 or not all(isinstance(p, (_Causal, _SlidingWindow)) for p in inner):
+    packed = packed_documents(mask)
+    if packed is None or q.dim() != 4 or k.dim() != 4:
         return None
-    doc, (B, L), S = docs[0], (q.shape[0], q.shape[2]), k.shape[2]
-    ids = doc.q_ids  # (B|1, L)
-    if doc.kv_ids is not None or L != S or ids.shape[1] != L or ids.shape[0] not in (1, B):
-        return None
-    if B * L == 0 or not doc._sorted():  # nothing to cut (an empty call runs as one)
-        return None
+    ids, inner = packed  # (B|1, L)
+    (B, L), S = (q.shape[0], q.shape[2]), k.shape[2]
+    if L != S or ids.shape[1] != L or ids.shape[0] not in (1, B) or B * L == 0:
+        return None  # (an empty call runs as one: nothing to cut)
     starts = torch.ones(B, L, dtype=torch.bool)
     starts[:, 1:] = (ids[:, 1:] != ids[:, :-1]).cpu()  # a new document begins
     lengths = [torch.diff(row.nonzero()[:, 0], append=torch.tensor([L])).tolist() for row in starts]
     return Documents(lengths, None if not inner else and_masks(*inner))
-
-
-def _conjuncts(mask: Mask) -> list[Mask]:
-    """The parts of nested `&`s (the mask itself when it is not one)."""
-    if isinstance(mask, _Combine) and mask.op == "&":
-        return [leaf for part in mask.parts for leaf in _conjuncts(part)]
-    return [mask]
 
 
 def attend_documents(

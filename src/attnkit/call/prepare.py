@@ -16,7 +16,7 @@ from torch import Tensor
 from attnkit import runtime
 from attnkit.call.dispatch import prepared_call
 from attnkit.call.documents import Documents, documents
-from attnkit.call.fit import fit
+from attnkit.call.fit import Options, fit
 from attnkit.call.habits import points_habits
 from attnkit.call.planner import Plan, plan_call
 from attnkit.call.prepared import Prepared, mask_state
@@ -156,7 +156,7 @@ def prepare_plan(
         backend=backend,
         need_lse=lse,
     )
-    numbers = (
+    numbers = Options(
         None if scale is None else float(scale),
         None if softcap is None else float(softcap),
         float(dropout_p),

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import cast
 
 import torch
 from torch import Tensor
 
 from attnkit.backends import Backend, Kernel, get_backend
 from attnkit.call.execute import execute
-from attnkit.call.fit import FIT_FIELDS, LENGTHS, REGISTRY, STRIDES, fit, inputs_kind
+from attnkit.call.fit import FIELD_NAMES, INPUT_FIELDS, LENGTHS, STRIDES, CallKey, fit, inputs_kind
 from attnkit.call.permask import MaskTensors, mask_state
 from attnkit.call.planner import Plan, backend_for_run, plan_call
 from attnkit.call.steps import step_kind, step_padding
@@ -81,7 +80,7 @@ class Prepared:
 
     def __init__(
         self,
-        fit: tuple[object, ...] | None,
+        fit: CallKey | None,
         call: AttentionCall,
         backend: Backend | None,
         *,
@@ -170,7 +169,7 @@ class Prepared:
         self,
         mask: MaskArg,
         *,
-        fit: tuple[object, ...],
+        fit: CallKey,
         sinks: Tensor | None,
         route: Route,
         routed: bool,
@@ -237,12 +236,13 @@ class Prepared:
         """What this call runs and why: the `Plan` of `attnkit.explain` for its arguments
         (`verbose`: with the cost model's figures)."""
         mask = self._bound_mask()
-        assert self.fit is not None
-        shapes, strides = self.fit[0:3], self.fit[3:6]
-        dtypes, devices, grad = self.fit[6:9], self.fit[9:12], bool(self.fit[13])
-        with torch.set_grad_enabled(grad):
+        f = self.fit
+        assert f is not None
+        shapes, strides = (f.q_shape, f.k_shape, f.v_shape), (f.q_stride, f.k_stride, f.v_stride)
+        dtypes, devices = (f.q_dtype, f.k_dtype, f.v_dtype), (f.q_device, f.k_device, f.v_device)
+        with torch.set_grad_enabled(f.grad):
             q, k, v = (
-                torch.empty_strided(s, st, dtype=t, device=d, requires_grad=grad)  # type: ignore[arg-type]
+                torch.empty_strided(s, st, dtype=t, device=d, requires_grad=f.grad)
                 for s, st, t, d in zip(shapes, strides, dtypes, devices, strict=True)
             )
             plan = plan_call(
@@ -267,17 +267,18 @@ class Prepared:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-        options = self.fit[14:20]
-        now = fit(q, k, v, q.shape, k.shape, v.shape, self._tensors.state(), options)
+        now = fit(q, k, v, q.shape, k.shape, v.shape, self._tensors.state(), self.fit.options)
         assert now is not None  # the options are the prepared call's own
-        changed = [i for i, (a, b) in enumerate(zip(now, self.fit, strict=True)) if a != b]
-        wrong = [i for i in changed if i not in STRIDES and i != REGISTRY]
+        was = self.fit._asdict()
+        changed = [name for name, value in now._asdict().items() if value != was[name]]
+        wrong = [name for name in changed if name not in STRIDES and name != "registry"]
         if wrong and set(wrong) <= LENGTHS and self._grows(k.shape, v.shape):
             return self._with_sinks(*self._route(q, k, v))  # a step's cache grew
         if wrong:
-            i = wrong[0]
+            name = wrong[0]
             raise PreparedMismatchError(
-                f"this call was prepared for {FIT_FIELDS[i]} {self.fit[i]}, got {now[i]}; "
+                f"this call was prepared for {FIELD_NAMES[name]} {was[name]}, got "
+                f"{getattr(now, name)}; "
                 "prepare it again with attnkit.prepare(...) for the new inputs (or call "
                 "attnkit.attention, which prepares as it goes)."
             )
@@ -289,7 +290,7 @@ class Prepared:
     def _grows(self, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> bool:
         """k and v of this decoding step's sizes but S (`attnkit.call.steps`: the cache grew)."""
         assert self.fit is not None
-        k_was, v_was = cast(torch.Size, self.fit[1]), cast(torch.Size, self.fit[2])
+        k_was, v_was = self.fit.k_shape, self.fit.v_shape
         if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[2] != v_shape[2]:
             return False
         mask = self._bound_mask()
@@ -302,18 +303,18 @@ class Prepared:
 
     def _fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """The fit of plain tensors (what `fit` would build, but the options, the prepared
-        call's own, and the backends' state, which changes no result): the first twelve
-        fields compared at once, then grad mode and the mask's tensors (if it holds any)."""
+        call's own, and the backends' state, which changes no result): the inputs' fields
+        compared at once, then grad mode and the mask's tensors (if it holds any)."""
         f = self.fit
         assert f is not None
         return (
             type(q) is Tensor
             and type(k) is Tensor
             and type(v) is Tensor
-            and inputs_kind(q, k, v) == f[:12]
-            and f[13]
+            and inputs_kind(q, k, v) == f[:INPUT_FIELDS]
+            and f.grad
             == (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-            and (not self._tensors.has_tensors or self._tensors.state() == f[20])
+            and (not self._tensors.has_tensors or self._tensors.state() == f.mask_state)
         )
 
     def _with_sinks(self, out: Tensor, lse: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -341,7 +342,7 @@ def prepare_call(
     need_lse: bool,
     scale: float,
     *,
-    fit: tuple[object, ...] | None,
+    fit: CallKey | None,
     kernel_ok: bool,
     grad: bool | None = None,
 ) -> Prepared:

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from attnkit.masks import Mask
-from attnkit.masks.base import _Combine
-from attnkit.masks.tokens import _KeyPadding
+from attnkit.masks import Mask, and_masks
+from attnkit.masks.structure import key_paddings
 
 if TYPE_CHECKING:
     from attnkit.contracts import AttentionCall
@@ -55,11 +54,10 @@ def step_kind(mask: Mask | None, L: int, S: int) -> StepKind | None:
 def step_padding(mask: Mask, L: int, S: int) -> Mask | None:
     """The key paddings of a padded step's mask, which alone decide what it sees (every
     other part of its `&` sees every key), or None where the mask is not one."""
-    parts = mask.parts if isinstance(mask, _Combine) and mask.op == "&" else (mask,)
-    paddings = [p for p in parts if isinstance(p, _KeyPadding)]
-    if not paddings or not all(p.sees_all(L, S) for p in parts if p not in paddings):
+    paddings, others = key_paddings(mask)
+    if not paddings or not all(p.sees_all(L, S) for p in others):
         return None
-    return paddings[0] if len(paddings) == 1 else _Combine("&", tuple(paddings))
+    return paddings[0] if len(paddings) == 1 else and_masks(*paddings)
 
 
 def step_of(call: AttentionCall) -> StepKind | None:

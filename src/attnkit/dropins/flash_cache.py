@@ -1,10 +1,10 @@
 """flash-attention's KV cache and `flash_attn_with_kvcache` (re-exported by
-`attnkit.flash_attn`), which keeps it: each sequence's rows
-of (B_cache, S_cache, Hkv, D), or its pages (pages, page_size, Hkv, D) through a
-`block_table`. Its lengths, the new keys written in place, each sequence's history read
-(rows, or pages gathered in table order), and a decoding step read in place by
-attnkit's paged kernel (`attnkit.native`) where it is built. Every `block_table` and
-cache length is checked before anything is read or written (`check_block_table`,
+`attnkit.flash_attn`), which keeps it: each sequence's rows of (B_cache, S_cache, Hkv,
+D), or its pages (pages, page_size, Hkv, D) through a `block_table`. Its lengths, the
+new keys written in place, each sequence's history read (rows, or pages gathered in
+table order), and a decoding step read in place by the registry's paged kernel
+(`Backend.paged_decode`: `native`, where it is built). Every `block_table` and cache
+length is checked before anything is read or written (`check_block_table`,
 `check_cache_room`). Last, the packed forms' views (`unpacked`) and flash-attention's
 rotary embedding (`rotate`).
 """
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit import runtime
+from attnkit.backends.protocol import PagedDecode
 from attnkit.dropins.packed import Window, attend_spans, flash_window, spans_mask, window_spans
 from attnkit.errors import BlockTableError, ShapeContractError
-from attnkit.native import ops as native_ops
-from attnkit.native import unavailable as native_unavailable
 
 __all__ = [
     "cache_lengths",
@@ -47,14 +47,11 @@ def decode_pages(
     softcap: float,
 ) -> tuple[Tensor, Tensor] | None:
     """One new query per sequence (B, 1, H, D) against the keys at positions [lo, hi)
-    (B,) of its pages, on attnkit's paged kernel, which reads them in place (no gather of
-    the history; a sequence's result does not depend on the others): out (B, 1, H, Dv)
-    and lse (B, H, 1); None where the kernel cannot run (not built, another device or
-    dtype, pages that are no view of one slot axis)."""
-    if q.device.type != "cpu" or q.dtype not in native_ops.DTYPES:
-        return None
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or native_unavailable() is not None:
-        return None
+    (B,) of its pages, by the registry's paged kernel (`Backend.paged_decode`), which
+    reads them in place (no gather of the history; a sequence's result does not depend
+    on the others): out (B, 1, H, Dv) and lse (B, H, 1); None where no backend has one
+    for it (not built, another device or dtype) or the pages are no view of one slot
+    axis."""
     pages, page_size = pool_size(k_cache)
     try:  # (pages, page_size, Hkv, D) -> (slots, Hkv, D), without a copy
         keys, values = (t.view(pages * page_size, *t.shape[2:]) for t in (k_cache, v_cache))
@@ -62,19 +59,23 @@ def decode_pages(
         return None
     B, width = block_table.shape
     D = q.shape[-1]
+    problem = PagedDecode(
+        q[:, 0],
+        keys,
+        values,
+        block_table.reshape(-1),
+        torch.arange(B, device=block_table.device) * width,
+        lo,
+        hi,
+        page_size,
+        D**-0.5 if scale is None else scale,
+        softcap,
+    )
     with torch.no_grad():
-        out, lse = native_ops.paged_decode(
-            q[:, 0],
-            keys,
-            values,
-            block_table.reshape(-1).cpu(),
-            torch.arange(B) * width,
-            lo.cpu(),
-            hi.cpu(),
-            page_size,
-            D**-0.5 if scale is None else scale,
-            softcap,
-        )  # (B, H, Dv), (B, H)
+        result = runtime.current().backends.paged_decode(problem)  # (B, H, Dv), (B, H)
+    if result is None:
+        return None
+    out, lse = result
     return out[:, None], lse[:, :, None]
 
 

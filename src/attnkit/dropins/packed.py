@@ -39,7 +39,7 @@ from torch import Tensor
 from attnkit.call.documents import placed_alike
 from attnkit.call.functional import attention_with_lse
 from attnkit.masks import Mask, causal, row_spans, sliding_window
-from attnkit.masks.biases import _ALiBi
+from attnkit.masks.biases import alibi_at
 
 __all__ = [
     "KeySpans",
@@ -208,7 +208,7 @@ def spans_mask(spans: KeySpans, alibi_slopes: Tensor | None, dtype: torch.dtype)
     if alibi_slopes is None:
         return mask
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return mask & _ALiBi(alibi_slopes.to(wide), None, positions=spans.at)
+    return mask & alibi_at(alibi_slopes.to(wide), spans.at)
 
 
 def attend_spans(

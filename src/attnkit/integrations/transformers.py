@@ -16,7 +16,7 @@ or `Mask.from_mod(mask_function)` where no structure fits. The *attention functi
 (`AttentionInterface`) runs `attnkit.attention` on that mask, with the module's scale,
 dropout, `softcap` (Gemma 2) and `s_aux` sinks (GPT-OSS). Every layer of a forward
 shares the mask object: its first layer prepares the call, the others run it
-(`dispatch.StepCalls`).
+(`dispatch.StepCalls`, which the runtime keeps by the mask: `Runtime.forwards`).
 
 One documented difference from `eager`: a query that may see no key (a padding row)
 gets 0, where eager's finite "minus infinity" averages all values (DESIGN.md §2).
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attnkit import runtime
 from attnkit.call.dispatch import StepCalls
 from attnkit.call.documents import documents
 from attnkit.call.functional import attention
@@ -197,9 +198,11 @@ def _step_calls(
         return None
     if torch.compiler.is_compiling():
         return None
-    if mask._packed is None:  # asked once per forward
-        mask._packed = documents(mask, query, key) is not None
-    return None if mask._packed else mask._calls
+    forwards = runtime.current().forwards
+    if mask not in forwards:  # asked once per forward: packed documents run a call each
+        forwards[mask] = None if documents(mask, query, key) is not None else StepCalls()
+    calls: StepCalls | None = forwards[mask]
+    return calls
 
 
 def _from_cu_seq_lens(kwargs: dict[str, Any], L: int, S: int) -> Mask | None:

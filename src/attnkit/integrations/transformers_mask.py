@@ -1,7 +1,7 @@
 """transformers' mask function for `attn_implementation="attnkit"`: the structured
 `Mask` equal to the model's mask function on every pair (causal, windows, chunks,
-documents, padding), or transformers' own dense mask where no structure fits; the mask
-of one forward (`PreparedMask`) keeps the prepared calls its layers share.
+documents, padding), or transformers' own dense mask where no structure fits: the mask
+of one forward (`PreparedMask`), which the runtime keys the calls its layers share by.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import eager
-from attnkit.call.dispatch import StepCalls
 from attnkit.integrations import ModFn, structure
 from attnkit.masks import Mask, causal, from_hf_attention_mask
-from attnkit.masks.base import _Combine, as_mask
+from attnkit.masks.base import Combined, as_mask
 
 __all__ = ["PreparedMask", "mask_function"]
 
@@ -171,19 +170,17 @@ def _causal_mask_function() -> ModFn | None:
     return getattr(masking_utils, "causal_mask_function", None)
 
 
-class PreparedMask(_Combine):
+class PreparedMask(Combined):
     """The `&` of a recognised structure and the padding, shaped for transformers: with a
     compileable (static) cache `generate` builds the masks ahead and passes them back
-    through the model's mask creation, which reads `.ndim` and `.shape` (B, 1, L, S)."""
+    through the model's mask creation, which reads `.ndim` and `.shape` (B, 1, L, S).
+    Its layers' prepared calls are the runtime's (`Runtime.forwards`), by this object."""
 
     def __init__(self, parts: list[Mask], shape: tuple[int, int, int]) -> None:
         super().__init__("&", tuple(parts))
         B, L, S = shape
         self.shape = (B, 1, L, S)
         self.ndim = 4
-        # the forward's prepared calls, made by its first layer (not the mask's value)
-        self._calls = StepCalls()
-        self._packed: bool | None = None  # packed documents: each layer runs a call each
 
     def describe(self) -> str:
         return " & ".join(part.describe() for part in self.parts)

@@ -7,9 +7,10 @@ window): one unmasked fused call for a decoding token, `attention` for a prefill
 `PagedLayer` is one layer's view of a step, what a module's `cache=` takes.
 
 `paged_attention` checks shapes and dtype (the cache's), writes k/v with `index_copy_`
-at the step's slots, runs every decoding token of the step on attnkit's paged kernel
-where it is built and autograd does not record (`attnkit.native.ops.paged_decode`: the
-pages read in place, no gather; float32, bfloat16, float16), and otherwise per sequence
+at the step's slots, runs every decoding token of the step on the registry's paged
+kernel where one serves and autograd does not record (`Backend.paged_decode`: native's,
+where it is built, reads the pages in place, no gather; float32, bfloat16, float16),
+and otherwise per sequence
 gathers the history from the first key any new
 query's window reaches (`history`: whole blocks, keys and values at once, a block's
 slots being one row of block_size·Hkv·(D + Dv) numbers, into buffers the cache reuses
@@ -33,25 +34,68 @@ per-sequence chunks with a log-sum-exp merge were slower still.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from attnkit import runtime
 from attnkit._compat import TORCH_SDPA
+from attnkit.backends.protocol import PagedDecode
 from attnkit.call.dispatch import StepCalls
 from attnkit.call.precision import kernel_dtype
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.kv.attender import Attender
+from attnkit.kv.pool import PagePool, Step
 from attnkit.masks import Mask, causal, sliding_window
-from attnkit.masks.positions import _SlidingWindow
-from attnkit.native import ops as native_ops
-from attnkit.native import unavailable as native_unavailable
+from attnkit.masks.structure import trailing_window
 
-if TYPE_CHECKING:  # the pool makes layers of itself: it imports this module
-    from attnkit.kv.pool import PagedKVCache, Step
+__all__ = ["PagedKVCache", "PagedLayer", "paged_attention"]
 
-__all__ = ["PagedLayer", "paged_attention"]
+
+class PagedKVCache(PagePool):
+    """Keys and values of many sequences of different lengths in one pool of blocks.
+
+    vLLM's layout: one block id holds `block_size` tokens' keys and values for every
+    layer, so a sequence of n tokens holds ceil(n / block_size) blocks (shared ones
+    counted once). `add` and `fork` take no block until a write needs one; `fork` shares
+    blocks (copy on write); `step(ids, counts)` makes room for a forward pass's new
+    tokens, or raises `OutOfBlocksError` (a `RuntimeError`) before any change;
+    `release` frees blocks a sliding window no longer reaches; `remove` frees a finished
+    sequence. `paged_attention` (or `MultiHeadAttention(x, cache=pages.layer(step, i))`)
+    writes and reads them.
+
+    Args:
+        num_layers: layers of the model, each with its keys and values in every block.
+        num_kv_heads: Hkv, key/value heads.
+        head_dim: D, the key head dim.
+        num_blocks: blocks in the pool.
+        block_size: token slots a block holds (default 16).
+        value_dim: Dv, the value head dim (default None: D).
+        dtype: the dtype of keys and values, and of the q, k, v `paged_attention` takes
+            (default torch.float32).
+        device: where the pool lives (default "cpu").
+
+    Raises:
+        ValueError: a size that is not a positive int.
+
+    Examples:
+        >>> pages = ak.PagedKVCache(2, num_kv_heads=2, head_dim=8, num_blocks=6, block_size=4)
+        >>> a = pages.add()
+        >>> step = pages.step([a], [6])  # a prompt of 6 tokens: 2 blocks
+        >>> pages.length(a), pages.block_table(a), pages.free_blocks
+        (6, [0, 1], 4)
+        >>> b = pages.fork(a)  # shares both blocks, no copy
+        >>> step = pages.step([a, b], [1, 1])  # each writes into the shared, partly filled block
+        >>> pages.block_table(a), pages.block_table(b)  # a, writing first, copied it
+        ([0, 2], [0, 1])
+        >>> pages.remove(a)  # frees block 2; block 0 is still b's
+        >>> pages.free_blocks
+        4
+    """
+
+    def layer(self, step: Step, layer: int) -> PagedLayer:
+        """What a `MultiHeadAttention` of `layer` takes as `cache=` to run this step."""
+        return PagedLayer(self, step, layer)
 
 
 @dataclass(frozen=True)
@@ -80,7 +124,7 @@ class PagedLayer(Attender):
         True
     """
 
-    pages: PagedKVCache
+    pages: PagePool
     step: Step
     layer: int
 
@@ -124,7 +168,7 @@ def paged_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pages: PagedKVCache,
+    pages: PagePool,
     step: Step,
     layer: int,
     mask: Mask | None = None,
@@ -187,13 +231,13 @@ def paged_attention(
     Hkv = pages.num_kv_heads
     grouped = q.to(gather_dtype).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])
     # (T, Hkv, G, D)
-    native = {} if recorded else _native_decodes(q, pages, step, layer, left, scale, softcap)
+    in_place = {} if recorded else _in_place_decodes(q, pages, step, layer, left, scale, softcap)
     outs = []
     for i, (t, n, start) in enumerate(zip(step.firsts(), step.counts, step.starts, strict=True)):
         if n == 0:
             continue
-        if i in native:
-            outs.append(native[i])
+        if i in in_place:
+            outs.append(in_place[i])
             continue
         lo = 0 if left is None else max(0, start - left)  # keys no new query's window reaches
         decode = n == 1 and softcap is None  # sees every key gathered: no mask to plan
@@ -209,25 +253,23 @@ def paged_attention(
     return torch.cat(outs).to(q.dtype)  # (T, H, Dv)
 
 
-def _native_decodes(
+def _in_place_decodes(
     q: Tensor,
-    pages: PagedKVCache,
+    pages: PagePool,
     step: Step,
     layer: int,
     left: int | None,
     scale: float | None,
     softcap: float | None,
 ) -> dict[int, Tensor]:
-    """Each decoding sequence's output (1, H, Dv) by attnkit's paged kernel, in place on
-    the pool (no gather), by the step's place of the sequence; {} where the kernel cannot
-    run (not built, another device or dtype)."""
-    if 1 not in step.counts or q.device.type != "cpu" or q.dtype not in native_ops.DTYPES:
-        return {}
-    if native_unavailable() is not None:
+    """Each decoding sequence's output (1, H, Dv), read in place on the pool (no gather)
+    by the registry's paged kernel (`Backend.paged_decode`: `native`), by the step's
+    place of the sequence; {} where no backend has one for this step."""
+    if 1 not in step.counts:
         return {}
     decoding = step.decoding
     lo = decoding.hi - 1 - left if left is not None else torch.zeros_like(decoding.hi)
-    out, _ = native_ops.paged_decode(
+    problem = PagedDecode(
         q.index_select(0, decoding.rows),
         pages.pool[layer][..., : q.shape[-1]],  # keys and values side by side
         pages.pool[layer][..., q.shape[-1] :],
@@ -238,7 +280,11 @@ def _native_decodes(
         pages.block_size,
         q.shape[-1] ** -0.5 if scale is None else scale,
         softcap or 0.0,
-    )  # (N, H, Dv)
+    )
+    result = runtime.current().backends.paged_decode(problem)
+    if result is None:
+        return {}
+    out = result[0]  # (N, H, Dv)
     return {i: out[j : j + 1] for j, i in enumerate(decoding.places)}
 
 
@@ -281,13 +327,9 @@ def _prefill(
 def _window_of(mask: Mask | None) -> int | None:
     if mask is None:
         return None
-    if (
-        isinstance(mask, _SlidingWindow)
-        and mask.right == 0
-        and mask.align in (None, "bottom_right")
-        and mask.offset is None
-    ):
-        return mask.left
+    left = trailing_window(mask)
+    if left is not None:
+        return left
     raise MaskError(
         f"paged_attention takes mask=None (causal within each sequence) or "
         f"sliding_window(left) (a window over each sequence's positions); got {mask}."
@@ -307,9 +349,7 @@ def _check_released(step: Step, left: int | None) -> None:
             )
 
 
-def _check_paged(
-    q: Tensor, k: Tensor, v: Tensor, pages: PagedKVCache, step: Step, layer: int
-) -> None:
+def _check_paged(q: Tensor, k: Tensor, v: Tensor, pages: PagePool, step: Step, layer: int) -> None:
     if step.version != pages.version:
         raise ValueError(
             "paged_attention: this step is stale (the cache changed after it was made: add, "

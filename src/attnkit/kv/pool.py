@@ -1,9 +1,9 @@
 """The pool of a paged KV cache: blocks, block tables, reference counts, steps.
 
-`PagedKVCache` owns the pool and hands out blocks (copy on write for forks, a typed
-error that changes nothing when they run out); a `Step` is the room made for one
-forward pass's new tokens; `history` gathers one sequence's keys and values for
-attention (`paged.attention`).
+`PagePool` (the storage of `paged.PagedKVCache`) owns the pool and hands out blocks
+(copy on write for forks, a typed error that changes nothing when they run out); a
+`Step` is the room made for one forward pass's new tokens; `history` gathers one
+sequence's keys and values for attention (`paged.attention`).
 
 The pool is one tensor (layers, num_blocks·block_size, Hkv, D + Dv), a slot's key and
 value side by side (`keys` and `values` are views of it), slot = block·block_size +
@@ -38,9 +38,8 @@ from torch import Tensor
 
 from attnkit.call.dispatch import StepCalls
 from attnkit.errors import OutOfBlocksError
-from attnkit.kv.paged import PagedLayer
 
-__all__ = ["PagedKVCache", "Step"]
+__all__ = ["PagePool", "Step"]
 
 
 class Decoding(NamedTuple):
@@ -132,46 +131,10 @@ class Step:
         )
 
 
-class PagedKVCache:
-    """Keys and values of many sequences of different lengths in one pool of blocks.
-
-    vLLM's layout: one block id holds `block_size` tokens' keys and values for every
-    layer, so a sequence of n tokens holds ceil(n / block_size) blocks (shared ones
-    counted once). `add` and `fork` take no block until a write needs one; `fork` shares
-    blocks (copy on write); `step(ids, counts)` makes room for a forward pass's new
-    tokens, or raises `OutOfBlocksError` (a `RuntimeError`) before any change;
-    `release` frees blocks a sliding window no longer reaches; `remove` frees a finished
-    sequence. `paged_attention` (or `MultiHeadAttention(x, cache=pages.layer(step, i))`)
-    writes and reads them.
-
-    Args:
-        num_layers: layers of the model, each with its keys and values in every block.
-        num_kv_heads: Hkv, key/value heads.
-        head_dim: D, the key head dim.
-        num_blocks: blocks in the pool.
-        block_size: token slots a block holds (default 16).
-        value_dim: Dv, the value head dim (default None: D).
-        dtype: the dtype of keys and values, and of the q, k, v `paged_attention` takes
-            (default torch.float32).
-        device: where the pool lives (default "cpu").
-
-    Raises:
-        ValueError: a size that is not a positive int.
-
-    Examples:
-        >>> pages = ak.PagedKVCache(2, num_kv_heads=2, head_dim=8, num_blocks=6, block_size=4)
-        >>> a = pages.add()
-        >>> step = pages.step([a], [6])  # a prompt of 6 tokens: 2 blocks
-        >>> pages.length(a), pages.block_table(a), pages.free_blocks
-        (6, [0, 1], 4)
-        >>> b = pages.fork(a)  # shares both blocks, no copy
-        >>> step = pages.step([a, b], [1, 1])  # each writes into the shared, partly filled block
-        >>> pages.block_table(a), pages.block_table(b)  # a, writing first, copied it
-        ([0, 2], [0, 1])
-        >>> pages.remove(a)  # frees block 2; block 0 is still b's
-        >>> pages.free_blocks
-        4
-    """
+class PagePool:
+    """The storage of a `PagedKVCache` (`attnkit.kv.paged`, which documents it): the pool
+    of blocks, the block tables, their reference counts and the steps; the cache adds
+    its layers' views (`layer`)."""
 
     def __init__(
         self,
@@ -381,10 +344,6 @@ class PagedKVCache:
         tokens = got.view(1, -1, *self.pool.shape[2:])[:, lo % bs : lo % bs + hi - lo]
         tokens = tokens.transpose(1, 2)  # (1, Hkv, S, D + Dv)
         return tokens[..., : self.head_dim], tokens[..., self.head_dim :]
-
-    def layer(self, step: Step, layer: int) -> PagedLayer:
-        """What a `MultiHeadAttention` of `layer` takes as `cache=` to run this step."""
-        return PagedLayer(self, step, layer)
 
     # ------------------------------------------------------------------ internals
 

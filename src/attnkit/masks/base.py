@@ -1,5 +1,5 @@
 """The `Mask`: a visibility rule over `(b, h, i, j)` (`rule.py`) and its algebra, with
-the kinds the algebra makes, which must live beside it: `a & b`, `a | b` (`_Combine`),
+the kinds the algebra makes, which must live beside it: `a & b`, `a | b` (`Combined`),
 `~a` (`_Not`), a bool tensor (`_TensorMask`) and a `mask_mod` function (`_ModMask`).
 
 `&` intersects the parts' key spans row by row (exact where every part's are), `|` takes
@@ -36,10 +36,12 @@ from attnkit.masks.spans import Spans
 __all__ = [
     "Align",
     "BiasFn",
+    "Combined",
     "Mask",
     "Predicate",
     "and_masks",
     "as_mask",
+    "conjuncts",
     "given_tensor",
     "indices",
     "or_masks",
@@ -88,16 +90,16 @@ class Mask(MaskRule):
         return _ModMask(fn, name)
 
     def __and__(self, other: Mask | Tensor) -> Mask:
-        return _Combine("&", (self, as_mask(other)))
+        return Combined("&", (self, as_mask(other)))
 
     def __rand__(self, other: Tensor) -> Mask:
-        return _Combine("&", (as_mask(other), self))
+        return Combined("&", (as_mask(other), self))
 
     def __or__(self, other: Mask | Tensor) -> Mask:
-        return _Combine("|", (self, as_mask(other)))
+        return Combined("|", (self, as_mask(other)))
 
     def __ror__(self, other: Tensor) -> Mask:
-        return _Combine("|", (as_mask(other), self))
+        return Combined("|", (as_mask(other), self))
 
     def __invert__(self) -> Mask:
         return _Not(self)
@@ -155,7 +157,7 @@ def and_masks(*masks: Mask | Tensor) -> Mask:
     """
     if not masks:
         raise MaskError("and_masks needs at least one mask, e.g. and_masks(causal(), mask).")
-    return _Combine("&", tuple(as_mask(m) for m in masks))
+    return Combined("&", tuple(as_mask(m) for m in masks))
 
 
 def or_masks(*masks: Mask | Tensor) -> Mask:
@@ -179,10 +181,22 @@ def or_masks(*masks: Mask | Tensor) -> Mask:
     """
     if not masks:
         raise MaskError("or_masks needs at least one mask, e.g. or_masks(prefix_lm(4), mask).")
-    return _Combine("|", tuple(as_mask(m) for m in masks))
+    return Combined("|", tuple(as_mask(m) for m in masks))
 
 
-class _Combine(Mask):
+def conjuncts(mask: Mask) -> list[Mask]:
+    """The parts nested `&`s join (`[mask]` when it is not an `&`)."""
+    if isinstance(mask, Combined) and mask.op == "&":
+        return [leaf for part in mask.parts for leaf in conjuncts(part)]
+    return [mask]
+
+
+class Combined(Mask):
+    """`a & b` (`op` "&": a pair may attend where every part lets it, their biases
+    added) or `a | b` (`op` "|": where any part lets it; no bias), over `parts`. Public
+    for what builds on an `&` (a mask shaped for transformers); `and_masks` and
+    `or_masks` make one."""
+
     def __init__(self, op: str, parts: tuple[Mask, ...]) -> None:
         if op == "|" and any(p.has_bias for p in parts):
             raise MaskError(

@@ -4,7 +4,7 @@
 `alibi(num_heads)` combines with visibility masks by `&` (`causal() & alibi(8)`);
 `alibi_bias` gives the same values as a dense (1, H, L, S) float tensor.
 
-`_ALiBi` takes slopes per head, per batch row or per query row, and per-row positions:
+`alibi_at` takes slopes per head, per batch row or per query row, and per-row positions:
 `flash_attn_func`'s `alibi_slopes` (H,) or (B, H) around each row's aligned position.
 """
 
@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 
 from attnkit.errors import ShapeContractError
-from attnkit.masks.base import BiasFn, Mask, Predicate
+from attnkit.masks.base import BiasFn, Mask, Predicate, conjuncts
 from attnkit.masks.checks import causal_offset
 from attnkit.masks.spans import Spans
 
-__all__ = ["alibi", "alibi_bias", "alibi_rows", "alibi_slopes"]
+__all__ = ["alibi", "alibi_at", "alibi_bias", "alibi_rows", "alibi_slopes"]
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
@@ -189,7 +189,7 @@ def alibi_rows(mask: Mask, B: int, H: int, L: int, S: int) -> tuple[Tensor, Tens
     """A mask whose one bias is ALiBi (`alibi(H)` alone or `&` visibility masks) as each
     query row's slopes (B, L, H) float32 and aligned key position (B, L) int64 on the CPU,
     so a kernel adds `-slope · |position - j|` itself; None for any other bias."""
-    biased = [m for m in _conjuncts(mask) if m.has_bias]
+    biased = [m for m in conjuncts(mask) if m.has_bias]
     if len(biased) != 1 or not isinstance(biased[0], _ALiBi):
         return None
     if biased[0].slopes.device.type != "cpu":
@@ -197,12 +197,13 @@ def alibi_rows(mask: Mask, B: int, H: int, L: int, S: int) -> tuple[Tensor, Tens
     return biased[0].rows(B, H, L, S)
 
 
-def _conjuncts(mask: Mask) -> list[Mask]:
-    """The masks `&` joins (a bias combines by `&` only)."""
-    parts = getattr(mask, "parts", None)
-    if getattr(mask, "op", None) != "&" or parts is None:
-        return [mask]
-    return [m for p in parts for m in _conjuncts(p)]
+def alibi_at(slopes: Tensor, positions: Tensor) -> Mask:
+    """ALiBi around given positions: adds `-slope · |positions[b, i] - j|` to the scores.
+
+    `slopes`: (H,) per head, (B, H) per batch row and head, or (B, L, H) per query row
+    (packed sequences, each with its own slopes); `positions`: (B|1, L), each query
+    row's aligned key position (flash-attention's `alibi_slopes` over packed rows)."""
+    return _ALiBi(slopes, None, positions=positions)
 
 
 def alibi(num_heads: int, *, align: str | None = None) -> Mask:

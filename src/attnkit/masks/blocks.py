@@ -21,21 +21,19 @@ and smallest `hi` enclose it.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from attnkit.masks.protocol import ReadableMask  # the mask's own methods only
 from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans
-
-if TYPE_CHECKING:  # called by Mask.to_block_mask: the mask's own methods only
-    from attnkit.masks.rule import MaskRule
 
 __all__ = ["block_mask", "block_visibility", "mask_mod"]
 
 
 def block_mask(
-    mask: MaskRule,
+    mask: ReadableMask,
     B: int,
     H: int,
     L: int,
@@ -81,7 +79,7 @@ def _ordered(blocks: Tensor, B: int, H: int) -> tuple[Tensor, Tensor]:
 
 
 def block_visibility(
-    mask: MaskRule, B: int, H: int, L: int, S: int, block_size: int, device: torch.device
+    mask: ReadableMask, B: int, H: int, L: int, S: int, block_size: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """(present, full), each (B|1, H|1, ⌈L/bs⌉, ⌈S/bs⌉) bool: some pair of the block
     is visible; every pair is (a block reaching past L or S never is: padding)."""
@@ -123,7 +121,7 @@ def _from_spans(lo: Tensor, hi: Tensor, L: int, S: int, bs: int) -> tuple[Tensor
 
 
 def _from_chunks(
-    mask: MaskRule, B: int, H: int, L: int, S: int, bs: int, device: torch.device
+    mask: ReadableMask, B: int, H: int, L: int, S: int, bs: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """Blocks by evaluating the mask, a chunk of row blocks at a time (bounded memory)."""
     nq, nkv = math.ceil(L / bs), math.ceil(S / bs)
@@ -143,7 +141,7 @@ def _from_chunks(
     return torch.cat(present, 2), torch.cat(full, 2)
 
 
-def mask_mod(mask: MaskRule, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
+def mask_mod(mask: ReadableMask, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
     """The `Mask` as FlexAttention's mask_mod.
 
     Flex evaluates it on whole blocks, so with L or S not a multiple of the block size it

@@ -9,15 +9,12 @@ visible keys as one rectangle, so even a 64×64 drawing stays small.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from attnkit.errors import MaskError, ShapeContractError
-
-if TYPE_CHECKING:  # called by Mask._repr_html_: the mask's own methods only
-    from attnkit.masks.rule import MaskRule
+from attnkit.masks.protocol import ReadableMask  # the mask's own methods only
 
 __all__ = ["LARGEST", "PREVIEW", "block_text", "mask_html", "preview_size"]
 
@@ -27,7 +24,7 @@ PREVIEW = 16  # L = S of a mask that fits any size
 LARGEST = 64  # the largest side drawn; a mask bound to more keys shows its corner
 
 
-def _fits(mask: MaskRule, L: int, S: int) -> bool:
+def _fits(mask: ReadableMask, L: int, S: int) -> bool:
     try:
         mask.check(mask.batch_size or 1, mask.num_heads or 1, L, S)
     except (MaskError, ShapeContractError):
@@ -35,7 +32,7 @@ def _fits(mask: MaskRule, L: int, S: int) -> bool:
     return True
 
 
-def preview_size(mask: MaskRule) -> tuple[int, int] | None:
+def preview_size(mask: ReadableMask) -> tuple[int, int] | None:
     """The (L, S) a picture of `mask` shows: `PREVIEW` a side where it fits any size,
     else the sizes its tensors fix (a (L, S) tensor, S document ids), or None."""
     candidates = [(PREVIEW, PREVIEW)]
@@ -47,7 +44,7 @@ def preview_size(mask: MaskRule) -> tuple[int, int] | None:
     return next(((L, S) for L, S in candidates if L and S and _fits(mask, L, S)), None)
 
 
-def mask_html(mask: MaskRule) -> str:
+def mask_html(mask: ReadableMask) -> str:
     """An HTML block: the description, the size drawn and an SVG of batch row 0, head 0."""
     title = html.escape(str(mask))
     size = preview_size(mask)
@@ -89,7 +86,7 @@ def mask_html(mask: MaskRule) -> str:
     )
 
 
-def block_text(mask: MaskRule, L: int, S: int, *, batch: int, head: int, cells: int) -> str:
+def block_text(mask: ReadableMask, L: int, S: int, *, batch: int, head: int, cells: int) -> str:
     """The L×S matrix of one batch row and head as at most `cells` characters a side,
     each a block of ceil(L / cells) rows by ceil(S / cells) keys: ■ every pair may attend,
     ▪ some, · none. Evaluated one block row at a time (memory rows·S, never L·S)."""

@@ -9,13 +9,10 @@ tensors and a mask's `key_spans` only: it imports no mask.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:  # masks hand their spans in; this module builds none
-    from attnkit.masks.rule import MaskRule
+from attnkit.masks.protocol import ReadableMask, Spans  # masks hand their spans in
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -29,19 +26,8 @@ __all__ = [
 CHUNK_ELEMENTS = 1 << 24  # mask entries evaluated at once where a mask has no exact spans
 
 
-class Spans(NamedTuple):
-    """Row i may see keys `lo[b, i] <= j < hi[b, i]` ((B|1, L|1) long; `hi <= lo`: none).
-
-    `exact`: the row sees every key of its interval (one interval describes the mask);
-    otherwise the interval is a superset (the keys outside it are hidden)."""
-
-    lo: Tensor
-    hi: Tensor
-    exact: bool
-
-
 def exact_spans(
-    mask: MaskRule, B: int, L: int, S: int, device: torch.device | str | None = None
+    mask: ReadableMask, B: int, L: int, S: int, device: torch.device | str | None = None
 ) -> tuple[Tensor, Tensor] | None:
     """(lo, hi), each (B|1, L): the one interval of keys each row sees exactly, or None
     where the mask is not one interval a row (or differs between heads)."""

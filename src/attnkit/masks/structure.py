@@ -4,8 +4,10 @@ A kind states its predicate, its key spans and its bias (`base.Mask`); from thos
 the pairs it lets attend (`count_allowed_pairs`), the keys a tile of
 query rows may see (`key_bounds`), the rows and keys anybody sees (`seen`), whether
 the mask is SDPA's own `is_causal` (`is_sdpa_causal`), whether some part is an L×S
-tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`), and what caches key
-on: its value (`value_key`).
+tensor (`has_dense_tensor`), the bias as a tensor (`dense_bias`), what caches key
+on: its value (`value_key`), and the make-up a call is cut or routed by: packed
+documents (`packed_documents`), a decoding step's key padding (`key_paddings`), a window
+over a cache (`trailing_window`). Nothing outside `masks` reads a kind's class.
 
 Costs: `key_bounds` is a sparse table of minima over the rows' spans; `seen` is O(B·(L +
 S)) from exact spans, else row chunks; `is_sdpa_causal` is O(1) where a kind knows, else
@@ -19,8 +21,10 @@ import math
 import torch
 from torch import Tensor
 
-from attnkit.masks.base import Mask, _TensorMask, given_tensor, indices
+from attnkit.masks.base import Combined, Mask, _TensorMask, conjuncts, given_tensor, indices
+from attnkit.masks.positions import _Causal, _SlidingWindow
 from attnkit.masks.spans import CHUNK_ELEMENTS, exact_spans, seen_from_spans, tile_bounds
+from attnkit.masks.tokens import _Document, _KeyPadding
 
 __all__ = [
     "count_allowed_pairs",
@@ -28,8 +32,11 @@ __all__ = [
     "has_dense_tensor",
     "is_sdpa_causal",
     "key_bounds",
+    "key_paddings",
+    "packed_documents",
     "parts",
     "seen",
+    "trailing_window",
     "value_key",
 ]
 
@@ -180,4 +187,42 @@ def value_key(
     if objects is not None and isinstance(value, Tensor):
         objects.append(value)
         return (object, id(value))
+    return None
+
+
+def packed_documents(mask: object) -> tuple[Tensor, list[Mask]] | None:
+    """Where `mask` is one self-attention `document(ids)` with sorted ids (each document
+    one run of positions), alone or `&` masks that depend only on `j - i` (`causal`,
+    `sliding_window`, any alignment or offset): the ids, (B|1, L), and those other
+    parts; else None. O(1) for a mask of another kind (every call asks)."""
+    if not isinstance(mask, (Combined, _Document)):
+        return None  # (a document mask is one, or one part of an `&`)
+    parts = conjuncts(mask)
+    docs = [p for p in parts if isinstance(p, _Document)]
+    inner = [p for p in parts if not isinstance(p, _Document)]
+    if len(docs) != 1 or not all(isinstance(p, (_Causal, _SlidingWindow)) for p in inner):
+        return None
+    if docs[0].kv_ids is not None or not docs[0]._sorted():
+        return None
+    return docs[0].q_ids, inner
+
+
+def key_paddings(mask: Mask) -> tuple[list[Mask], list[Mask]]:
+    """The `key_padding` parts of `mask`'s `&` (or `mask` itself), and the other parts."""
+    parts = conjuncts(mask)
+    paddings: list[Mask] = [p for p in parts if isinstance(p, _KeyPadding)]
+    return paddings, [p for p in parts if not isinstance(p, _KeyPadding)]
+
+
+def trailing_window(mask: Mask) -> int | None:
+    """`left` where `mask` is `sliding_window(left)` read from the end of the keys (no
+    alignment or bottom-right, no right side, no offset): each query sees its own
+    position and the `left` before it, as over a cache. None for any other mask."""
+    if (
+        isinstance(mask, _SlidingWindow)
+        and mask.right == 0
+        and mask.align in (None, "bottom_right")
+        and mask.offset is None
+    ):
+        return mask.left
     return None
