@@ -23,7 +23,6 @@ from attnkit.call.probs import attention_probs
 from attnkit.contracts import normalize_call
 from attnkit.masks import Mask, as_mask
 from attnkit.masks.spans import CHUNK_ELEMENTS
-from attnkit.masks.structure import is_sdpa_causal
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -323,19 +322,7 @@ def computed_regions(
             for b in work.blocks
             if b.batch == batch
         ]
-    if backend == "flex" and call.mask is not None:
-        block = call.mask.to_block_mask(d.B, 1, d.L, d.S)
-        size_q, size_k = block.BLOCK_SIZE
-        blocks = block.to_dense()  # (B|1, 1, L blocks, S blocks), nonzero = computed
-        present = blocks[min(batch, blocks.shape[0] - 1), 0]
-        return backend, [
-            Region(
-                i * size_q, min(size_q, d.L - i * size_q), j * size_k, min(size_k, d.S - j * size_k)
-            )
-            for i, j in present.nonzero().tolist()
-        ]
-    causal = backend == "sdpa" and call.mask is not None and is_sdpa_causal(call.mask, d.L, d.S)
-    return backend, [Region(0, d.L, 0, d.S, causal)]
+    return backend, [Region(0, d.L, 0, d.S)]  # the whole matrix
 
 
 def plan(

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
-from attnkit.backends.protocol import Backend
+from attnkit.backends.protocol import Backend, Block, Work
 from attnkit.call import cost, precision
 from attnkit.call.precision import compute_dtype
 from attnkit.call.threads import in_fresh_thread
@@ -119,6 +119,25 @@ class FlexBackend(Backend):
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims
         return d.B * d.H * d.L * (d.Dv + 1) * 4
+
+    def work(self, call: AttentionCall) -> Work | None:
+        """The blocks of the call's `BlockMask` that hold a visible pair (None without a
+        mask: every block)."""
+        if call.mask is None:
+            return None
+        d = call.dims
+        block = call.mask.to_block_mask(d.B, 1, d.L, d.S)
+        size_q, size_k = block.BLOCK_SIZE
+        computed = block.to_dense()  # (B|1, 1, L blocks, S blocks), nonzero = computed
+        return Work(
+            tuple(
+                Block(b, i * size_q, size_q, j * size_k, size_k)
+                for b in range(d.B)
+                for i, j in computed[min(b, computed.shape[0] - 1), 0].nonzero().tolist()
+            ),
+            1,
+            size_q,
+        )
 
     def _block_mask(self, call: AttentionCall) -> Any:
         """The `BlockMask` of a call, made once per prepared call (`call.derived`).

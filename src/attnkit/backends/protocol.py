@@ -252,5 +252,10 @@ class Backend:
         return []
 
     def work(self, call: AttentionCall) -> Work | None:
-        """The blocks it computes for `call`, or None (the whole matrix, or its own)."""
+        """The blocks it computes for `call`, or None (the whole matrix)."""
         return None
+
+    def intermediates(self, call: AttentionCall) -> dict[str, tuple[int, ...]]:
+        """The tensors of L×S it materializes, by name and shape (`explain` lists them
+        beside q, k, v and out); none by default."""
+        return {}

@@ -38,6 +38,10 @@ class ReferenceBackend(Backend):
         d = call.dims
         return 3 * d.B * d.H * d.L * d.S * 4  # scores, their exp, the weights (float32)
 
+    def intermediates(self, call: AttentionCall) -> dict[str, tuple[int, ...]]:
+        d = call.dims
+        return {"scores": (d.B, d.H, d.L, d.S)}
+
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
         visible = None if call.mask is None else call.mask.dense(d.B, d.H, d.L, d.S, call.q.device)

@@ -32,7 +32,7 @@ from attnkit._compat import (
     cpu_flash_attention,
     cpu_flash_attention_backward,
 )
-from attnkit.backends.protocol import Backend, Probe
+from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.call import cost, precision
 from attnkit.call.precision import HALF
 from attnkit.call.visibility import effective_visibility, hide_unseen, seen, zero_unseen
@@ -292,6 +292,12 @@ class SdpaBackend(Backend):
     def _is_causal(call: AttentionCall) -> bool:
         d = call.dims
         return call.mask is not None and not call.has_bias and is_sdpa_causal(call.mask, d.L, d.S)
+
+    def work(self, call: AttentionCall) -> Work:
+        """The whole L×S of each batch row, its upper triangle skipped where the mask is
+        SDPA's causal one."""
+        d, causal = call.dims, self._is_causal(call)
+        return Work(tuple(Block(b, 0, d.L, 0, d.S, causal) for b in range(d.B)), 1, d.L)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

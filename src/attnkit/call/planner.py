@@ -283,9 +283,7 @@ def plan_call(
         return _empty_plan(call, name)
     backend, reasons = choose_backend(call, name, need_lse=need_lse)
     pairs = count_allowed_pairs(call.mask, d.B, d.H, d.L, d.S, call.q.device)
-    shapes = _shapes(call)
-    if backend.name == "reference":
-        shapes["scores"] = (d.B, d.H, d.L, d.S)
+    shapes = {**_shapes(call), **backend.intermediates(call)}
     notes = ["an additive bias is applied to the scores"] if call.has_bias else []
     notes += backend.notes(call)
     if name == "auto":  # the table it priced with (its figures where asked)
