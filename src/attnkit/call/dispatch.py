@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from attnkit import runtime
-from attnkit.call.fit import CallKey, Options, fit, inputs_kind
+from attnkit.call.fit import CallKey, Options, fit, inputs_kind, named_tuple
 from attnkit.call.permask import MaskTensors, PerMask
 from attnkit.call.planner import step_order
 from attnkit.call.prepared import Prepared, prepare_call
@@ -72,7 +72,7 @@ def attention_call(
 ) -> tuple[Tensor, Tensor | None]:
     """`attention_with_lse` without sinks, eagerly: the prepared call if one is cached.
     `check_bias`: a float mask's values are checked at its first call (not by `sdpa`)."""
-    options = Options(scale, softcap, dropout_p, backend, need_lse, check_bias)
+    options = named_tuple(Options, (scale, softcap, dropout_p, backend, need_lse, check_bias))
     return _lookup(q, k, v, mask, options, None, True).run(q, k, v, mask)
 
 
@@ -106,7 +106,7 @@ class StepCalls:
         backend: str = "auto",
     ) -> Tensor:
         """`attention(q, k, v, mask, ...)` through the place's prepared call."""
-        options = Options(scale, softcap, dropout_p, backend, False, True)
+        options = named_tuple(Options, (scale, softcap, dropout_p, backend, False, True))
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         kind = (inputs_kind(q, k, v), grad, options)
         entry = self._calls.get(place)
@@ -145,7 +145,7 @@ def prepared_call(
     """The prepared call of these arguments: cached, or validated, planned and kept.
     `grad`: planned as if autograd records (None: whether it does; the compiled op's
     implementation runs with autograd below it)."""
-    options = Options(scale, softcap, dropout_p, backend, need_lse, check_bias)
+    options = named_tuple(Options, (scale, softcap, dropout_p, backend, need_lse, check_bias))
     return _lookup(q, k, v, mask, options, grad, False)
 
 

@@ -46,7 +46,7 @@ class Documents:
 def documents(mask: object, q: Tensor, k: Tensor) -> Documents | None:
     """The documents of a call whose mask is packed documents and position only (see the
     module doc), or None (the call runs as one)."""
-    packed = packed_documents(mask)
+    packed = None if mask is None else packed_documents(mask)  # (None: most calls)
     if packed is None or q.dim() != 4 or k.dim() != 4:
         return None
     ids, inner = packed  # (B|1, L)
