@@ -106,3 +106,14 @@ def test_serve_example_batches_forks_and_matches_kv_cache_decoding():
     assert run.returncode == 0, run.stdout + run.stderr
     assert "7 of 7 outputs equal decoding the prompt alone with KVCache" in run.stdout
     assert "tokens/s" in run.stdout and "blocks of 16 tokens in use" in run.stdout
+
+
+def test_a_backend_of_ones_own_registers_in_one_line_and_leaves_no_trace(capsys):
+    """examples/own_backend.py: `auto`, `explain` and `backend=` know it while registered."""
+    from attnkit.backends import BACKENDS
+
+    own_backend = load_example("own_backend")
+    gap = own_backend.main()
+    printed = capsys.readouterr().out
+    assert gap < 1e-5 and "float64    slower here" in printed
+    assert "float64" not in BACKENDS

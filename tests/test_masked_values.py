@@ -187,3 +187,26 @@ def test_a_mask_broadcast_over_the_keys_keeps_it_to_its_rows(backend):
     out = ak.attention(q, k, v, mask, backend=backend)
     assert (out[:, :, ~rows] == 0).all()
     assert (~torch.isfinite(out[0][:, rows])).any(-1).all() and torch.isfinite(out[1]).all()
+
+
+NAN_ROW_CASES = {  # (mask, L, S): row 0 sees only key 0, which holds a NaN
+    "causal": (ak.causal(), 4, 4),
+    "documents of one token": (ak.document(torch.arange(4)[None]), 4, 4),
+    "one key": (None, 1, 1),
+}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PyTorch's CPU SDPA gives 0 to a row whose every visible score is NaN, and the "
+    "sdpa backend passes that on where the truth is NaN",
+)
+@pytest.mark.parametrize("case", NAN_ROW_CASES)
+def test_a_row_that_sees_only_a_nan_key_is_nan_on_sdpa(case):
+    mask, rows, keys = NAN_ROW_CASES[case]
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, rows, 8), torch.randn(1, 2, keys, 8), torch.randn(1, 2, keys, 8)
+    k[0, 0, 0, 0] = math.nan
+    truth = ak.attention(q, k, v, mask, backend="reference")
+    assert truth[0, 0, 0].isnan().all()
+    assert ak.attention(q, k, v, mask, backend="sdpa")[0, 0, 0].isnan().all()
