@@ -27,12 +27,12 @@ __all__ = ["FACTORS", "calibrate", "pair_cost"]
 # `pair` per pair inside blocks of 256+ rows; `short`: blocks of R < 256 rows cost
 # (256 / R) ** short per pair more, the op runs short blocks less well (fp32 sliding band:
 # R=64 0.78, R=256 0.88-0.91 of dense SDPA's per-pair speed on a 2-core AVX2 CPU,
-# benchmarks/tile_levers.py; 2026-12-01); `causal` per pair of a long causal run
+# benchmarks/tile_levers.py); `causal` per pair of a long causal run
 # (is_causal, 768+ rows); `predicate` on masks whose blocks are gathered from an L×S
 # tensor (no spans): more than the pairs it skips (a (2, 1, 2048, 2048) random bool mask,
-# fp32, H=4: tiled 276 ms, sdpa 134 ms; 2026-11-30); `call` per group of blocks (masks,
+# fp32, H=4: tiled 276 ms, sdpa 134 ms); `call` per group of blocks (masks,
 # copies, Python); `backward`, `backward_half`: forward+backward over forward (the
-# medians over every pattern at S = 4096 on a 2-core AVX512-BF16 CPU; 2026-12-04)
+# medians over every pattern at S = 4096 on a 2-core AVX512-BF16 CPU)
 FACTORS = cost.Factors(
     {"pair": 1.2, "short": 0.1, "causal": 1.15, "predicate": 2.2, "call": 50_000.0}
     | {"backward": 3.7, "backward_half": 3.5},
