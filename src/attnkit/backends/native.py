@@ -201,7 +201,7 @@ class NativeBackend(Backend):
     # medians over every pattern at S = 1024 and 4096 on a 2-core AVX512-BF16 CPU (float32
     # 2.2-4.8; bfloat16 on the half units 2.9-5.7, median 4.45, as the converting kernel's:
     # the AVX512 kinds' `backward_half`); the default `backward_half` 3.8 is fitted to the
-    # bfloat16 forward+backward rows of the AVX2 table (native at 0.89-1.06 of tiled's
+    # bfloat16 forward+backward rows of the AVX2 table (native at 0.81-1.06 of tiled's
     # time at S = 1024 and 4096), where bfloat16's forward is priced high against tiled's
     # and this factor carries the correction
     # `bf16`: the kernel's work on bfloat16 inputs that run on the half units (`half_units`)
