@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from bench import cpu_description  # beside this file
 
+from attnkit import runtime
 from attnkit._compat import cpu_flash_attention
 from attnkit.backends.tiled import CHUNK_BYTES
-from attnkit.call.precision import kernel_dtype
 from attnkit.learn.benchmark import round_robin
 
 RESULTS = Path(__file__).parent / "results"
@@ -100,7 +100,7 @@ def ways(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, R: int) -> dict[str,
 
 
 def measure(dtype: torch.dtype, S: int, runs: int) -> list[dict[str, Any]]:
-    work = kernel_dtype(dtype, torch.device("cpu"), bias=False)
+    work = runtime.current().half.kernel_dtype(dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(H, S, D, generator=g).to(work) for _ in range(3))
     flash = cpu_flash_attention()

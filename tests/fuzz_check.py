@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit.backends import backend_names
 from attnkit.call.documents import documents
-from attnkit.call.precision import HALF, compute_dtype, kernel_dtype
+from attnkit.call.precision import HALF, compute_dtype
 from fuzz_cases import Built, Case, build
 from fuzz_leak import Leak, checked_gradients, checked_outputs, leak
 
@@ -374,18 +375,23 @@ def _check_leak(
     return _outcome(what, problems)
 
 
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the fused kernels run a CPU call of `dtype` in (the runtime's choice)."""
+    return runtime.current().half.kernel_dtype(dtype, torch.device("cpu"))
+
+
 def _rounding(case: Case, truth: Truth, backend: str | None = None) -> float:
     """Relative error of the weights a fused kernel may bring: eps·max|s| (and eps), eps
-    of the dtype the kernel runs in (half natively where `kernel_dtype` says so)."""
+    of the dtype the kernel runs in (half natively where the runtime's `HalfKernels` says so)."""
     work = compute_dtype(case.dtype)
     if backend in FUSED:
-        work = kernel_dtype(case.dtype, torch.device("cpu"))
+        work = _kernel_dtype(case.dtype)
     return LSE_ROUNDING * torch.finfo(work).eps * max(1.0, truth.max_logit)
 
 
 def _half_kernel_rounding(case: Case, truth: Truth, backend: str) -> float:
     """Absolute lse slack of a kernel running half natively (0 otherwise)."""
-    if backend not in FUSED or kernel_dtype(case.dtype, torch.device("cpu")) not in HALF:
+    if backend not in FUSED or _kernel_dtype(case.dtype) not in HALF:
         return 0.0
     return _rounding(case, truth, backend)
 

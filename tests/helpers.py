@@ -78,6 +78,15 @@ def naive_same_dtype(q, k, v, mask, dout, dtype):
 EXACT_BACKENDS = ["reference", "sdpa", "tiled", "auto"]
 
 
+def half_kernels(patch, mode: str) -> None:
+    """Half inputs compute as `mode` says ("native", "float32" or "auto") until `patch`
+    (a pytest MonkeyPatch) undoes it: the runtime's choice, which `ATTNKIT_HALF_KERNELS`
+    sets when attnkit is imported."""
+    from attnkit import runtime
+
+    patch.setattr(runtime.current().half, "mode", mode)
+
+
 def span_backend() -> str:
     """The backend `auto` takes for a sparse mask of one key interval per row: attnkit's
     native kernel where it is built, else the composed `tiled` (ATTNKIT_NATIVE=off)."""

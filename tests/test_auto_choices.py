@@ -23,8 +23,8 @@ import torch
 import attnkit as ak
 from attnkit import runtime
 from attnkit.call import cost
-from attnkit.call.precision import OVERRIDE_ENV
 from attnkit.native import unavailable
+from helpers import half_kernels
 
 RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 NOISE = 1.10  # repeated runs of one table move a ratio by about ±0.05
@@ -77,7 +77,7 @@ def test_the_tables_cover_every_measured_kind():
 )
 def test_auto_plans_the_fastest_backend_measured(kind, part, row, case_of, monkeypatch):
     """Half runs as on the table's kind: natively where it has bfloat16 units."""
-    monkeypatch.setenv(OVERRIDE_ENV, "float32" if kind == "avx2" else "native")
+    half_kernels(monkeypatch, "float32" if kind == "avx2" else "native")
     mask, q = case_of(row)
     runtime.current().costs.use(cost.built_in(kind))
     try:

@@ -109,7 +109,7 @@ def test_a_call_autograd_records_is_priced_at_its_forward_and_backward(dtype):
 def test_sdpa_prices_half_training_as_half_only_where_its_kernel_computes_half():
     call = _call(torch.bfloat16, True, None)
     sdpa = get_backend("sdpa")
-    half = precision.kernel_dtype(torch.bfloat16, call.q.device, bias=False) in precision.HALF
+    half = runtime.current().half.kernel_dtype(torch.bfloat16, call.q.device) in precision.HALF
     expected = sdpa.factors(runtime.current().costs.table())[
         "backward_half" if half else "backward"
     ]

@@ -23,7 +23,7 @@ from attnkit.backends.native import NativeBackend
 from attnkit.flash_attn import flash_attn_func
 from attnkit.native import build, ops
 from fuzz_paged import World
-from helpers import assert_rule
+from helpers import assert_rule, half_kernels
 from test_reference_matrix import FAST_LARGE, HEADS, MASKS, SIZES, truth_and_reference
 
 # where the kernels are meant to run, a failed build fails these tests instead of skipping
@@ -280,7 +280,7 @@ def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
     sequence at 77 keys (B·G·bucket(S) below SHARED_KEYS) stays with SDPA."""
     from attnkit.call import dispatch
 
-    monkeypatch.setenv("ATTNKIT_HALF_KERNELS", "float32")
+    half_kernels(monkeypatch, "float32")
     prepared = []
     original = dispatch._prepared
 
@@ -300,7 +300,7 @@ def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
             want = ak.attention(q, k[:, :, :S], v[:, :, :S], mask, backend="reference")
             assert (got.float() - want.float()).abs().max() < 2e-2
     assert prepared.count("auto") == 1  # one call prepared, 29 steps served
-    monkeypatch.setenv("ATTNKIT_HALF_KERNELS", "native")
+    half_kernels(monkeypatch, "native")
     assert "backend 'native'" in str(ak.explain(q, k[:, :, :77], v[:, :, :77], mask))
     x, kk, vv = q[:1].float(), k[:1].float(), v[:1].float()  # B·G = 4
     assert "backend 'sdpa'" in str(ak.explain(x, kk[:, :, :77], vv[:, :, :77], mask))

@@ -1,6 +1,6 @@
 """The native kernel's bfloat16 path on the CPU's half units, and its float32 fallback.
 
-Where `precision.kernel_dtype` runs half natively (a CPU with AVX512-BF16 or AMX, or
+Where the runtime's `precision.HalfKernels` runs half natively (a CPU with AVX512-BF16 or AMX, or
 `ATTNKIT_HALF_KERNELS=native`), bfloat16 blocks multiply on the half units (half.h:
 products in bfloat16, sums in float32, the weights rounded to bfloat16 for P·V); with
 `ATTNKIT_HALF_KERNELS=float32` (or a build without the units) they are converted to
@@ -16,9 +16,8 @@ import torch
 
 import attnkit as ak
 from attnkit import _compat
-from attnkit.call.precision import OVERRIDE_ENV
 from attnkit.native import build
-from helpers import assert_rule
+from helpers import assert_rule, half_kernels
 
 pytestmark = pytest.mark.skipif(build.setting() == "off", reason="ATTNKIT_NATIVE=off")
 
@@ -32,7 +31,7 @@ UNITS = _compat.half_matmul_is_fast(torch.bfloat16, "cpu") and (
 
 def _run(mode, q, k, v, mask, **kwargs):
     with pytest.MonkeyPatch.context() as patch, torch.no_grad():
-        patch.setenv(OVERRIDE_ENV, mode)
+        half_kernels(patch, mode)
         return ak.attention_with_lse(q, k, v, mask, backend="native", **kwargs)
 
 
@@ -144,7 +143,7 @@ def test_the_cost_prices_bfloat16_on_the_half_units_by_the_kinds_factor(monkeypa
     ALiBi call); forward and backward both run on the units, so the training factor is
     the kind's `backward_half`."""
     from attnkit.backends import get_backend
-    from attnkit.backends.native import BF16_AVX512, half_units
+    from attnkit.backends.native import BF16_AVX512
     from attnkit.call import cost
     from attnkit.contracts import normalize_call
 
@@ -153,18 +152,18 @@ def test_the_cost_prices_bfloat16_on_the_half_units_by_the_kinds_factor(monkeypa
     assert native.cost_factors.built_in("amx")["bf16"] > 1.0
     assert native.cost_factors.built_in("avx2")["bf16"] == 1.0
     q, k, v = _inputs(1, 8, 8, 2048, 2048, 64, 64, seed=0)
-    monkeypatch.setenv(OVERRIDE_ENV, "native")
+    half_kernels(monkeypatch, "native")
     table = cost.built_in("avx512_bf16")
     call = normalize_call(q, k, v, ak.causal(), table=table)
     alibi = normalize_call(q, k, v, ak.causal() & ak.alibi(8), table=table)
-    assert half_units(call) and not half_units(alibi)
+    assert native.half_units(call) and not native.half_units(alibi)
     fast = native.cost(call, need_lse=False)
-    monkeypatch.setenv(OVERRIDE_ENV, "float32")
-    assert not half_units(call)
+    half_kernels(monkeypatch, "float32")
+    assert not native.half_units(call)
     slow = native.cost(call, need_lse=False)
     call_cost = native.factors(table)["call"]
     assert fast - call_cost == pytest.approx((slow - call_cost) * BF16_AVX512)
-    monkeypatch.setenv(OVERRIDE_ENV, "native")
+    half_kernels(monkeypatch, "native")
     grad = normalize_call(*(t.requires_grad_() for t in (q, k, v)), ak.causal(), table=table)
     backward = native.factors(table)["backward_half"]
     assert native.training_factor(grad) == pytest.approx(backward)
@@ -187,7 +186,7 @@ def test_both_half_paths_keep_the_rule_for_gradients(mode, mask_kind, heads, siz
         torch.bfloat16, heads, mask_kind, size, 64
     )
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(OVERRIDE_ENV, mode)
+        half_kernels(patch, mode)
         got = run(q, k, v, mask, dout, "native")
     for name, g, r, t in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
         assert g.dtype == torch.bfloat16 and g.shape == t.shape
@@ -220,6 +219,6 @@ def test_a_non_finite_input_a_row_does_not_see_keeps_the_gradients_finite(mode, 
 def _grads(mode, q, k, v, dout, mask):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(OVERRIDE_ENV, mode)
+        half_kernels(patch, mode)
         ak.attention(q, k, v, mask, backend="native").backward(dout)
     return q.grad, k.grad, v.grad

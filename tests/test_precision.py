@@ -8,25 +8,58 @@ import torch
 import attnkit as ak
 from attnkit import runtime
 from attnkit.call.planner import backend_for_run
-from attnkit.call.precision import OVERRIDE_ENV, kernel_dtype
+from attnkit.call.precision import OVERRIDE_ENV, HalfKernels
 from attnkit.contracts import normalize_call
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from fuzz_cases import Case, MaskSpec
 from fuzz_check import FUSED, run_case
-from helpers import span_backend
+from helpers import half_kernels, span_backend
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_dtype_follows_the_override_and_keeps_a_bias_in_float32(dtype, monkeypatch):
+    half = runtime.current().half
+    half_kernels(monkeypatch, "native")
+    assert half.kernel_dtype(dtype, CPU) == dtype
+    assert half.kernel_dtype(dtype, CPU, bias=True) == torch.float32
+    half_kernels(monkeypatch, "float32")
+    assert half.kernel_dtype(dtype, CPU) == torch.float32
+    assert half.kernel_dtype(torch.float64, CPU) == torch.float64
+    assert half.kernel_dtype(torch.float32, CPU) == torch.float32
+
+
+def test_the_environment_sets_the_half_kernels_once_when_a_runtime_is_made(monkeypatch):
+    """`ATTNKIT_HALF_KERNELS` is read when a runtime is made (attnkit's, at import), not
+    at every call; a value that is no mode warns, naming the modes."""
+    monkeypatch.setenv(OVERRIDE_ENV, " Float32 ")
+    mine = runtime.Runtime(ak.cost.built_in, runtime.current().kernels)
+    assert mine.half.mode == "float32"
+    assert all(b.half is mine.half for b in mine.backends if hasattr(b, "half"))
     monkeypatch.setenv(OVERRIDE_ENV, "native")
-    assert kernel_dtype(dtype, CPU) == dtype
-    assert kernel_dtype(dtype, CPU, bias=True) == torch.float32
-    monkeypatch.setenv(OVERRIDE_ENV, "float32")
-    assert kernel_dtype(dtype, CPU) == torch.float32
-    assert kernel_dtype(torch.float64, CPU) == torch.float64
-    assert kernel_dtype(torch.float32, CPU) == torch.float32
+    assert mine.half.mode == "float32"  # read once
+    monkeypatch.setenv(OVERRIDE_ENV, "fp32")
+    with pytest.warns(UserWarning, match="auto, native, float32"):
+        assert HalfKernels.from_environment().mode == "auto"
+    with pytest.raises(ValueError, match="one of auto, native, float32"):
+        mine.half.use("half")
+
+
+def test_changing_the_half_kernels_plans_the_call_again(monkeypatch):
+    """The dtype a call computes in is part of its key: a prepared half call is not
+    reused after the mode changes."""
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with runtime.fresh() as mine:
+        plans = mine.calls.of(None).plans
+        mine.half.use("native")
+        ak.attention(q, q, q, backend="sdpa")
+        planned = len(plans)
+        ak.attention(q, q, q, backend="sdpa")
+        assert len(plans) == planned  # the same call: its plan reused
+        mine.half.use("float32")
+        ak.attention(q, q, q, backend="sdpa")
+        assert len(plans) > planned  # another dtype inside: planned again
 
 
 def test_repeat_kv_gradient_sums_the_group_in_float32():
@@ -46,7 +79,7 @@ def test_repeat_kv_gradient_sums_the_group_in_float32():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["native", "float32"])
 def test_half_results_keep_the_dtype_and_lse_stays_float32(dtype, mode, monkeypatch):
-    monkeypatch.setenv(OVERRIDE_ENV, mode)
+    half_kernels(monkeypatch, mode)
     q, k, v = (torch.randn(1, 4, 33, 16).to(dtype) for _ in range(3))
     for backend in ("sdpa", "tiled"):
         out, lse = ak.attention_with_lse(q, k[:, :2], v[:, :2], ak.causal(), backend=backend)

@@ -5,7 +5,7 @@ the naive computation in the same dtype (plus a small floor): attnkit's referenc
 float32; for half, `naive_same_dtype` (each op rounded to half, as a half PyTorch program
 computes). Inputs are drawn in the test dtype; the float64 truth is computed from those
 same (rounded) inputs. Half runs on the fused kernels natively and in float32 (both
-paths exist; the hardware picks one, `attnkit.call.precision.kernel_dtype`).
+paths exist; the hardware picks one, `attnkit.call.precision.HalfKernels`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit.call.precision import OVERRIDE_ENV
-from helpers import assert_rule, naive_same_dtype
+from helpers import assert_rule, half_kernels, naive_same_dtype
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
@@ -192,7 +191,7 @@ def test_backend_matches_float64_reference(backend, dtype, heads, mask_kind, siz
     modes = ["native", "float32"] if dtype in (torch.float16, torch.bfloat16) else ["auto"]
     for mode in modes:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setenv(OVERRIDE_ENV, mode)
+            half_kernels(patch, mode)
             got = run(q, k, v, mask, dout, backend)
         for name, g, r, t in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
             assert g.dtype == dtype and g.shape == t.shape

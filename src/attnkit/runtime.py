@@ -10,6 +10,8 @@ lives here and nowhere else (a test finds any other module-level state):
 - `kernels`: attnkit's native kernels, loaded once or being built in the background
   (`attnkit.native.loader`), and `facts`: what torch's CPU kernels do, probed once
   (`attnkit._compat.TorchFacts`);
+- `half`: what the fused kernels compute half inputs in (`attnkit.call.precision.
+  HalfKernels`: the hardware probe, or `ATTNKIT_HALF_KERNELS` read once);
 - `calls`: the prepared calls, one holder per mask (`attnkit.call.dispatch` keeps them),
   and `forwards`: a model's forward, by the mask object its layers share (the transformers
   integration's: the calls its first layer prepared, None where each layer runs a call).
@@ -41,6 +43,7 @@ from attnkit.backends.registry import Registry, built_in
 from attnkit.call.bounded import Bounded
 from attnkit.call.cost import Costs, CostTable
 from attnkit.call.permask import MaskTensors, PerMask
+from attnkit.call.precision import HalfKernels
 from attnkit.masks import Mask
 from attnkit.native.loader import Kernels
 
@@ -72,6 +75,8 @@ class Runtime:
         kernels: the native kernels to share (None: new ones; a library loads into a
             process once, so `fresh` shares the process's).
         facts: what torch's CPU kernels do, probed once (None: probed anew).
+        half: what half inputs compute in (None: as `ATTNKIT_HALF_KERNELS` says, else
+            the hardware probe).
 
     Examples:
         >>> from attnkit import runtime
@@ -87,11 +92,13 @@ class Runtime:
         choose: Callable[[], CostTable],
         kernels: Kernels | None = None,
         facts: TorchFacts | None = None,
+        half: HalfKernels | None = None,
     ) -> None:
         self.kernels = Kernels() if kernels is None else kernels
         self.facts = TorchFacts() if facts is None else facts
+        self.half = HalfKernels.from_environment() if half is None else half
         self.costs = Costs(choose)
-        self.backends = Registry(built_in(self.kernels, self.facts))
+        self.backends = Registry(built_in(self.kernels, self.facts, self.half))
         self.calls: PerMask[MaskCalls] = PerMask(MaskCalls)
         # a forward's `call.dispatch.StepCalls` (or None), held without reading (`Any`)
         self.forwards: weakref.WeakKeyDictionary[Mask, Any] = weakref.WeakKeyDictionary()
@@ -147,8 +154,8 @@ def current() -> Runtime:
 @contextlib.contextmanager
 def fresh() -> Iterator[Runtime]:
     """A new runtime for the calls inside the block (its own backends, cost table and
-    prepared calls; the process's kernels, facts and calibration), the previous one
-    after.
+    prepared calls; the process's kernels, facts and calibration, and a copy of its half
+    kernels' mode), the previous one after.
 
     Returns:
         A context manager giving the new `Runtime`.
@@ -163,7 +170,8 @@ def fresh() -> Iterator[Runtime]:
         True
     """
     before = current()
-    runtime = Runtime(before.costs.choose, before.kernels, before.facts)
+    half = HalfKernels(before.half.mode)
+    runtime = Runtime(before.costs.choose, before.kernels, before.facts, half)
     _RUNTIMES.append(runtime)
     try:
         yield runtime

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from attnkit._compat import dynamo_recompile_limit, flex_attention_module
 from attnkit.backends.protocol import Backend, Block, Work
-from attnkit.call import cost, precision
-from attnkit.call.precision import compute_dtype
+from attnkit.call import cost
+from attnkit.call.precision import HalfKernels, compute_dtype
 from attnkit.call.threads import in_fresh_thread
 from attnkit.call.visibility import cleaned
 from attnkit.contracts import AttentionCall
@@ -40,22 +40,22 @@ BROKEN = (
 )
 
 
-def _kernel_dtype(call: AttentionCall) -> torch.dtype:
-    """Half natively on GPUs (as `kernel_dtype` says); on CPU in float32, where compiled
+def _kernel_dtype(call: AttentionCall, half: HalfKernels) -> torch.dtype:
+    """Half natively on GPUs (as `half.kernel_dtype` says); on CPU in float32, where compiled
     flex kernels of half inputs are another compile per dtype and gain nothing."""
     if call.q.device.type == "cpu":
         return compute_dtype(call.q.dtype)
-    return precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+    return half.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
 
 
-def _signature(call: AttentionCall) -> tuple[Any, ...]:
+def _signature(call: AttentionCall, half: HalfKernels) -> tuple[Any, ...]:
     """What a compiled kernel is specialised on (besides tensors captured by the mask)."""
     return (
         str(call.mask),
         tuple(call.q.shape),
         tuple(call.k.shape),
         tuple(call.v.shape),
-        _kernel_dtype(call),
+        _kernel_dtype(call, half),
         call.q.device.type,
         call.softcap is not None,
     )
@@ -69,7 +69,8 @@ class FlexBackend(Backend):
     # `backward` (a GPU's: no backward on CPU) taken as tiled's
     cost_factors = cost.Factors({"pair": 2.4, "backward": 3.7})
 
-    def __init__(self) -> None:
+    def __init__(self, half: HalfKernels) -> None:
+        self.half = half  # the runtime's: what half inputs compute in (GPUs)
         self._compiled: Any = None
         self._warm: set[tuple[Any, ...]] = set()  # compiled, and checked on its first call
         self._broken: dict[tuple[Any, ...], str] = {}  # failed or found wrong: why
@@ -88,7 +89,7 @@ class FlexBackend(Backend):
             return "an additive bias or dropout is not wired to FlexAttention here"
         if call.mask is None:
             return "no mask: nothing for block sparsity to skip"
-        broken = self._broken.get(_signature(call)) if self._broken else None
+        broken = self._broken.get(_signature(call, self.half)) if self._broken else None
         if broken is not None:
             return broken
         return None
@@ -100,7 +101,9 @@ class FlexBackend(Backend):
 
     def is_warm(self, call: AttentionCall) -> bool:
         # (no signature to build, a string of the mask, while nothing is warm)
-        return bool(self._warm) and call.mask is not None and _signature(call) in self._warm
+        if not self._warm or call.mask is None:
+            return False
+        return _signature(call, self.half) in self._warm
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         if not self.is_warm(call):
@@ -160,7 +163,7 @@ class FlexBackend(Backend):
         assert flex is not None and call.mask is not None
         if self._compiled is None:
             self._compiled = torch.compile(flex.flex_attention, dynamic=False)
-        kernel_dtype = _kernel_dtype(call)
+        kernel_dtype = _kernel_dtype(call, self.half)
         score_mod = None
         if call.softcap is not None:
             cap = call.softcap
@@ -173,7 +176,7 @@ class FlexBackend(Backend):
         q, k, v = cleaned(
             call, call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         )
-        signature = _signature(call)
+        signature = _signature(call, self.half)
 
         def kernel() -> Tensor:
             with dynamo_recompile_limit(RECOMPILE_LIMIT):

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from attnkit.backends.protocol import Backend, Block, Kernel, PagedDecode, Probe, Work
 from attnkit.call import cost
-from attnkit.call.precision import HALF
+from attnkit.call.precision import HALF, HalfKernels
 from attnkit.call.steps import DECODE_ROWS, bucket, step_of
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal, sliding_window
@@ -39,22 +39,15 @@ from attnkit.native.ops import (
     Spans,
     alibi,
     blocking,
-    on_half_units,
     span_forward,
 )
 from attnkit.native.ops import paged_decode as paged_kernel
 
-__all__ = ["NativeBackend", "half_units"]
+__all__ = ["NativeBackend"]
 
 BIG = 2**62  # past any key index
 BF16_AVX512 = 0.67  # the native kernel's bfloat16 factor on AVX512-BF16 (see `cost_factors`)
 SHARED_KEYS = 8192  # a float32 decoding step's B·G·bucket(S) from which the kernel takes it
-
-
-def half_units(call: AttentionCall) -> bool:
-    """Whether the kernel multiplies this call's blocks on the CPU's bfloat16 units (the
-    op's own rule, `ops.on_half_units`; ALiBi is the only bias the kernel takes)."""
-    return on_half_units(call.q, alibi=call.has_bias)
 
 
 @dataclass(frozen=True)
@@ -153,13 +146,14 @@ class _DenseKernel:
 
     scale: float
     softcap: float
+    half: bool  # bfloat16 blocks on the half units (as planned)
 
     @property
     def serves_any_length(self) -> bool:
         return True
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-        return span_forward(q, k, v, None, self.scale, self.softcap)[0]
+        return span_forward(q, k, v, None, self.scale, self.softcap, half=self.half)[0]
 
 
 class NativeBackend(Backend):
@@ -211,8 +205,14 @@ class NativeBackend(Backend):
     # kernel; on AVX512-BF16 `BF16_AVX512`, the forward's per-pair times over float32's
     # (`python benchmarks/native.py`: 0.61-0.75 at S = 1024 and 4096, packed documents aside)
 
-    def __init__(self, kernels: Kernels) -> None:
+    def __init__(self, kernels: Kernels, half: HalfKernels) -> None:
         self.kernels = kernels  # the runtime's: loaded once, or being built
+        self.half = half  # the runtime's: what half inputs compute in
+
+    def half_units(self, call: AttentionCall) -> bool:
+        """Whether the kernel multiplies this call's blocks on the CPU's bfloat16 units
+        (ALiBi is the only bias the kernel takes, and it keeps the call in float32)."""
+        return self.half.on_half_units(call.q, alibi=call.has_bias)
 
     @property
     def version(self) -> int:
@@ -274,7 +274,7 @@ class NativeBackend(Backend):
 
     def _dtype_factor(self, call: AttentionCall) -> float:
         """The kernel's work for the call's dtype over float32's: `bf16` on the half units."""
-        return self.factors(call.table)["bf16"] if half_units(call) else 1.0
+        return self.factors(call.table)["bf16"] if self.half_units(call) else 1.0
 
     def cost_floor(self, call: AttentionCall) -> float:
         return self.factors(call.table)["step" if call.dims.L <= DECODE_ROWS else "call"]
@@ -308,7 +308,7 @@ class NativeBackend(Backend):
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""
         if need_lse or not call.is_dense or call.has_bias or self._rows(call) is None:
             return None
-        return _DenseKernel(call.scale, call.softcap or 0.0)
+        return _DenseKernel(call.scale, call.softcap or 0.0, self.half_units(call))
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output, log-sum-exp and the spans, plus each thread's scratch (float32)."""
@@ -331,6 +331,7 @@ class NativeBackend(Backend):
             call.softcap or 0.0,
             blocking(d.L, d.groups)[:2],
             rows.bias,
+            half=self.half_units(call),
         )
         return out, lse if need_lse else None
 
@@ -379,6 +380,7 @@ class NativeBackend(Backend):
             None if dlse is None else dlse.float(),
             call.softcap or 0.0,
             rows.bias,
+            half=self.half_units(call),
         )
 
     def notes(self, call: AttentionCall) -> list[str]:

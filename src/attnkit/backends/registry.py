@@ -21,18 +21,20 @@ from attnkit.backends.protocol import Backend, PagedDecode
 from attnkit.backends.reference import ReferenceBackend
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.backends.tiled import TiledBackend
+from attnkit.call.precision import HalfKernels
 from attnkit.native.loader import Kernels
 
 __all__ = ["Registry", "built_in"]
 
 
-def built_in(kernels: Kernels, facts: TorchFacts) -> list[Backend]:
-    """attnkit's backends, in their order (ties go to the earlier)."""
+def built_in(kernels: Kernels, facts: TorchFacts, half: HalfKernels) -> list[Backend]:
+    """attnkit's backends, in their order (ties go to the earlier), sharing the runtime's
+    native kernels, torch's facts and what half inputs compute in."""
     return [
-        SdpaBackend(facts),
-        NativeBackend(kernels),
-        TiledBackend(),
-        FlexBackend(),
+        SdpaBackend(facts, half),
+        NativeBackend(kernels, half),
+        TiledBackend(half),
+        FlexBackend(half),
         BlockwiseBackend(),
         ReferenceBackend(),
     ]

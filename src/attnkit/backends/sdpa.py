@@ -33,8 +33,8 @@ from attnkit._compat import (
     cpu_flash_attention_backward,
 )
 from attnkit.backends.protocol import Backend, Block, Probe, Work
-from attnkit.call import cost, precision
-from attnkit.call.precision import HALF
+from attnkit.call import cost
+from attnkit.call.precision import HALF, HalfKernels
 from attnkit.call.visibility import effective_visibility, hide_unseen, seen, zero_unseen
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
@@ -240,8 +240,9 @@ class SdpaBackend(Backend):
     # `training_factor` (float32 3.9 at S = 4096 on a 2-core AVX512-BF16 CPU, none and
     # causal alike); `backward_half` where the kernel computes half as it is (2.9-3.1)
 
-    def __init__(self, facts: TorchFacts) -> None:
+    def __init__(self, facts: TorchFacts, half: HalfKernels) -> None:
         self.facts = facts  # what torch's CPU kernels do (the runtime's, probed once)
+        self.half = half  # the runtime's: what half inputs compute in
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.softcap is not None:
@@ -261,7 +262,7 @@ class SdpaBackend(Backend):
         d, factors = call.dims, self.factors(call.table)
         pairs = d.B * d.H * d.L * d.S
         converted = 0.0
-        if precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias) != call.q.dtype:
+        if self.half.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias) != call.q.dtype:
             converted = (
                 factors["convert"] * d.B * (d.H * d.L * (d.D + d.Dv) + d.Hkv * d.S * (d.D + d.Dv))
             )
@@ -275,7 +276,7 @@ class SdpaBackend(Backend):
         if not call.requires_grad:
             return 1.0
         q = call.q
-        half = precision.kernel_dtype(q.dtype, q.device, bias=call.has_bias) in HALF
+        half = self.half.kernel_dtype(q.dtype, q.device, bias=call.has_bias) in HALF
         return self.factors(call.table)["backward_half" if half else "backward"]
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
@@ -329,7 +330,7 @@ class SdpaBackend(Backend):
         if backward_op is None or not self.serves_backward(call):
             return None
         is_causal = self._is_causal(call)
-        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device)
+        kernel_dtype = self.half.kernel_dtype(call.q.dtype, call.q.device)
         q, k, v = (t.to(kernel_dtype) for t in (call.q, call.k, call.v))
         # the op's own GQA sums a K/V head's G gradients in `kernel_dtype`: float32 only
         repeat = d.groups > 1 and (kernel_dtype in HALF or not self.facts.flash_gqa)
@@ -364,7 +365,7 @@ class SdpaBackend(Backend):
         d, mask = call.dims, call.mask
         if need_lse or call.has_bias:
             return None
-        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device)
+        kernel_dtype = self.half.kernel_dtype(call.q.dtype, call.q.device)
         if d.groups > 1 and kernel_dtype in HALF and call.requires_grad:
             return None  # K/V repeated by `run`, their gradients summed in float32
         is_causal = self._is_causal(call)
@@ -389,7 +390,7 @@ class SdpaBackend(Backend):
         d = call.dims
         q, k, v, rows, attn_mask = call.q, call.k, call.v, None, None
         # half natively where the hardware is fast, except under a bias (needs float32)
-        kernel_dtype = precision.kernel_dtype(q.dtype, q.device, bias=call.has_bias)
+        kernel_dtype = self.half.kernel_dtype(q.dtype, q.device, bias=call.has_bias)
         if kernel_dtype != q.dtype:  # (`.to` costs microseconds even when nothing changes)
             q, k, v = q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype)
         is_causal = self._is_causal(call)

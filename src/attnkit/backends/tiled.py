@@ -28,8 +28,7 @@ from attnkit.backends import tilecost
 from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
-from attnkit.call import precision
-from attnkit.call.precision import compute_dtype
+from attnkit.call.precision import HalfKernels, compute_dtype
 from attnkit.call.visibility import Seen, seen, zero_unseen
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks.spans import exact_spans
@@ -258,6 +257,9 @@ class TiledBackend(Backend):
     name = "tiled"
     cost_factors = tilecost.FACTORS
 
+    def __init__(self, half: HalfKernels) -> None:
+        self.half = half  # the runtime's: what half inputs compute in
+
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
         if call.q.device.type != "cpu" or cpu_flash_attention_backward() is None:
             return f"needs PyTorch's CPU flash kernel; not available on {call.q.device.type}"
@@ -343,7 +345,7 @@ class TiledBackend(Backend):
         return vis, plan, seen(call, None if vis.spans is not None else from_blocks)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
-        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+        kernel_dtype = self.half.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         vis, plan, rows_keys = self._visibility(call)
         out, lse = apply(_TiledAttention, q, k, v, vis, plan, call.scale, rows_keys)
@@ -358,7 +360,7 @@ class TiledBackend(Backend):
         """Gradients of q, k, v of a call (as `normalize_call` made them) from its output
         and log-sum-exp, whichever backend computed them (the math is one): for the
         compiled backward op, which then needs no second forward pass."""
-        kernel_dtype = precision.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
+        kernel_dtype = self.half.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)
         q, k, v = call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         vis, plan, rows_keys = self._visibility(call)
         if rows_keys is not None:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from attnkit import runtime
-from attnkit.call.precision import HALF, kernel_dtype
+from attnkit.call.precision import HALF
 
 __all__ = [
     "FIELD_NAMES",
@@ -107,7 +107,7 @@ def fit(
         return None
     if grad is None:
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    device = q.device
+    device, rt = q.device, runtime.current()
     return named_tuple(
         CallKey,
         (
@@ -123,11 +123,11 @@ def fit(
             device,
             k.device,
             v.device,
-            kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
+            rt.half.kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
             grad,
             options,
             state,
-            runtime.current().state(),
+            rt.state(),
         ),
     )
 

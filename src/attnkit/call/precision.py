@@ -8,10 +8,14 @@ of a GQA group) in float32 itself. Elsewhere (a CPU with AVX2 only, where a bflo
 matrix product is many times slower than a float32 one) they run in float32, which is
 then faster and also more precise.
 
-`kernel_dtype` decides: half runs natively on GPUs and on CPUs with AVX512-BF16 or AMX
-(bfloat16) or AMX-FP16 (float16), probed once (`_compat.half_matmul_is_fast`);
-`ATTNKIT_HALF_KERNELS=native|float32` overrides the probe, and the test matrix runs both
-paths on every machine. On the native half path GQA K/V are repeated by
+`HalfKernels.kernel_dtype` decides: half runs natively on GPUs and on CPUs with
+AVX512-BF16 or AMX (bfloat16) or AMX-FP16 (float16), probed once
+(`_compat.half_matmul_is_fast`). The runtime holds the process's `HalfKernels`
+(`runtime.current().half`), read from `ATTNKIT_HALF_KERNELS=native|float32` once when
+attnkit is imported: `native` or `float32` overrides the probe (`use` changes it in a
+running process), and the test matrix runs both paths on every machine.
+
+On the native half path GQA K/V are repeated by
 `heads.repeat_kv_exact_grad` (its backward sums the G heads in float32; float32 calls
 use the kernels' own GQA, the CPU flash op's too where `_compat.TorchFacts.flash_gqa` finds
 it), `tiled` merges block results and sums block gradients in float32 buffers, and a
@@ -27,15 +31,18 @@ float32, as a half PyTorch program computes); gradient bounds add flash-attentio
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
+from torch import Tensor
 
 from attnkit._compat import half_matmul_is_fast
 
-__all__ = ["HALF", "OVERRIDE_ENV", "compute_dtype", "kernel_dtype"]
+__all__ = ["HALF", "MODES", "OVERRIDE_ENV", "HalfKernels", "compute_dtype"]
 
 HALF = (torch.float16, torch.bfloat16)
 OVERRIDE_ENV = "ATTNKIT_HALF_KERNELS"  # "native" or "float32" overrides the hardware probe
+MODES = ("auto", "native", "float32")  # the probe; half always; float32 always
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,21 +50,71 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF else dtype
 
 
-def kernel_dtype(dtype: torch.dtype, device: torch.device, *, bias: bool = False) -> torch.dtype:
-    """The dtype a fused kernel runs a call of `dtype` on `device` in.
+class HalfKernels:
+    """What the fused kernels compute half inputs in: the process's choice, held by the
+    runtime (`runtime.current().half`) and by the backends it made.
 
-    Half stays half where `half_matmul_is_fast` (or `ATTNKIT_HALF_KERNELS=native`), else
-    float32 (or `ATTNKIT_HALF_KERNELS=float32`); other dtypes run as they are. A call
-    with a score `bias` runs in float32 always: the kernels read the bias in their own
-    dtype, and half would round it (ALiBi's -1000 is -1000 ± 4 in bfloat16).
+    Args:
+        mode: `"auto"` (half natively where `half_matmul_is_fast`, else float32),
+            `"native"` (always half) or `"float32"` (always float32).
+
+    Examples:
+        >>> from attnkit.call.precision import HalfKernels
+        >>> cpu = torch.device("cpu")
+        >>> HalfKernels("native").kernel_dtype(torch.bfloat16, cpu)
+        torch.bfloat16
+        >>> HalfKernels("native").kernel_dtype(torch.bfloat16, cpu, bias=True)
+        torch.float32
+        >>> HalfKernels("float32").kernel_dtype(torch.float16, cpu)
+        torch.float32
     """
-    if dtype not in HALF:
-        return dtype
-    if bias:
-        return torch.float32
-    choice = os.environ.get(OVERRIDE_ENV, "auto")
-    if choice == "native":
-        return dtype
-    if choice == "float32":
-        return torch.float32
-    return dtype if half_matmul_is_fast(dtype, device.type) else torch.float32
+
+    def __init__(self, mode: str = "auto") -> None:
+        self.mode = "auto"
+        self.use(mode)
+
+    @classmethod
+    def from_environment(cls) -> HalfKernels:
+        """The choice `ATTNKIT_HALF_KERNELS` names (unset or empty: `"auto"`; a value
+        that is not a mode warns, naming the modes, and gives `"auto"`)."""
+        mode = os.environ.get(OVERRIDE_ENV, "").strip().lower() or "auto"
+        if mode not in MODES:
+            warnings.warn(
+                f"{OVERRIDE_ENV}={mode!r} is not one of {', '.join(MODES)}: half inputs "
+                "run as the hardware probe says ('auto').",
+                stacklevel=2,
+            )
+            mode = "auto"
+        return cls(mode)
+
+    def use(self, mode: str) -> None:
+        """Compute half inputs as `mode` says from now on (calls prepared before plan
+        again: the dtype is part of their key)."""
+        if mode not in MODES:
+            raise ValueError(f"half kernels run in one of {', '.join(MODES)} (got {mode!r}).")
+        self.mode = mode
+
+    def kernel_dtype(
+        self, dtype: torch.dtype, device: torch.device, *, bias: bool = False
+    ) -> torch.dtype:
+        """The dtype a fused kernel runs a call of `dtype` on `device` in.
+
+        Half stays half where `half_matmul_is_fast` (or the mode is `"native"`), else
+        float32; other dtypes run as they are. A call with a score `bias` runs in float32
+        always: the kernels read the bias in their own dtype, and half would round it
+        (ALiBi's -1000 is -1000 ± 4 in bfloat16).
+        """
+        if dtype not in HALF:
+            return dtype
+        if bias or self.mode == "float32":
+            return torch.float32
+        if self.mode == "native":
+            return dtype
+        return dtype if half_matmul_is_fast(dtype, device.type) else torch.float32
+
+    def on_half_units(self, q: Tensor, *, alibi: bool) -> bool:
+        """Whether the native kernels multiply q's blocks on the CPU's bfloat16 units:
+        bfloat16 that runs natively, without ALiBi (its bias stays in float32); a build
+        without the units converts to float32 whatever this says."""
+        dtype = q.dtype
+        return dtype == torch.bfloat16 and self.kernel_dtype(dtype, q.device, bias=alibi) in HALF

@@ -42,7 +42,6 @@ from attnkit import runtime
 from attnkit._compat import TORCH_SDPA
 from attnkit.backends.protocol import PagedDecode
 from attnkit.call.dispatch import StepCalls
-from attnkit.call.precision import kernel_dtype
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.kv.attender import Attender
 from attnkit.kv.pool import PagePool, Step
@@ -227,7 +226,8 @@ def paged_attention(
     recorded = torch.is_grad_enabled() and (
         q.requires_grad or pages.pool.requires_grad
     )  # autograd keeps what attention read: no buffer may be reused then
-    gather_dtype = kernel_dtype(q.dtype, q.device)  # decode gathers in it: one cast, in cache
+    # decode gathers in it: one cast, in cache
+    gather_dtype = runtime.current().half.kernel_dtype(q.dtype, q.device)
     Hkv = pages.num_kv_heads
     grouped = q.to(gather_dtype).reshape(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2])
     # (T, Hkv, G, D)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.native.ops import ALiBi, Spans, _check, _unit_last, on_half_units
+from attnkit.native.ops import ALiBi, Spans, _check, _unit_last
 
 __all__ = ["backward_blocking", "register_autograd", "span_backward"]
 
@@ -43,11 +43,14 @@ def span_backward(
     glse: Tensor | None = None,
     softcap: float = 0.0,
     bias: ALiBi | None = None,
+    *,
+    half: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (q's, k's, v's shapes, in q's dtype) of the span call whose output is
     `out` (B, H, L, Dv) and log-sum-exp `lse` (B, H, L) float32, given `dout` (out's
     shape) and `glse` (lse's, or None); `visible` None: every row saw every key; `softcap`
-    and `bias` (`ops.alibi`'s terms) as the forward had them."""
+    and `bias` (`ops.alibi`'s terms) as the forward had them; `half`: bfloat16 blocks
+    multiplied on the half units (`ops.span_forward`'s)."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     shape = (B, H, L, v.shape[3])
@@ -63,7 +66,7 @@ def span_backward(
     rows, keys = backward_blocking(L, H // k.shape[1])
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
-    half = on_half_units(q, alibi=bias is not None)
+    half = half and q.dtype == torch.bfloat16
     grads: tuple[Tensor, Tensor, Tensor] = torch.ops.attnkit_native.span_backward(
         _unit_last(q),
         _unit_last(k),
@@ -90,8 +93,8 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]  # then rows, keys, half
-    ctx.scale, ctx.softcap = scale, softcap
+    q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]
+    ctx.scale, ctx.softcap, ctx.half = scale, softcap, inputs[11]  # (then rows, keys, half)
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
 
@@ -99,7 +102,9 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
     q, k, v, lo, hi, slopes, positions, out, lse = ctx.saved_tensors
     visible = None if lo is None else Spans(lo, hi, k.shape[2])
     bias = None if slopes is None else ALiBi(slopes, positions)
-    grads = span_backward(q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias)
+    grads = span_backward(
+        q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias, half=ctx.half
+    )
     return *grads, None, None, None, None, None, None, None, None, None
 
 

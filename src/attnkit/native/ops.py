@@ -6,8 +6,9 @@ batch row b sees keys `[lo[b, i], hi[b, i])` (checked once by `spans`, kept by a
 prepared call; `None` for every key), GQA by head groups, in tiles of `rows`
 query rows (of every head of a K/V head) and blocks of `keys` keys (`blocking` picks
 them), output in q's dtype and the log-sum-exp in float32 (0 and -inf on a row that sees
-nothing); bfloat16 products on the CPU's half units (AVX512-BF16) where
-`precision.kernel_dtype` runs half natively, in float32 elsewhere. The checks make the
+nothing); bfloat16 products on the CPU's half units (AVX512-BF16) where the caller
+asks (`half=True`: the native backend asks where `precision.HalfKernels.on_half_units`
+says), in float32 otherwise. The checks make the
 C++ side's assumptions true (one dtype, CPU, unit last strides, spans within the keys,
 sizes within its int32 GEMMs) or raise `ValueError` naming the argument; the fake
 implementation gives shapes to `torch.compile` and `opcheck`.
@@ -21,15 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attnkit.call.precision import HALF, kernel_dtype
-
 __all__ = [
     "DTYPES",
     "ALiBi",
     "Spans",
     "alibi",
     "blocking",
-    "on_half_units",
     "paged_decode",
     "register_fakes",
     "span_forward",
@@ -59,14 +57,6 @@ def blocking(L: int, groups: int) -> tuple[int, int, int]:
 
 def _unit_last(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
-
-
-def on_half_units(q: Tensor, *, alibi: bool) -> bool:
-    """Whether the kernels multiply q's blocks on the CPU's bfloat16 units: bfloat16 where
-    `kernel_dtype` runs half natively, without ALiBi (its bias stays in float32); a build
-    without the units converts to float32 whatever this says."""
-    dtype = q.dtype
-    return dtype == torch.bfloat16 and kernel_dtype(dtype, q.device, bias=alibi) in HALF
 
 
 def _check_kind(names: str, *tensors: Tensor) -> None:
@@ -164,12 +154,15 @@ def span_forward(
     softcap: float = 0.0,
     tiles: tuple[int, int] | None = None,
     bias: ALiBi | None = None,
+    *,
+    half: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
     library must be loaded: `attnkit.native.library()`); row i of batch row b sees
     keys [visible.lo[b, i], visible.hi[b, i]), every key where `visible` is None; softcap
     0 = none; `tiles` (rows, keys) as `blocking` picks them unless given; `bias` ALiBi's
-    terms (`alibi`) or None."""
+    terms (`alibi`) or None; `half`: bfloat16 blocks multiplied on the half units (where
+    built; float32 otherwise, and for other dtypes), as autograd's backward does too."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     if visible is not None and (
@@ -189,7 +182,7 @@ def span_forward(
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
-    half = on_half_units(q, alibi=bias is not None)
+    half = half and q.dtype == torch.bfloat16
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
         q, k, v, lo, hi, slopes, positions, float(scale), float(softcap), rows, keys, half
     )
