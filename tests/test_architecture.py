@@ -273,7 +273,7 @@ def _literal_backend_lookups(tree: ast.AST) -> list[int]:
 
 
 def test_no_module_outside_backends_looks_a_backend_up_by_its_name():
-    """A backend owns what it does; callers ask the interface (`dense_fastest`,
+    """A backend owns what it does; callers ask the interface (`fastest_on_dense`,
     `serves_backward`, `version`, `work`, `intermediates`), never test its name, so
     adding one touches `backends/` alone."""
     found = [
@@ -291,7 +291,7 @@ def test_no_module_outside_backends_looks_a_backend_up_by_its_name():
     assert sorted(_literal_backend_lookups(sample)) == [1, 2, 4, 5, 6]  # the check can fail
 
 
-CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Bounded", "PerMask"}
+CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "deque", "Recent", "ByMask"}
 CONTAINERS |= {"WeakKeyDictionary", "WeakValueDictionary"}
 MUTATORS = {"append", "extend", "insert", "remove", "pop", "clear", "update", "add", "discard"}
 MUTATORS |= {"setdefault", "put", "popitem", "__setitem__"}

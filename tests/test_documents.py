@@ -94,7 +94,7 @@ def test_other_masks_keep_the_one_call(mask):
 
 @pytest.mark.parametrize("D", [5, 6, 7])
 def test_head_dims_off_the_vector_width_keep_a_documents_bits(D):
-    """Each document runs on its own copy (`documents.placed_alike`): a view at another
+    """Each document runs on its own copy (`documents.aligned_copy`): a view at another
     memory offset is rounded differently by the kernels (found: AVX512, D = 5..7)."""
     docs = _docs([3, 7, 1, 5], torch.float32, H=9, Hkv=3, D=D, seed=D)
 

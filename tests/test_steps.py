@@ -8,7 +8,7 @@ import torch
 
 import attnkit as ak
 from attnkit.call import dispatch
-from attnkit.call.fit import Options
+from attnkit.call.key import Options
 from attnkit.call.steps import bucket, step_kind
 from attnkit.masks import from_hf_attention_mask
 from attnkit.native import unavailable

@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 
 import attnkit as ak
-from attnkit.call.visibility import cleaned, effective_visibility, hide_unseen, seen, zero_unseen
+from attnkit.call.visibility import (
+    effective_visibility,
+    seen_rows_keys,
+    zero_unseen,
+    zero_unseen_by_visibility,
+    zero_unseen_of_call,
+)
 from attnkit.contracts import normalize_call
 from attnkit.masks import structure
 
@@ -24,9 +30,11 @@ def test_zero_unseen_zeroes_rows_and_gqa_keys_nobody_sees():
 
 def test_hide_unseen_reports_rows_only_where_some_row_sees_nothing():
     q = k = v = torch.ones(1, 1, 2, 2)
-    assert hide_unseen(q, k, v, torch.ones(1, 1, 2, 2, dtype=torch.bool))[3] is None
+    assert zero_unseen_by_visibility(q, k, v, torch.ones(1, 1, 2, 2, dtype=torch.bool))[3] is None
     visible = torch.tensor([[True, True], [False, False]]).view(1, 1, 2, 2)
-    assert torch.equal(hide_unseen(q, k, v, visible)[3], torch.tensor([[[True, False]]]))
+    assert torch.equal(
+        zero_unseen_by_visibility(q, k, v, visible)[3], torch.tensor([[[True, False]]])
+    )
 
 
 def test_a_bias_hides_where_it_is_minus_inf():
@@ -40,7 +48,7 @@ def test_cleaned_inputs_carry_no_nan_from_keys_nobody_sees():
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     k[:, :, 5], v[:, :, 5] = torch.nan, torch.inf  # padding nobody sees
     call = normalize_call(q, k, v, ak.key_padding(torch.tensor([5])))
-    q2, k2, v2 = cleaned(call)
+    q2, k2, v2 = zero_unseen_of_call(call)
     assert torch.isfinite(k2).all() and torch.isfinite(v2).all()
     assert torch.equal(k2[:, :, :5], k[:, :, :5]) and torch.equal(q2, q)
 
@@ -70,18 +78,20 @@ def test_seen_is_found_once_per_mask_and_size_and_anew_after_an_in_place_change(
     window = _prepared_call(
         q, k, v, ak.causal(align="bottom_right") & ak.sliding_window(2, align="bottom_right")
     )
-    first = seen(window, counting(structure.seen(window.mask, 2, 2, 6, 8)))  # then kept
+    first = seen_rows_keys(
+        window, counting(structure.seen_rows_keys(window.mask, 2, 2, 6, 8))
+    )  # then kept
     again = _prepared_call(
         q, k, v, ak.causal(align="bottom_right") & ak.sliding_window(2, align="bottom_right")
     )
-    assert seen(again, counting(first)) is first and finds == [1]
+    assert seen_rows_keys(again, counting(first)) is first and finds == [1]
     lengths = torch.tensor([8, 3])
     mask = ak.key_padding(lengths)
-    keys = seen(_prepared_call(q, k, v, mask))[1]  # (B, 1, S)
+    keys = seen_rows_keys(_prepared_call(q, k, v, mask))[1]  # (B, 1, S)
     assert torch.equal(keys[1, 0], torch.arange(8) < 3)
     lengths[1] = 5  # in place
-    assert torch.equal(seen(_prepared_call(q, k, v, mask))[1][1, 0], torch.arange(8) < 5)
-    assert seen(normalize_call(q, k, v, None)) is None  # no mask: everybody sees all
+    assert torch.equal(seen_rows_keys(_prepared_call(q, k, v, mask))[1][1, 0], torch.arange(8) < 5)
+    assert seen_rows_keys(normalize_call(q, k, v, None)) is None  # no mask: everybody sees all
 
 
 def test_a_backend_may_find_seen_its_own_way_once():
@@ -93,9 +103,9 @@ def test_a_backend_may_find_seen_its_own_way_once():
 
     def find():
         calls.append(1)
-        return structure.seen(mask, 1, 1, 5, 5)
+        return structure.seen_rows_keys(mask, 1, 1, 5, 5)
 
-    rows, keys = seen(call, find)
-    assert seen(call, find)[0] is rows and calls == [1]
+    rows, keys = seen_rows_keys(call, find)
+    assert seen_rows_keys(call, find)[0] is rows and calls == [1]
     want = torch.tensor([True, True, False, True, True])
     assert torch.equal(rows[0, 0], want) and torch.equal(keys[0, 0], want)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit.call.precision import compute_dtype
-from attnkit.call.visibility import effective_visibility, hide_unseen, values_poison
+from attnkit.call.visibility import effective_visibility, values_poison, zero_unseen_by_visibility
 from attnkit.errors import MaskError, ShapeContractError
 from attnkit.heads import repeat_kv
 from attnkit.masks import Mask, causal_offset, integer_mask_error, structure
@@ -156,7 +156,7 @@ def attend(
         compute dtype (float32 for half inputs), `-inf` on empty rows.
     """
     effective = effective_visibility(visible, bias)
-    q, k, v, _ = hide_unseen(q, k, v, effective)
+    q, k, v, _ = zero_unseen_by_visibility(q, k, v, effective)
     weights, lse = weights_and_lse(q, k, visible, bias, scale=scale, softcap=softcap)
     dropped = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
     out = weighted_values(dropped, v, effective)  # (B, H, L, Dv)

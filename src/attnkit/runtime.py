@@ -40,10 +40,10 @@ from torch import Tensor
 
 from attnkit._compat import TorchFacts
 from attnkit.backends.registry import Registry, built_in
-from attnkit.call.bounded import Bounded
+from attnkit.call.by_mask import ByMask, MaskTensors
 from attnkit.call.cost import Costs, CostTable
-from attnkit.call.permask import MaskTensors, PerMask
 from attnkit.call.precision import HalfKernels
+from attnkit.call.recent import Recent
 from attnkit.masks import Mask
 from attnkit.native.loader import Kernels
 
@@ -54,14 +54,14 @@ PREPARED_PER_MASK = 16  # sizes remembered per mask object (a decoding loop need
 
 class MaskCalls(MaskTensors):
     """The prepared calls of one mask (or of calls without a mask), by key
-    (`call.fit.CallKey`), and the tensors whose identity and version every key holds
+    (`call.key.CallKey`), and the tensors whose identity and version every key holds
     (they die with the mask). A plan is the dispatcher's `call.prepared.Prepared`, which
     the runtime, below it, holds without reading (`Any`)."""
 
     def __init__(self, mask: Mask | Tensor | None) -> None:
         super().__init__(mask, weak=True)
         limit = 4 * PREPARED_PER_MASK if mask is None else PREPARED_PER_MASK
-        self.plans: Bounded[tuple[object, ...], Any] = Bounded(limit)
+        self.plans: Recent[tuple[object, ...], Any] = Recent(limit)
 
 
 class Runtime:
@@ -99,7 +99,7 @@ class Runtime:
         self.half = HalfKernels.from_environment() if half is None else half
         self.costs = Costs(choose)
         self.backends = Registry(built_in(self.kernels, self.facts, self.half))
-        self.calls: PerMask[MaskCalls] = PerMask(MaskCalls)
+        self.calls: ByMask[MaskCalls] = ByMask(MaskCalls)
         # a forward's `call.dispatch.StepCalls` (or None), held without reading (`Any`)
         self.forwards: weakref.WeakKeyDictionary[Mask, Any] = weakref.WeakKeyDictionary()
 

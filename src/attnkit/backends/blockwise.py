@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from attnkit.backends.protocol import Backend, Probe
 from attnkit.call import cost
 from attnkit.call.precision import compute_dtype
-from attnkit.call.visibility import cleaned, effective_visibility
+from attnkit.call.visibility import effective_visibility, zero_unseen_of_call
 from attnkit.contracts import AttentionCall
 from attnkit.masks import causal
 from attnkit.masks.structure import key_bounds
@@ -77,7 +77,7 @@ class BlockwiseBackend(Backend):
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         d = call.dims
-        q, k, v = cleaned(call)
+        q, k, v = zero_unseen_of_call(call)
         work = compute_dtype(q.dtype)
         outs, lses = [], []
         for r0, r1, lo, hi in _blocks(call, _rows(call)):

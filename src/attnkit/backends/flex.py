@@ -23,7 +23,7 @@ from attnkit.backends.protocol import Backend, Block, Work
 from attnkit.call import cost
 from attnkit.call.precision import HalfKernels, compute_dtype
 from attnkit.call.threads import in_fresh_thread
-from attnkit.call.visibility import cleaned
+from attnkit.call.visibility import zero_unseen_of_call
 from attnkit.contracts import AttentionCall
 from attnkit.masks import blocks
 from attnkit.reference import attend
@@ -143,7 +143,7 @@ class FlexBackend(Backend):
         )
 
     def _block_mask(self, call: AttentionCall) -> Any:
-        """The `BlockMask` of a call, made once per prepared call (`call.derived`).
+        """The `BlockMask` of a call, made once per prepared call (`call.plan_values`).
         Masks are values: nothing is stored on them."""
         mask = call.mask
         assert mask is not None
@@ -156,7 +156,7 @@ class FlexBackend(Backend):
                 )
             )
 
-        return call.derived.get("flex.block_mask", make)
+        return call.plan_values.get("flex.block_mask", make)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         flex = flex_attention_module()
@@ -173,7 +173,7 @@ class FlexBackend(Backend):
 
         block_mask = self._block_mask(call)
         # keys no query sees may hold NaN: flex masks their scores, but 0·NaN still leaks
-        q, k, v = cleaned(
+        q, k, v = zero_unseen_of_call(
             call, call.q.to(kernel_dtype), call.k.to(kernel_dtype), call.v.to(kernel_dtype)
         )
         signature = _signature(call, self.half)

@@ -249,7 +249,7 @@ class NativeBackend(Backend):
                 return None
             return Rows(Spans(*intervals, call.dims.S), bias)  # `_spans` clamps them
 
-        return call.derived.get("native.rows", make)
+        return call.plan_values.get("native.rows", make)
 
     def _tiles(self, call: AttentionCall) -> Tiles:
         """The work of the call's blocking (a call it can serve): made once per prepared
@@ -262,7 +262,7 @@ class NativeBackend(Backend):
                 return _dense_tiles(d.B, d.L, d.S, *blocking(d.L, d.groups))
             return _tiles(rows.visible.lo, rows.visible.hi, *blocking(d.L, d.groups))
 
-        return call.derived.get("native.tiles", make)
+        return call.plan_values.get("native.tiles", make)
 
     def cost(self, call: AttentionCall, *, need_lse: bool) -> float:
         tiles, factors, d = self._tiles(call), self.factors(call.table), call.dims

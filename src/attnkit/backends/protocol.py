@@ -18,12 +18,12 @@ registry: `native`).
 
 `serves_backward` says whether `backward` takes a call (`sdpa`: one fused call for dense
 and causal calls; `tiled`: block by block; `gradients.fused_gradients` takes the first
-in the registry that serves); `dense_fastest` marks the backend cheapest per pair on a
+in the registry that serves); `fastest_on_dense` marks the backend cheapest per pair on a
 dense call, which `auto` takes for such a call and for a decoding step (`attnkit.call.steps`)
 without pricing (`sdpa`), unless a backend `takes_step` that step (`native`: the steps it
 wins, by a rule that reads S only by its bucket); `work` is read
 by `plot.computed_regions` and the calibration. A backend keeps no cache of its own:
-what it derives lives in the call's `derived`. Nothing outside `backends/` names a
+what it derives lives in the call's `plan_values`. Nothing outside `backends/` names a
 concrete backend class or looks one up by a literal name; `backends.register(backend)`
 adds one, and `auto`, `explain`, the gradients, the compiled op and the fuzz harness
 take it.
@@ -148,7 +148,7 @@ class Backend:
     name: str
     # the cheapest per pair on a dense call (no mask reaches a kernel): `auto` takes it
     # for such a call without pricing the others, where it can serve
-    dense_fastest: bool = False
+    fastest_on_dense: bool = False
     # its kernel never multiplies a hidden weight by a value (0·NaN): a non-finite key or
     # value reaches only the rows that see it; else `execute.run_backend` runs it on K and V
     # with those entries zeroed where a check finds one (`visibility.run_masking_values`)
@@ -211,13 +211,13 @@ class Backend:
 
     def takes_step(self, call: AttentionCall) -> bool:
         """Whether `auto` runs this decoding step (`steps.step_of`) here, unpriced, ahead
-        of the `dense_fastest` backend: O(1), reading neither the mask's tensors nor S
+        of the `fastest_on_dense` backend: O(1), reading neither the mask's tensors nor S
         but by its `steps.bucket` (a plan made for one step of a growing cache serves the
         steps of its bucket, and chooses as a plan made afresh)."""
         return False
 
     def beats_dense(self, call: AttentionCall) -> bool:
-        """Whether this backend may beat the `dense_fastest` one on this dense call (not a
+        """Whether this backend may beat the `fastest_on_dense` one on this dense call (not a
         decoding step), so `auto` prices the call instead of taking that one unpriced."""
         return False
 

@@ -35,7 +35,12 @@ from attnkit._compat import (
 from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.call import cost
 from attnkit.call.precision import HALF, HalfKernels
-from attnkit.call.visibility import effective_visibility, hide_unseen, seen, zero_unseen
+from attnkit.call.visibility import (
+    effective_visibility,
+    seen_rows_keys,
+    zero_unseen,
+    zero_unseen_by_visibility,
+)
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.heads import repeat_kv_exact_grad, sum_groups
 from attnkit.masks import Mask, causal, sliding_window
@@ -95,7 +100,7 @@ def _masked_inputs(
             lo, hi = spans  # (B, L)
             if bool((lo <= 0).all()) and bool((hi >= d.S).all()):
                 return q, k, v, None, None  # every pair visible
-            rows_keys = seen(call)  # (B, 1, L), (B, 1, S)
+            rows_keys = seen_rows_keys(call)  # (B, 1, L), (B, 1, S)
             assert rows_keys is not None
             q, k, v = zero_unseen(q, k, v, *rows_keys)
             dense = mask.dense(d.B, d.H, d.L, d.S, q.device)  # (B|1, 1, L, S)
@@ -106,7 +111,7 @@ def _masked_inputs(
     if zeroes and _kernel_hides_unseen(q, k, v, call.scale):  # nothing to clean: no copies
         rows = None if not need_lse or effective is None else effective.any(-1)
     else:
-        q, k, v, rows = hide_unseen(q, k, v, effective)
+        q, k, v, rows = zero_unseen_by_visibility(q, k, v, effective)
     return q, k, v, _attn_mask(visible, call.bias, q.dtype, as_float=need_lse), rows
 
 
@@ -125,7 +130,7 @@ def _kernel_hides_unseen(q: Tensor, k: Tensor, v: Tensor, scale: float) -> bool:
     caller knows).
 
     Costs one min/max pass over q, k, v instead of the (L, S) reductions and the copies
-    of `hide_unseen`.
+    of `zero_unseen_by_visibility`.
     """
     if q.device.type != "cpu":
         return False
@@ -226,7 +231,7 @@ class SdpaBackend(Backend):
     """Fused kernels from PyTorch; no softcap; log-sum-exp on CPU through the flash op."""
 
     name = "sdpa"
-    dense_fastest = True
+    fastest_on_dense = True
     # per pair over its dense kernel's (the unit): `is_causal`, per pair it computes
     # (`causal_pairs`: its blocks); with a mask tensor, which it reads, skipping no block
     cost_factors = cost.Factors(

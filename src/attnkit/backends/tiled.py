@@ -29,7 +29,7 @@ from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.backends.tilemask import Visibility
 from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
 from attnkit.call.precision import HalfKernels, compute_dtype
-from attnkit.call.visibility import Seen, seen, zero_unseen
+from attnkit.call.visibility import SeenRowsKeys, seen_rows_keys, zero_unseen
 from attnkit.contracts import AttentionCall, unit_last_stride
 from attnkit.masks.spans import exact_spans
 from attnkit.masks.structure import has_dense_tensor, is_sdpa_causal
@@ -158,7 +158,7 @@ class _TiledAttention(torch.autograd.Function):
         vis: Visibility,
         plan: TilePlan,
         scale: float,
-        rows_keys: Seen | None,
+        rows_keys: SeenRowsKeys | None,
     ) -> tuple[Tensor, Tensor]:
         B, H, L, D = q.shape
         Hkv = k.shape[1]
@@ -276,7 +276,7 @@ class TiledBackend(Backend):
     def plan(self, call: AttentionCall) -> TilePlan:
         """The tile plan of a call: made once per prepared call, for cost and run."""
         d = call.dims
-        return call.derived.get(
+        return call.plan_values.get(
             "tiled.plan",
             lambda: best_plan(call.mask, d.B, d.H, d.Hkv, d.L, d.S, self.factors(call.table)),
         )
@@ -327,22 +327,22 @@ class TiledBackend(Backend):
         d = call.dims
         return 4 * d.B * d.H * d.L * (d.Dv + 1) + FORWARD_CHUNK_BYTES
 
-    def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan, Seen | None]:
+    def _visibility(self, call: AttentionCall) -> tuple[Visibility, TilePlan, SeenRowsKeys | None]:
         """The plan's block masks, the plan, and the (B, 1, L) rows and (B, 1, S) keys
         anybody sees (`visibility.seen`: where the mask has no exact spans, from the
         plan's blocks alone; None without a mask), all made once per prepared call."""
         d, plan = call.dims, self.plan(call)
-        vis = call.derived.get(
+        vis = call.plan_values.get(
             "tiled.visibility", lambda: Visibility(call.mask, (d.B, d.H, d.L, d.S), call.q.device)
         )
 
-        def from_blocks() -> Seen:
+        def from_blocks() -> SeenRowsKeys:
             bias = vis.bias is not None
             return vis.find_seen(
                 plan, lambda g: _chunk_blocks(g, d.H, d.Hkv, d.D, bias, CHUNK_BYTES)
             )
 
-        return vis, plan, seen(call, None if vis.spans is not None else from_blocks)
+        return vis, plan, seen_rows_keys(call, None if vis.spans is not None else from_blocks)
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
         kernel_dtype = self.half.kernel_dtype(call.q.dtype, call.q.device, bias=call.has_bias)

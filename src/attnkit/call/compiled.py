@@ -207,7 +207,7 @@ def attention_op(
         kept = True
     else:
         # keep the log-sum-exp for the backward op where it can use it (no second forward)
-        kept = prepared.derived.get(
+        kept = prepared.plan_values.get(
             "compiled.keep",
             lambda: (
                 need_lse

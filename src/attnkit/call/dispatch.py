@@ -2,12 +2,12 @@
 cache of prepared calls (`attnkit.runtime`: `Runtime.calls`).
 
 The first call of a kind is prepared (`prepared.prepare_call`: validated, planned, the
-backend's kernel made) and kept under its `prepared.fit` key; a repeated call -- each
+backend's kernel made) and kept under its `prepared.key` key; a repeated call -- each
 layer of a decoding step, each step of a loop of fixed sizes -- costs that key, one
 lookup and the kernel, and a prepared call is never served stale (the key holds the
 identity and version of the mask's tensors).
 
-Prepared calls are calls per mask (`permask.PerMask`: a mask by its object or, built
+Prepared calls are calls per mask (`by_mask.ByMask`: a mask by its object or, built
 anew, by its value with its tensors' identity; held weakly: they go when the mask or
 its tensors go), at most `runtime.PREPARED_PER_MASK` each, and never hold the mask or q, k, v
 themselves.
@@ -24,7 +24,7 @@ can serve it. The backend of a step is chosen by a rule that reads S only by its
 bucket (`Backend.takes_step`), so a plan made afresh chooses the backend that served it.
 
 Bounds: `runtime.PREPARED_PER_MASK` fits per mask, four times that for calls without a mask, and
-`permask.STRUCTURES_KEPT` masks found by value. The step key checks only what it
+`by_mask.STRUCTURES_KEPT` masks found by value. The step key checks only what it
 leaves out: S >= 1, the same S in k and v, and the mask's own check. The compiled op and
 the context-parallel pieces' backward take their calls from this cache too (the op's
 implementation plans as if autograd recorded: `grad=`). The planner computes only the
@@ -43,8 +43,8 @@ import torch
 from torch import Tensor
 
 from attnkit import runtime
-from attnkit.call.fit import CallKey, Options, fit, inputs_kind, named_tuple
-from attnkit.call.permask import MaskTensors, PerMask
+from attnkit.call.by_mask import ByMask, MaskTensors
+from attnkit.call.key import CallKey, Options, call_key, inputs_key, named_tuple
 from attnkit.call.planner import step_order
 from attnkit.call.prepared import Prepared, prepare_call
 from attnkit.call.steps import StepKind, bucket, step_kind
@@ -108,7 +108,7 @@ class StepCalls:
         """`attention(q, k, v, mask, ...)` through the place's prepared call."""
         options = named_tuple(Options, (scale, softcap, dropout_p, backend, False, True))
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        kind = (inputs_kind(q, k, v), grad, options)
+        kind = (inputs_key(q, k, v), grad, options)
         entry = self._calls.get(place)
         if (
             entry is None
@@ -178,7 +178,7 @@ def _lookup(
     plans = None if calls is None else calls.plans
     key = None
     if calls is not None:
-        key = fit(q, k, v, q.shape, k.shape, v.shape, calls.state(), options, grad)
+        key = call_key(q, k, v, q.shape, k.shape, v.shape, calls.state(), options, grad)
     prepared: Prepared | None = None if plans is None or key is None else plans.get(key)
     if prepared is None and steps and step is None:  # a padded step: its bucket's backend
         kind = "padded"
@@ -245,7 +245,7 @@ def _prepared(
         backend,
         bool(need_lse),
         given_scale,
-        fit=key,
+        key=key,
         grad=grad,
         kernel_ok=as_given and not isinstance(mask, Tensor),
     )
@@ -287,13 +287,13 @@ def _step_key(
         return None
     k_rest = (k_shape[0], k_shape[1], k_shape[3])  # (B, Hkv, D): S left out
     v_rest = (v_shape[0], v_shape[1], v_shape[3])
-    return fit(q, k, v, q_shape, k_rest, v_rest, (kind, bucket(S)), options)
+    return call_key(q, k, v, q_shape, k_rest, v_rest, (kind, bucket(S)), options)
 
 
 # ------------------------------------------------------------------ the cache
 
 
-def _calls_of(by_mask: PerMask[MaskCalls], mask: MaskArg) -> MaskCalls | None:
+def _calls_of(by_mask: ByMask[MaskCalls], mask: MaskArg) -> MaskCalls | None:
     """The prepared calls of `mask` among the runtime's; None for a mask argument of
     another type."""
     if mask is None or isinstance(mask, Mask) or type(mask) is Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor
 from attnkit.masks import Mask, and_masks
 from attnkit.masks.structure import packed_documents
 
-__all__ = ["Documents", "attend_documents", "documents", "placed_alike"]
+__all__ = ["Documents", "aligned_copy", "attend_documents", "documents"]
 
 # one call: q (1, H, n, D), k and v (1, Hkv, n, D|Dv), its mask -> out, lse (or None)
 AttendOne = Callable[[Tensor, Tensor, Tensor, Mask | None], tuple[Tensor, Tensor | None]]
@@ -72,7 +72,7 @@ def attend_documents(
     rows_out, rows_lse = [], []
     for b, lengths in enumerate(packed.lengths):
         pieces = [torch.split(t[b : b + 1], lengths, dim=2) for t in (q, k, v)]  # (1, ., n, .)
-        qs, ks, vs = ([placed_alike(p) for p in part] for part in pieces)
+        qs, ks, vs = ([aligned_copy(p) for p in part] for part in pieces)
         results = [attend_one(*qkv, packed.inner) for qkv in zip(qs, ks, vs, strict=True)]
         rows_out.append(torch.cat([out for out, _ in results], dim=2))  # (1, H, L, Dv)
         lses = [lse for _, lse in results]
@@ -80,7 +80,7 @@ def attend_documents(
     return torch.cat(rows_out), _joined(rows_lse, dim=0)  # (B, H, L, Dv), (B, H, L)
 
 
-def placed_alike(t: Tensor) -> Tensor:
+def aligned_copy(t: Tensor) -> Tensor:
     """`t` in memory of its own: contiguous, from an aligned allocation.
 
     A view of a pack starts wherever its sequence sits, and the CPU kernels round a

@@ -11,9 +11,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from attnkit.call.habits import points_habits
+from attnkit.call.paths import run_attention
 from attnkit.call.planner import Plan
 from attnkit.call.prepare import prepare_plan
-from attnkit.call.route import attend
 from attnkit.contracts import check_sinks
 from attnkit.masks import Mask
 from attnkit.softmax import add_sinks
@@ -94,7 +94,7 @@ def attention(
             dropout_p=dropout_p,
             backend=backend,
         )[0]
-    return attend(
+    return run_attention(
         q,
         k,
         v,
@@ -153,7 +153,7 @@ def attention_with_lse(
     """
     if sinks is not None:
         sinks = check_sinks(sinks, q)
-    out, lse = attend(
+    out, lse = run_attention(
         q,
         k,
         v,

@@ -133,7 +133,7 @@ def backend_for_run(call: AttentionCall, name: str, *, need_lse: bool) -> Backen
     """The backend `choose_backend` would choose, without the reasons for the others. A
     dense call or a decoding step (`steps.step_of`) goes straight to a backend that
     `takes_step` it, else to the one whose dense kernel is the cheapest per pair
-    (`Backend.dense_fastest`: sdpa), where it can serve it. A prepared call keeps the
+    (`Backend.fastest_on_dense`: sdpa), where it can serve it. A prepared call keeps the
     choice."""
     if name == "auto" and (backend := _dense_shortcut(call, need_lse)) is not None:
         return backend
@@ -150,7 +150,7 @@ def step_order(call: AttentionCall) -> list[Backend]:
     takers = [b for b in backends if b.takes_step(call)]
     if not takers and any(b.beats_dense(call) for b in backends):
         return []  # priced: a kernel may beat the dense-fastest one here
-    return takers + [b for b in backends if b.dense_fastest]
+    return takers + [b for b in backends if b.fastest_on_dense]
 
 
 def _dense_shortcut(call: AttentionCall, need_lse: bool) -> Backend | None:

@@ -16,11 +16,11 @@ from torch import Tensor
 from attnkit import runtime
 from attnkit.call.dispatch import prepared_call
 from attnkit.call.documents import Documents, documents
-from attnkit.call.fit import Options, fit
 from attnkit.call.habits import points_habits
+from attnkit.call.key import Options, call_key
+from attnkit.call.paths import length, run_attention
 from attnkit.call.planner import Plan, plan_call
 from attnkit.call.prepared import Prepared, mask_state
-from attnkit.call.route import attend, length
 from attnkit.contracts import check_sinks, normalize_call
 from attnkit.errors import ShapeContractError
 from attnkit.masks import Mask
@@ -147,8 +147,8 @@ def prepare_plan(
         need_lse=lse,
     )
     packed = documents(mask, q, k)
-    route = partial(
-        attend,
+    runner = partial(
+        run_attention,
         mask=mask,
         scale=scale,
         softcap=softcap,
@@ -164,14 +164,19 @@ def prepare_plan(
         lse,
         True,
     )
-    key = fit(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), numbers)
+    key = call_key(q, k, v, q.shape, k.shape, v.shape, mask_state(mask), numbers)
     assert key is not None  # validated: plain numbers
     explained = None
     if packed is not None:
         numbers_of_call = (scale, softcap, dropout_p)
         explained = partial(_documents_plan, packed, numbers_of_call, backend, lse)
-    return prepared.bound(
-        mask, fit=key, sinks=sinks, route=route, routed=packed is not None, explained=explained
+    return prepared.with_mask(
+        mask,
+        key=key,
+        sinks=sinks,
+        runner=runner,
+        per_document=packed is not None,
+        explained=explained,
     )
 
 

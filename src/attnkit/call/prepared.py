@@ -3,22 +3,22 @@
 Preparing validates the arguments (`contracts.normalize_call`), chooses the backend
 (`planner.backend_for_run`) and lets it prepare its kernel (`Backend.prepare`: SDPA's
 mask tensor and flags); what the backends derive from the mask and sizes on the first
-run (the rows and keys seen, a tile plan, a block mask) joins it (`derived.Derived`).
-A `Prepared` holds neither q, k, v nor, inside `attention()`'s cache, the mask: its
-`fit` is the key of everything those steps read (sizes, strides, dtypes, devices,
-whether autograd records, the options, the state of the mask's tensors), and a run on
-inputs of that key needs no step again.
+run (the rows and keys seen, a tile plan, a block mask) joins its `PlanValues`
+(`call.plan_values`). A `Prepared` holds neither q, k, v nor, inside `attention()`'s
+cache, the mask: its `key` (`call.key.CallKey`) is the key of everything those steps
+read (sizes, strides, dtypes, devices, whether autograd records, the options, the state
+of the mask's tensors), and a run on inputs of that key needs no step again.
 
-`attnkit.prepare(...)` hands one out, bound to its mask (`bound`): calling it checks
+`attnkit.prepare(...)` hands one out, held with its mask (`with_mask`): calling it checks
 that the inputs fit (a `PreparedMismatchError` names what changed, an in-place change of
 the mask's tensors included) and runs it; `explain()` gives its `Plan`.
 
-The fit holds, besides sizes, strides, dtypes, devices and grad mode: scale, softcap,
+The key holds, besides sizes, strides, dtypes, devices and grad mode: scale, softcap,
 dropout, the backend asked, `need_lse`, the identity, version and size of each tensor of
 the mask (a tensor changed in place is a new key; a tensor given as the mask: its own),
 the kernel dtype of half inputs, and the registry's state (the backends registered and
-their `version`: flex's kernels turning warm). The `derived.Derived` of a prepared call
-is shared by every `AttentionCall` it builds.
+their `version`: flex's kernels turning warm). The `PlanValues` of a prepared call is
+shared by every `AttentionCall` it builds.
 """
 
 from __future__ import annotations
@@ -30,9 +30,17 @@ import torch
 from torch import Tensor
 
 from attnkit.backends import Backend, Kernel, get_backend
+from attnkit.call.by_mask import MaskTensors, mask_state
 from attnkit.call.execute import execute
-from attnkit.call.fit import FIELD_NAMES, INPUT_FIELDS, LENGTHS, STRIDES, CallKey, fit, inputs_kind
-from attnkit.call.permask import MaskTensors, mask_state
+from attnkit.call.key import (
+    FIELD_NAMES,
+    INPUT_FIELDS,
+    LENGTHS,
+    STRIDES,
+    CallKey,
+    call_key,
+    inputs_key,
+)
 from attnkit.call.planner import Plan, backend_for_run, plan_call
 from attnkit.call.steps import step_kind, step_padding
 from attnkit.call.visibility import all_finite, may_leak
@@ -45,8 +53,8 @@ from attnkit.softmax import add_sinks
 __all__ = ["Prepared", "mask_state", "prepare_call"]
 
 MaskArg = Mask | Tensor | None
-Route = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
-# a routed call's plan from the row's: (plan, q, k, v, verbose) -> the plan of what runs
+Runner = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]
+# a call run per document: (the row's plan, q, k, v, verbose) -> the plan of what runs
 Explained = Callable[[Plan, Tensor, Tensor, Tensor, bool], Plan]
 
 
@@ -60,7 +68,7 @@ class Prepared:
     `attention` calls it).
 
     Args:
-        fit: the key of what preparing read (sizes, strides, dtypes, devices, grad, the
+        key: the key of what preparing read (sizes, strides, dtypes, devices, grad, the
             options, the mask's tensors' state), or None for a call that is not kept.
         call: the validated `AttentionCall`.
         backend: the chosen backend, or None for an empty call.
@@ -80,7 +88,7 @@ class Prepared:
 
     def __init__(
         self,
-        fit: CallKey | None,
+        key: CallKey | None,
         call: AttentionCall,
         backend: Backend | None,
         *,
@@ -89,7 +97,7 @@ class Prepared:
         scale: float,
         kernel: Kernel | None,
     ) -> None:
-        self.fit = fit
+        self.key = key
         self.backend = backend  # None: nothing to compute
         self.asked = asked  # the backend asked for ("auto": the planner's choice)
         self.need_lse = need_lse
@@ -97,25 +105,25 @@ class Prepared:
         self.scale = scale  # as given or its default (normalize_inputs folds its sign into q)
         self.softcap, self.dropout_p = call.softcap, call.dropout_p
         self.kernel = kernel  # the backend's own prepared call, for inputs as given
-        self.derived = call.derived  # what the backends derive on the first run
+        self.plan_values = call.plan_values  # what the backends derive on the first run
         self.table = call.table  # the cost table it was planned with
         # the kernel may multiply hidden weights by values: K and V checked before it runs
         leaks = None if backend is None or backend.values_exact else may_leak(call)
         self.checks_values = leaks is not None
         self._seen_by_all = leaks or (0, 0)
-        # set by `bound` (attnkit.prepare): the mask, sinks, and how routed calls run
+        # set by `with_mask` (attnkit.prepare): the mask, sinks, and how calls run per document run
         self._mask: tuple[MaskArg] | None = None
         self._tensors = MaskTensors(None)
         self._sinks: Tensor | None = None
-        self._route: Route | None = None
-        self._routed = False
+        self._runner: Runner | None = None
+        self._per_document = False
         self._direct: Kernel | None = None  # the kernel `__call__` runs where inputs fit
         self._explained: Explained | None = None
 
     # ------------------------------------------------------------- the cache's runs
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> tuple[Tensor, Tensor | None]:
-        """Attention over inputs of this call's `fit` (unchecked) and its mask."""
+        """Attention over inputs of this call's `key` (unchecked) and its mask."""
         finite = not self.checks_values or all_finite(k, v, self._seen_by_all)
         if self.kernel is not None and finite:
             out = self.kernel(q, k, v)
@@ -145,7 +153,7 @@ class Prepared:
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, mask: MaskArg) -> AttentionCall:
         """The `AttentionCall` of new inputs: what `normalize_call` would give (unchecked:
-        the fit guarantees they pass), with this call's derived values."""
+        the key guarantees they pass), with this call's derived values."""
         q, k, v, scale = normalize_inputs(q, k, v, self.scale)
         visibility = None if mask is None or _is_bias(mask) else as_mask(mask)
         bias = mask if isinstance(mask, Tensor) and _is_bias(mask) else None
@@ -159,33 +167,33 @@ class Prepared:
             self.softcap,
             self.dropout_p,
             self.dims,
-            self.derived,
+            self.plan_values,
             table=self.table,
         )
 
     # ------------------------------------------------------------- attnkit.prepare's
 
-    def bound(
+    def with_mask(
         self,
         mask: MaskArg,
         *,
-        fit: CallKey,
+        key: CallKey,
         sinks: Tensor | None,
-        route: Route,
-        routed: bool,
+        runner: Runner,
+        per_document: bool,
         explained: Explained | None = None,
     ) -> Prepared:
-        """This call for a user to hold: its mask (and sinks) kept, `fit` checked at
-        every call. `route` runs the call as `attention` would (under `torch.compile`,
-        and always where `routed`: packed documents run a call each)."""
-        bound_call = Prepared.__new__(Prepared)
-        bound_call.__dict__.update(self.__dict__)
-        bound_call.fit, bound_call._mask, bound_call._sinks = fit, (mask,), sinks
-        bound_call._tensors = MaskTensors(mask)
-        bound_call._route, bound_call._routed = route, routed
-        bound_call._direct = None if routed or sinks is not None else bound_call.kernel
-        bound_call._explained = explained
-        return bound_call
+        """This call for a user to hold: its mask (and sinks) kept, `key` checked at
+        every call. `runner` runs the call as `attention` would (under `torch.compile`,
+        and always where `per_document`: packed documents run a call each)."""
+        user_call = Prepared.__new__(Prepared)
+        user_call.__dict__.update(self.__dict__)
+        user_call.key, user_call._mask, user_call._sinks = key, (mask,), sinks
+        user_call._tensors = MaskTensors(mask)
+        user_call._runner, user_call._per_document = runner, per_document
+        user_call._direct = None if per_document or sinks is not None else user_call.kernel
+        user_call._explained = explained
+        return user_call
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """`attention` of the prepared call on q, k, v of the prepared kind.
@@ -236,7 +244,7 @@ class Prepared:
         """What this call runs and why: the `Plan` of `attnkit.explain` for its arguments
         (`verbose`: with the cost model's figures)."""
         mask = self._bound_mask()
-        f = self.fit
+        f = self.key
         assert f is not None
         shapes, strides = (f.q_shape, f.k_shape, f.v_shape), (f.q_stride, f.k_stride, f.v_stride)
         dtypes, devices = (f.q_dtype, f.k_dtype, f.v_dtype), (f.q_device, f.k_device, f.v_device)
@@ -259,21 +267,21 @@ class Prepared:
 
     def _checked(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:
         mask = self._bound_mask()
-        assert self._route is not None and self.fit is not None
+        assert self._runner is not None and self.key is not None
         if torch.compiler.is_compiling():  # one traced op, as attention() under compile
-            return self._with_sinks(*self._route(q, k, v))
-        if not self._routed and self._fits(q, k, v):
+            return self._with_sinks(*self._runner(q, k, v))
+        if not self._per_document and self._fits(q, k, v):
             return self._with_sinks(*self.run(q, k, v, mask))
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-        now = fit(q, k, v, q.shape, k.shape, v.shape, self._tensors.state(), self.fit.options)
+        now = call_key(q, k, v, q.shape, k.shape, v.shape, self._tensors.state(), self.key.options)
         assert now is not None  # the options are the prepared call's own
-        was = self.fit._asdict()
+        was = self.key._asdict()
         changed = [name for name, value in now._asdict().items() if value != was[name]]
         wrong = [name for name in changed if name not in STRIDES and name != "registry"]
         if wrong and set(wrong) <= LENGTHS and self._grows(k.shape, v.shape):
-            return self._with_sinks(*self._route(q, k, v))  # a step's cache grew
+            return self._with_sinks(*self._runner(q, k, v))  # a step's cache grew
         if wrong:
             name = wrong[0]
             raise PreparedMismatchError(
@@ -282,15 +290,15 @@ class Prepared:
                 "prepare it again with attnkit.prepare(...) for the new inputs (or call "
                 "attnkit.attention, which prepares as it goes)."
             )
-        if self._routed:
-            return self._with_sinks(*self._route(q, k, v))
+        if self._per_document:
+            return self._with_sinks(*self._runner(q, k, v))
         out, lse = execute(self.call(q, k, v, mask), self.backend, need_lse=self.need_lse)
         return self._with_sinks(out, lse)  # other strides: the kernel takes none as given
 
     def _grows(self, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> bool:
         """k and v of this decoding step's sizes but S (`attnkit.call.steps`: the cache grew)."""
-        assert self.fit is not None
-        k_was, v_was = self.fit.k_shape, self.fit.v_shape
+        assert self.key is not None
+        k_was, v_was = self.key.k_shape, self.key.v_shape
         if len(k_shape) != 4 or len(v_shape) != 4 or k_shape[2] != v_shape[2]:
             return False
         mask = self._bound_mask()
@@ -302,16 +310,16 @@ class Prepared:
         )
 
     def _fits(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
-        """The fit of plain tensors (what `fit` would build, but the options, the prepared
+        """The key of plain tensors (what `call_key` would build, but the options, the prepared
         call's own, and the backends' state, which changes no result): the inputs' fields
         compared at once, then grad mode and the mask's tensors (if it holds any)."""
-        f = self.fit
+        f = self.key
         assert f is not None
         return (
             type(q) is Tensor
             and type(k) is Tensor
             and type(v) is Tensor
-            and inputs_kind(q, k, v) == f[:INPUT_FIELDS]
+            and inputs_key(q, k, v) == f[:INPUT_FIELDS]
             and f.grad
             == (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             and (not self._tensors.has_tensors or self._tensors.state() == f.mask_state)
@@ -342,7 +350,7 @@ def prepare_call(
     need_lse: bool,
     scale: float,
     *,
-    fit: CallKey | None,
+    key: CallKey | None,
     kernel_ok: bool,
     grad: bool | None = None,
 ) -> Prepared:
@@ -354,7 +362,7 @@ def prepare_call(
     kernel = None
     if chosen is not None and kernel_ok:
         kernel = chosen.prepare(planned, need_lse=need_lse)
-    return Prepared(fit, call, chosen, asked=name, need_lse=need_lse, scale=scale, kernel=kernel)
+    return Prepared(key, call, chosen, asked=name, need_lse=need_lse, scale=scale, kernel=kernel)
 
 
 def _choose(call: AttentionCall, name: str, need_lse: bool) -> Backend | None:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from attnkit.call.habits import points_habits
-from attnkit.call.visibility import effective_visibility, hide_unseen
+from attnkit.call.visibility import effective_visibility, zero_unseen_by_visibility
 from attnkit.contracts import check_sinks, normalize_call, row_index
 from attnkit.masks import Mask
 from attnkit.reference import weights_and_lse
@@ -92,7 +92,9 @@ def _probs(
     )  # (B|1, H|1, R, S)
     bias = call.bias_rows(index)  # (B|1, H|1, R|1, S|1) or None
     q_rows = call.q[:, :, index]  # (B, H, R, D)
-    q_rows, k_seen, _, _ = hide_unseen(q_rows, call.k, call.k, effective_visibility(visible, bias))
+    q_rows, k_seen, _, _ = zero_unseen_by_visibility(
+        q_rows, call.k, call.k, effective_visibility(visible, bias)
+    )
     weights, lse = weights_and_lse(
         q_rows, k_seen, visible, bias, scale=call.scale, softcap=call.softcap
     )  # (B, H, R, S), (B, H, R)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from attnkit.call.cost import CostTable
-from attnkit.call.derived import Derived
+from attnkit.call.plan_values import PlanValues
 from attnkit.masks import Mask, structure
 
 __all__ = ["AttentionCall", "Dims"]
@@ -52,7 +52,7 @@ class AttentionCall:
     dims: Dims
     # what the call derives from its mask and sizes (seen rows, tile plan, ...): shared
     # by every run of one prepared call
-    derived: Derived = field(default_factory=Derived, compare=False)
+    plan_values: PlanValues = field(default_factory=PlanValues, compare=False)
     grad: bool | None = None  # planned as if autograd records (None: as it does now)
     # the cost table it is priced with: the runtime's when it was planned (None: a call
     # that is never priced)

@@ -5,11 +5,11 @@ query row that sees nothing, would still poison outputs and gradients through th
 matrix products. So every backend takes its inputs cleaned here: the rows nobody's
 keys reach and the keys nobody sees (`seen`) are found once per prepared call (from the
 mask's spans in O(B·(L + S)) where it has exact ones, else by evaluating it in row
-chunks: `masks.structure.seen`, or by a backend's cheaper way: tiled walks its plan's
-blocks), kept by the prepared call for its runs (`call.derived`), and zeroed
-(`zero_unseen`, `cleaned`). A float bias's `-inf` entries hide too
+chunks: `masks.structure.seen_rows_keys`, or by a backend's cheaper way: tiled walks its plan's
+blocks), kept by the prepared call for its runs (`call.plan_values`), and zeroed
+(`zero_unseen`, `zero_unseen_of_call`). A float bias's `-inf` entries hide too
 (`effective_visibility`); backends that build the dense mask anyway take rows and keys
-from it (`hide_unseen`).
+from it (`zero_unseen_by_visibility`).
 
 A key some rows see and others hide is another matter: zeroing it would change the rows
 that see it. A non-finite value there reaches exactly the rows that see the key: the
@@ -34,37 +34,39 @@ from attnkit.masks import Mask, structure
 
 __all__ = [
     "all_finite",
-    "cleaned",
     "effective_visibility",
-    "hide_unseen",
     "may_leak",
     "run_masking_values",
-    "seen",
+    "seen_rows_keys",
     "values_poison",
     "zero_unseen",
+    "zero_unseen_by_visibility",
+    "zero_unseen_of_call",
 ]
 
-Seen = tuple[Tensor, Tensor]  # (B, H|1, L) rows that see a key, (B, H|1, S) keys seen
+SeenRowsKeys = tuple[Tensor, Tensor]  # (B, H|1, L) rows that see a key, (B, H|1, S) keys seen
 
 
-def seen(call: AttentionCall, find: Callable[[], Seen] | None = None) -> Seen | None:
+def seen_rows_keys(
+    call: AttentionCall, find: Callable[[], SeenRowsKeys] | None = None
+) -> SeenRowsKeys | None:
     """Which query rows see some key, (B, H|1, L), and which keys some query row of
     their head sees, (B, H|1, S) (H only for a `head_dependent` mask), by the call's
     mask; None without a mask (every row sees every key).
 
-    Found once per prepared call (`call.derived`): by `find` where the backend has a
-    cheaper way, else `masks.structure.seen`.
+    Found once per prepared call (`call.plan_values`): by `find` where the backend has a
+    cheaper way, else `masks.structure.seen_rows_keys`.
     """
     mask, d = call.mask, call.dims
     if mask is None:
         return None
 
-    def computed() -> Seen:
+    def computed() -> SeenRowsKeys:
         if find is not None:
             return find()
-        return structure.seen(mask, d.B, d.H, d.L, d.S, call.q.device)
+        return structure.seen_rows_keys(mask, d.B, d.H, d.L, d.S, call.q.device)
 
-    return call.derived.get("seen", computed)
+    return call.plan_values.get("seen_rows_keys", computed)
 
 
 def zero_unseen(
@@ -88,7 +90,7 @@ def zero_unseen(
     return q, k, v
 
 
-def hide_unseen(
+def zero_unseen_by_visibility(
     q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """`zero_unseen` from a bool visibility tensor.
@@ -115,7 +117,7 @@ def effective_visibility(visible: Tensor | None, bias: Tensor | None) -> Tensor 
     return finite if visible is None else visible & finite
 
 
-def cleaned(
+def zero_unseen_of_call(
     call: AttentionCall, q: Tensor | None = None, k: Tensor | None = None, v: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The call's q, k, v (or these, cast for a kernel) with the rows that see nothing
@@ -128,9 +130,12 @@ def cleaned(
         visible = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)) > -torch.inf
         if call.mask is not None:
             visible = visible & call.mask.dense(d.B, d.H, d.L, d.S, q.device)
-        rows_keys: Seen | None = (visible.any(-1), visible.any(-2))  # (B|1, H|1, L|1), (.., S|1)
+        rows_keys: SeenRowsKeys | None = (
+            visible.any(-1),
+            visible.any(-2),
+        )  # (B|1, H|1, L|1), (.., S|1)
     else:
-        rows_keys = seen(call)
+        rows_keys = seen_rows_keys(call)
     return (q, k, v) if rows_keys is None else zero_unseen(q, k, v, *rows_keys)
 
 
@@ -146,7 +151,7 @@ def may_leak(call: AttentionCall) -> tuple[int, int] | None:
         return (0, 0)
     if mask is None or (d.L == 1 and not mask.head_dependent):
         return None
-    return call.derived.get("visibility.may_leak", lambda: _seen_by_all(mask, d.B, d.L, d.S))
+    return call.plan_values.get("visibility.may_leak", lambda: _seen_by_all(mask, d.B, d.L, d.S))
 
 
 def _seen_by_all(mask: Mask, B: int, L: int, S: int) -> tuple[int, int] | None:

@@ -36,7 +36,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from attnkit.call.documents import placed_alike
+from attnkit.call.documents import aligned_copy
 from attnkit.call.functional import attention_with_lse
 from attnkit.masks import Mask, causal, row_spans, sliding_window
 from attnkit.masks.biases import alibi_at
@@ -97,7 +97,7 @@ def attend_packed(
     keys, values = (_cut(t, first_k, stored, lk) for t in (key, value))
     outs, lses = [], []
     for n, (q, k, v) in enumerate(zip(torch.split(query, lq), keys, values, strict=True)):
-        q, k, v = (placed_alike(t.transpose(0, 1)[None]) for t in (q, k, v))  # (1, H|Hkv, L|S, D)
+        q, k, v = (aligned_copy(t.transpose(0, 1)[None]) for t in (q, k, v))  # (1, H|Hkv, L|S, D)
         out, lse = attention_with_lse(
             q,
             k,

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from attnkit._compat import AuxRequest, broadcast_shapes
 from attnkit.call.functional import attention_with_lse
-from attnkit.call.route import attend
+from attnkit.call.paths import run_attention
 from attnkit.dropins.flash_cache import check_block_table, decode_pages
 from attnkit.dropins.packed import KeySpans, attend_packed, window_mask, window_spans
 from attnkit.masks import causal, row_spans
@@ -104,7 +104,7 @@ def sdpa(
     mask = _TOP_LEFT if is_causal else given
     if isinstance(mask, Tensor):
         mask = _batched_mask(mask, lead)
-    out, _ = attend(
+    out, _ = run_attention(
         q,
         k,
         v,

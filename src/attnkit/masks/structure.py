@@ -35,7 +35,7 @@ __all__ = [
     "key_paddings",
     "packed_documents",
     "parts",
-    "seen",
+    "seen_rows_keys",
     "trailing_window",
     "value_key",
 ]
@@ -73,7 +73,7 @@ def key_bounds(
     return tile_bounds(mask.key_spans(B, L, S, first.device), L, S, first, last)
 
 
-def seen(
+def seen_rows_keys(
     mask: Mask, B: int, H: int, L: int, S: int, device: torch.device | str | None = None
 ) -> tuple[Tensor, Tensor]:
     """Which query rows see some key, (B, H|1, L), and which keys some query row of

@@ -33,7 +33,7 @@ def window(
     """`mask` over the global (H, L, S), restricted to `rows`, `cols` and `heads` ranges.
 
     A window is a value: the same arguments (the same `mask` object) give an equal
-    window, whose prepared call `attention()` finds again (`permask.PerMask`).
+    window, whose prepared call `attention()` finds again (`by_mask.ByMask`).
     """
     return _Window(mask, H, L, S, rows, cols, (0, H) if heads is None else heads)
 

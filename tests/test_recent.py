@@ -1,14 +1,14 @@
-"""The one eviction rule of attnkit's caches (`attnkit.call.bounded`)."""
+"""The one eviction rule of attnkit's caches (`attnkit.call.recent`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from attnkit.call.bounded import Bounded
+from attnkit.call.recent import Recent
 
 
 def test_the_least_recently_used_entry_goes_first_and_a_lookup_is_a_use():
-    cache: Bounded[str, int] = Bounded(2)
+    cache: Recent[str, int] = Recent(2)
     cache.put("a", 1)
     cache.put("b", 2)
     assert cache.get("a") == 1  # "b" is now the least recently used
@@ -21,4 +21,4 @@ def test_the_least_recently_used_entry_goes_first_and_a_lookup_is_a_use():
 
 def test_a_cache_holds_at_least_one_entry():
     with pytest.raises(ValueError, match="at least one"):
-        Bounded(0)
+        Recent(0)

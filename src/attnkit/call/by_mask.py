@@ -12,7 +12,7 @@ may read data changed in place, so a `from_mod` mask built anew is planned anew.
 tensor given as the mask, or wrapped by `as_mask` (anew at every call), is found by
 that tensor object. What a holder keeps inside is keyed by
 the caller with the mask's state (the identity and version of its tensors), and bounded
-(`Bounded`); masks found by value are bounded too.
+(`Recent`); masks found by value are bounded too.
 
 A mask's value is its public attributes (`Mask._fields`); what a kind remembers about
 itself (the caller's tensor, a tensor mask's row intervals per version) is private and
@@ -32,12 +32,12 @@ from typing import Generic, TypeVar
 
 from torch import Tensor
 
-from attnkit.call.bounded import Bounded
+from attnkit.call.recent import Recent
 from attnkit.masks import Mask
 from attnkit.masks.base import given_tensor
 from attnkit.masks.structure import value_key
 
-__all__ = ["STRUCTURES_KEPT", "MaskTensors", "PerMask", "mask_state"]
+__all__ = ["STRUCTURES_KEPT", "ByMask", "MaskTensors", "mask_state"]
 
 MaskArg = Mask | Tensor | None
 
@@ -47,7 +47,7 @@ H = TypeVar("H")  # what a cache holds for one mask
 Refs = tuple[weakref.ref[object], ...]
 
 
-class PerMask(Generic[H]):
+class ByMask(Generic[H]):
     """One holder per mask (`make(mask)` builds it on first sight), and one for None."""
 
     def __init__(self, make: Callable[[Mask | Tensor | None], H]) -> None:
@@ -56,7 +56,7 @@ class PerMask(Generic[H]):
         # id(object) -> (a weak reference to it, its holder); the entry goes when it dies
         self._by_object: dict[int, tuple[weakref.ref[object], H]] = {}
         # value key -> (weak references to the objects it names, the holder)
-        self._by_value: Bounded[tuple[object, ...], tuple[Refs, H]] = Bounded(STRUCTURES_KEPT)
+        self._by_value: Recent[tuple[object, ...], tuple[Refs, H]] = Recent(STRUCTURES_KEPT)
 
     def of(self, mask: Mask | Tensor | None) -> H:
         """The holder of `mask`: the one of its object, its tensor or its value."""
@@ -141,7 +141,7 @@ class MaskTensors:
         tensors: tuple[Tensor, ...] = (given,) if given is not None else ()
         if given is None and isinstance(mask, Mask):
             tensors = mask.tensors()
-        self._tensors = tuple(map(weakref.ref, tensors)) if weak else tuple(map(_Kept, tensors))
+        self._tensors = tuple(map(weakref.ref, tensors)) if weak else tuple(map(_Strong, tensors))
         self.has_tensors = bool(tensors)  # a mask of numbers alone: its state is ()
 
     def state(self) -> tuple[object, ...]:
@@ -164,7 +164,7 @@ class MaskTensors:
         return tuple((t.data_ptr(), t._version, t.shape) for t in tensors if t is not None)
 
 
-class _Kept:
+class _Strong:
     """A tensor held strongly, read as a weak reference is (`kept()`)."""
 
     __slots__ = ("tensor",)

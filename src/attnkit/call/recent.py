@@ -14,13 +14,13 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
-__all__ = ["Bounded"]
+__all__ = ["Recent"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
-class Bounded(Generic[K, V]):
+class Recent(Generic[K, V]):
     """A mapping of at most `size` entries; `get` counts as a use."""
 
     def __init__(self, size: int) -> None:

@@ -1,9 +1,9 @@
 """What a prepared call derives from its arguments, found once and kept for its runs.
 
 A call's mask and sizes decide more than the backend: which rows and keys anybody sees,
-a tile plan, a block mask, SDPA's mask tensor. `Derived` holds those for one prepared
+a tile plan, a block mask, SDPA's mask tensor. `PlanValues` holds those for one prepared
 call (`attnkit.call.prepared.Prepared`), so a backend finds them where it found them the
-first time and keeps no cache of its own; a call that was not prepared gets a `Derived`
+first time and keeps no cache of its own; a call that was not prepared gets a `PlanValues`
 of its own, used once. Everything in it is for one device, one set of sizes and one
 state of the mask's tensors: the prepared call that owns it is keyed by all three.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["Derived"]
+__all__ = ["PlanValues"]
 
 T = TypeVar("T")
 
 
-class Derived:
+class PlanValues:
     """Values by name, each made by its first `get`."""
 
     def __init__(self) -> None:

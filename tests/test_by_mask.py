@@ -1,4 +1,4 @@
-"""Caches per mask (`attnkit.call.permask`): by value, by object, by the caller's tensor."""
+"""Caches per mask (`attnkit.call.by_mask`): by value, by object, by the caller's tensor."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit as ak
-from attnkit.call.permask import STRUCTURES_KEPT, PerMask
+from attnkit.call.by_mask import STRUCTURES_KEPT, ByMask
 from attnkit.masks.base import as_mask
 from attnkit.masks.spec import decode, encode
 from attnkit.masks.window import window
 from helpers import count_tile_plans
 
 
-def _cache() -> tuple[PerMask[list[object]], list[object]]:
+def _cache() -> tuple[ByMask[list[object]], list[object]]:
     made: list[object] = []
 
     def make(mask: object) -> list[object]:
         made.append(None if mask is None else type(mask))  # never the mask: it must die
         return []
 
-    return PerMask(make), made
+    return ByMask(make), made
 
 
 def test_masks_of_numbers_alone_share_the_holder_of_their_structure():

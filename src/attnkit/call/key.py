@@ -22,8 +22,8 @@ __all__ = [
     "STRIDES",
     "CallKey",
     "Options",
-    "fit",
-    "inputs_kind",
+    "call_key",
+    "inputs_key",
     "named_tuple",
 ]
 
@@ -66,7 +66,7 @@ class CallKey(NamedTuple):
     registry: tuple[int, int, int]  # the backends registered, their state, the cost table
 
 
-INPUT_FIELDS = 12  # the first fields: what `inputs_kind` gives of q, k, v themselves
+INPUT_FIELDS = 12  # the first fields: what `inputs_key` gives of q, k, v themselves
 # what each field holds, for the error that names what changed
 FIELD_NAMES = {
     **{f"{t}_shape": f"{t}'s shape" for t in "qkv"},
@@ -83,7 +83,7 @@ STRIDES = {"q_stride", "k_stride", "v_stride"}  # others: the same call without 
 LENGTHS = {"k_shape", "v_shape"}  # a decoding step's cache grows
 
 
-def fit(
+def call_key(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -132,7 +132,7 @@ def fit(
     )
 
 
-def inputs_kind(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
+def inputs_key(q: Tensor, k: Tensor, v: Tensor) -> tuple[object, ...]:
     """What a key holds of plain q, k, v themselves (its first `INPUT_FIELDS` fields):
     shapes, strides, dtypes, devices."""
     return (

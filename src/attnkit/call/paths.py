@@ -1,4 +1,4 @@
-"""The route of every eager call: packed documents one call each, a call inside
+"""The path of every eager call: packed documents one call each, a call inside
 `torch.compile` one custom op, any other the one cache of prepared calls (`dispatch`).
 """
 
@@ -15,12 +15,12 @@ from attnkit.contracts import normalize_call
 from attnkit.masks import Mask
 from attnkit.masks.convert import from_torch_mask
 
-__all__ = ["attend", "length"]
+__all__ = ["length", "run_attention"]
 
 MaskLike = Mask | Tensor | None
 
 
-def attend(
+def run_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -46,7 +46,7 @@ def attend(
         def one(
             q: Tensor, k: Tensor, v: Tensor, inner: Mask | None
         ) -> tuple[Tensor, Tensor | None]:
-            return attend(
+            return run_attention(
                 q,
                 k,
                 v,
