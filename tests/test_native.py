@@ -178,7 +178,7 @@ def test_a_row_group_never_leaks_a_key_one_of_its_rows_does_not_see(poison, G):
     bad_k[:, :, last], bad_v[:, :, last] = poison, poison
     keep = torch.ones(L, dtype=torch.bool)
     keep[last] = False
-    visible = ops.spans(lo, hi, 2, L, L)
+    visible = ops.row_intervals(lo, hi, 2, L, L)
     got = ops.span_forward(q, bad_k, bad_v, visible, 0.25)[0]
     want = ops.span_forward(q, k, v, visible, 0.25)[0]
     assert torch.isfinite(got[:, :, keep]).all()
@@ -234,7 +234,7 @@ def test_training_with_alibi_slopes_that_require_grad_runs_the_composed_backends
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("L", "S"), [(300, 300), (70, 300), (1, 257)])
 def test_alibi_runs_in_the_kernel(dtype, L, S):
-    """ALiBi with a window and causal (bottom-right when L != S), GQA, softcap: the
+    """AlibiTerms with a window and causal (bottom-right when L != S), GQA, softcap: the
     kernel adds -slope·|i' - j| itself, within the rule of the float64 reference."""
     g = torch.Generator().manual_seed(11)
     q = torch.randn(2, 8, L, 32, generator=g).to(dtype)
@@ -264,11 +264,11 @@ def test_a_bias_other_than_one_alibi_runs_on_the_composed_backends():
             _forward(q, k, v, mask)
     bad = {"slopes": torch.ones(1, 40, 3), "positions": torch.zeros(1, 40, dtype=torch.long)}
     with pytest.raises(ValueError, match="slopes must be float"):
-        ops.alibi(bad["slopes"], bad["positions"], 1, 40, 4, 40)
+        ops.alibi_terms(bad["slopes"], bad["positions"], 1, 40, 4, 40)
     with pytest.raises(ValueError, match="within 2"):
-        ops.alibi(torch.ones(1, 40, 4), bad["positions"] + 2**24, 1, 40, 4, 40)
+        ops.alibi_terms(torch.ones(1, 40, 4), bad["positions"] + 2**24, 1, 40, 4, 40)
     with pytest.raises(ValueError, match="finite"):
-        ops.alibi(torch.full((1, 40, 4), float("nan")), bad["positions"], 1, 40, 4, 40)
+        ops.alibi_terms(torch.full((1, 40, 4), float("nan")), bad["positions"], 1, 40, 4, 40)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -320,7 +320,7 @@ def test_opcheck_and_compile_fullgraph():
     def fn(q, k, v):
         return ops.span_forward(q, k, v, visible, 0.25)[0] * 2
 
-    visible = ops.spans(lo, hi, 2, 33, 50)
+    visible = ops.row_intervals(lo, hi, 2, 33, 50)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(q, k, v), fn(q, k, v))
@@ -354,14 +354,14 @@ def test_inputs_are_checked_before_cpp(change, match):
     }
     a = change(args)
     with pytest.raises(ValueError, match=match):
-        visible = ops.spans(a["lo"], a["hi"], 2, 9, 11)
+        visible = ops.row_intervals(a["lo"], a["hi"], 2, 9, 11)
         ops.span_forward(a["q"], a["k"], a["v"], visible, a["scale"], a["softcap"], a["tiles"])
 
 
 def test_spans_past_the_keys_are_clamped():
     q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
     lo, hi = torch.tensor([[-5, 0, 3, 9]]), torch.tensor([[2, 99, 3, 12]])
-    out, lse = ops.span_forward(q, k, v, ops.spans(lo, hi, 1, 4, 6), 0.5)
+    out, lse = ops.span_forward(q, k, v, ops.row_intervals(lo, hi, 1, 4, 6), 0.5)
     s = (q[0, 0] @ k[0, 0].T) * 0.5
     assert torch.allclose(out[0, 0, 0], torch.softmax(s[0, :2], 0) @ v[0, 0, :2], atol=1e-6)
     assert torch.allclose(out[0, 0, 1], torch.softmax(s[1], 0) @ v[0, 0], atol=1e-6)

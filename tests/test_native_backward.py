@@ -242,7 +242,7 @@ def test_opcheck_of_the_backward_op():
     hi = (lo + 10).clamp(max=50)
     for dtype in DTYPES:
         qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
-        out, lse = ops.span_forward(qd, kd, vd, ops.spans(lo, hi, 2, 33, 50), 0.25)
+        out, lse = ops.span_forward(qd, kd, vd, ops.row_intervals(lo, hi, 2, 33, 50), 0.25)
         dout = torch.randn_like(out)
         slopes, positions = torch.rand(2, 33, 4), torch.arange(33)[None].repeat(2, 1)
         for glse, spans, bias, softcap in (

@@ -82,7 +82,7 @@ def test_span_kernel_without_spans_sees_every_key(dtype):
     q = torch.randn(2, 6, 3, 24, generator=g).to(dtype)
     k, v = (torch.randn(2, 2, 77, 24, generator=g).to(dtype) for _ in range(2))
     lo = torch.zeros(2, 3, dtype=torch.long)
-    every = ops.spans(lo, lo + 77, 2, 3, 77)
+    every = ops.row_intervals(lo, lo + 77, 2, 3, 77)
     dense = ops.span_forward(q, k, v, None, 0.2)
     spanned = ops.span_forward(q, k, v, every, 0.2)
     assert torch.equal(dense[0], spanned[0]) and torch.equal(dense[1], spanned[1])

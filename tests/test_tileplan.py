@@ -30,9 +30,9 @@ def test_documents_plan_skips_pairs_across_documents():
 @pytest.mark.parametrize("height", [1, 7, 64, 150, 151])
 def test_bands_and_pieces_of_a_causal_run_hold_each_pair_once(height):
     """Bands: causal squares, then rectangles marked to merge; pieces also cut keys."""
-    from attnkit.backends.tileplan import Group
+    from attnkit.backends.tileplan import BlockGroup
 
-    run = Group(0, (10, 400), (10, 400), 150, 150, causal=True)
+    run = BlockGroup(0, (10, 400), (10, 400), 150, 150, causal=True)
     for parts in (list(run.bands(height)), list(run.pieces(height))):
         count = torch.zeros(2, 150, 150, dtype=torch.long)  # per block: (row, key) hits
         for part in parts:

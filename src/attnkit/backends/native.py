@@ -35,9 +35,9 @@ from attnkit.native.backward import span_backward
 from attnkit.native.loader import Kernels
 from attnkit.native.ops import (
     DTYPES,
-    ALiBi,
-    Spans,
-    alibi,
+    AlibiTerms,
+    RowIntervals,
+    alibi_terms,
     blocking,
     span_forward,
 )
@@ -53,10 +53,10 @@ SHARED_KEYS = 8192  # a float32 decoding step's B·G·bucket(S) from which the k
 @dataclass(frozen=True)
 class Rows:
     """What the kernel reads of a call's mask: each row's key interval (`visible`; None:
-    every key, a dense call) and the mask's ALiBi per row (None: no bias)."""
+    every key, a dense call) and the mask's ALiBi terms per row (None: no bias)."""
 
-    visible: Spans | None
-    bias: ALiBi | None = None
+    visible: RowIntervals | None
+    bias: AlibiTerms | None = None
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,11 @@ def _spans(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     return lo, hi
 
 
-def _alibi(call: AttentionCall) -> ALiBi | None:
+def _alibi(call: AttentionCall) -> AlibiTerms | None:
     """The mask's one ALiBi as the kernel's per-row terms, or None (another bias)."""
     d = call.dims
     terms = alibi_rows(call.mask, d.B, d.H, d.L, d.S) if call.mask is not None else None
-    return None if terms is None else alibi(*terms, d.B, d.L, d.H, d.S)
+    return None if terms is None else alibi_terms(*terms, d.B, d.L, d.H, d.S)
 
 
 def _hulls(lo: Tensor, hi: Tensor, R: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -247,7 +247,7 @@ class NativeBackend(Backend):
             bias = _alibi(call) if call.has_bias else None
             if intervals is None or (call.has_bias and bias is None):
                 return None
-            return Rows(Spans(*intervals, call.dims.S), bias)  # `_spans` clamps them
+            return Rows(RowIntervals(*intervals, call.dims.S), bias)  # `_spans` clamps them
 
         return call.plan_values.get("native.rows", make)
 

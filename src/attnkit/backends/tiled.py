@@ -27,7 +27,7 @@ from attnkit._compat import apply, cpu_flash_attention, cpu_flash_attention_back
 from attnkit.backends import tilecost
 from attnkit.backends.protocol import Backend, Block, Probe, Work
 from attnkit.backends.tilemask import Visibility
-from attnkit.backends.tileplan import BAND_MIN, GRANULE, Group, TilePlan, best_plan
+from attnkit.backends.tileplan import BAND_MIN, GRANULE, BlockGroup, TilePlan, best_plan
 from attnkit.call.precision import HalfKernels, compute_dtype
 from attnkit.call.visibility import SeenRowsKeys, seen_rows_keys, zero_unseen
 from attnkit.contracts import AttentionCall, unit_last_stride
@@ -60,7 +60,7 @@ def _windows(x: Tensor, starts: tuple[int, ...], step: int | None, size: int) ->
     )
 
 
-def _block_rows(x: Tensor, g: Group, Hkv: int) -> Tensor:
+def _block_rows(x: Tensor, g: BlockGroup, Hkv: int) -> Tensor:
     """Batch row `x` (H, L, ...) -> (n, Hkv, G·R, ...): the G heads of a K/V head stacked."""
     if x.shape[0] == Hkv and (view := _windows(x, g.row0, g.row_step, g.rows)) is not None:
         return view
@@ -71,7 +71,7 @@ def _block_rows(x: Tensor, g: Group, Hkv: int) -> Tensor:
     return x.reshape(n, Hkv, -1, *x.shape[4:])
 
 
-def _write_rows(dst: Tensor, src: Tensor, g: Group, Hkv: int, *, add: bool = False) -> None:
+def _write_rows(dst: Tensor, src: Tensor, g: BlockGroup, Hkv: int, *, add: bool = False) -> None:
     """Write (or `add`) block rows `src` (n, Hkv, G·R, ...) into batch row `dst` (H, L, ...)."""
     if dst.shape[0] == Hkv and (view := _windows(dst, g.row0, g.row_step, g.rows)) is not None:
         view.add_(src) if add else view.copy_(src)  # blocks never share a row: no overlap
@@ -85,7 +85,7 @@ def _write_rows(dst: Tensor, src: Tensor, g: Group, Hkv: int, *, add: bool = Fal
     target.index_put_((rows[valid],), src.movedim(2, 0), accumulate=add)
 
 
-def _block_keys(x: Tensor, g: Group) -> Tensor:
+def _block_keys(x: Tensor, g: BlockGroup) -> Tensor:
     """Batch row `x` (Hkv, S, D) -> (n, Hkv, K, D) key windows, as a view when strided."""
     view = _windows(x, g.key0, g.key_step, g.keys)
     if view is not None:
@@ -94,7 +94,7 @@ def _block_keys(x: Tensor, g: Group) -> Tensor:
     return x[:, keys].view(x.shape[0], g.size, g.keys, -1).transpose(0, 1)
 
 
-def _chunk_blocks(g: Group, H: int, Hkv: int, D: int, bias: bool, budget: int) -> int:
+def _chunk_blocks(g: BlockGroup, H: int, Hkv: int, D: int, bias: bool, budget: int) -> int:
     """How many blocks of `g` one kernel call takes so its temporaries stay near `budget`
     bytes."""
     per_block = H * g.rows * (3 * D + 2) + (H if bias else H // Hkv) * g.rows * g.keys
@@ -104,8 +104,8 @@ def _chunk_blocks(g: Group, H: int, Hkv: int, D: int, bias: bool, budget: int) -
 
 
 def _calls(
-    group: Group, H: int, Hkv: int, D: int, bias: bool, budget: int
-) -> Iterator[tuple[Group, Callable[[Tensor], Tensor]]]:
+    group: BlockGroup, H: int, Hkv: int, D: int, bias: bool, budget: int
+) -> Iterator[tuple[BlockGroup, Callable[[Tensor], Tensor]]]:
     """Each kernel call of `group`: a chunk of its blocks, and the query heads it takes.
 
     `heads` maps a batch row (H, L, ...) to the heads of the call: all of them, or for a
@@ -141,7 +141,7 @@ def _band_rows(heads: int, Dv: int) -> int:
 
 
 def _merged(
-    out: Tensor, lse: Tensor, ob: Tensor, lb: Tensor, g: Group, Hkv: int
+    out: Tensor, lse: Tensor, ob: Tensor, lb: Tensor, g: BlockGroup, Hkv: int
 ) -> tuple[Tensor, Tensor]:
     """Block result (ob, lb) merged with the partial result in its rows of (out, lse):
     both weighted by their share of the summed exponentials (ob is overwritten)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnkit.backends.tileplan import Group, TilePlan
+from attnkit.backends.tileplan import BlockGroup, TilePlan
 from attnkit.masks import Mask
 from attnkit.masks.spans import exact_spans
 
@@ -39,9 +39,11 @@ class Visibility:
         else:
             self.predicate = mask.predicate(B, H, L, S, device)
         self.bias = None if mask is None else mask.bias(B, H, L, S, device)
-        self._masks: dict[tuple[Group, int, torch.dtype], Callable[[Group], Tensor | None]] = {}
+        self._masks: dict[
+            tuple[BlockGroup, int, torch.dtype], Callable[[BlockGroup], Tensor | None]
+        ] = {}
 
-    def _predicate_block(self, g: Group) -> Tensor:
+    def _predicate_block(self, g: BlockGroup) -> Tensor:
         """(n, R, K) visibility by the predicate."""
         L, dev = self.dims[2], self.device
         rows, keys = g.index("rows").to(dev), g.index("keys").to(dev)
@@ -52,7 +54,9 @@ class Visibility:
         # keys or rows): expand it, since masks and seen keys below need every pair
         return ((rows < L)[:, :, None] & visible).expand(g.size, g.rows, g.keys)
 
-    def masks(self, group: Group, G: int, dtype: torch.dtype) -> Callable[[Group], Tensor | None]:
+    def masks(
+        self, group: BlockGroup, G: int, dtype: torch.dtype
+    ) -> Callable[[BlockGroup], Tensor | None]:
         """The op's additive mask for each chunk of `group`, visibility plus any bias.
 
         None for causal runs: the op's `is_causal` is their mask (they carry no bias).
@@ -64,22 +68,22 @@ class Visibility:
         return self._masks[key]
 
     def _chunk_masks(
-        self, group: Group, G: int, dtype: torch.dtype
-    ) -> Callable[[Group], Tensor | None]:
+        self, group: BlockGroup, G: int, dtype: torch.dtype
+    ) -> Callable[[BlockGroup], Tensor | None]:
         if group.causal:
             return lambda g: None
         visibility = self._visibility(group, G, dtype)
         if self.bias is None:
             return visibility
 
-        def with_bias(g: Group) -> Tensor:
+        def with_bias(g: BlockGroup) -> Tensor:
             bias = self._bias_block(g, G).to(dtype)  # (n, Hkv, G·R, K)
             hidden = visibility(g)
             return bias if hidden is None else bias + hidden
 
         return with_bias
 
-    def _bias_block(self, g: Group, G: int) -> Tensor:
+    def _bias_block(self, g: BlockGroup, G: int) -> Tensor:
         """(n, Hkv, G·R, K) structured bias of the blocks, head h = kv·G + g as in GQA."""
         assert self.bias is not None
         _, H, L, _ = self.dims
@@ -91,8 +95,8 @@ class Visibility:
         return value.expand(n, H // G, G, R, K).reshape(n, H // G, G * R, K)
 
     def _visibility(
-        self, group: Group, G: int, dtype: torch.dtype
-    ) -> Callable[[Group], Tensor | None]:
+        self, group: BlockGroup, G: int, dtype: torch.dtype
+    ) -> Callable[[BlockGroup], Tensor | None]:
         """The op's additive visibility mask for each chunk of `group`: (n|1, 1, G·R, K).
 
         With spans the group is examined once: fully visible (no mask), one pattern shared
@@ -114,14 +118,16 @@ class Visibility:
             return lambda g: shared
         first = {r0: i for i, r0 in enumerate(group.row0)}
 
-        def chunk(g: Group) -> Tensor | None:
+        def chunk(g: BlockGroup) -> Tensor | None:
             i = first[g.row0[0]]
             part_lo, part_hi = lo[i : i + g.size, :, None], hi[i : i + g.size, :, None]
             return _additive((keys >= part_lo) & (keys < part_hi), G, dtype)
 
         return chunk
 
-    def find_seen(self, plan: TilePlan, chunk: Callable[[Group], int]) -> tuple[Tensor, Tensor]:
+    def find_seen(
+        self, plan: TilePlan, chunk: Callable[[BlockGroup], int]
+    ) -> tuple[Tensor, Tensor]:
         """(B, 1, L) rows that see some key and (B, 1, S) keys that some row sees, by the
         predicate on the plan's blocks alone (`chunk`: blocks per evaluation), for a mask
         without exact spans; `visibility.seen` keeps them."""

@@ -5,7 +5,7 @@ for every tile of query rows and every batch row, one span of keys `[lo, hi)` th
 holds all keys the tile may see; no L×S tensor is built. Spans are rounded to
 `GRANULE` keys, consecutive tiles with the same span merge into one block (up to
 `MAX_ROWS` rows and `MAX_PAIRS` pairs, which bound a block's mask), and blocks of one
-batch row and shape form a `Group`: one kernel call, or a few in chunks of bounded
+batch row and shape form a `BlockGroup`: one kernel call, or a few in chunks of bounded
 memory. The tile height is chosen per call by the cost model: short tiles waste fewer
 pairs, tall tiles use the kernel better.
 """
@@ -29,7 +29,7 @@ __all__ = [
     "BAND_MIN",
     "GRANULE",
     "TILES",
-    "Group",
+    "BlockGroup",
     "Segments",
     "TilePlan",
     "best_plan",
@@ -56,7 +56,7 @@ def uniform_step(starts: tuple[int, ...]) -> int | None:
 
 
 @dataclass(frozen=True)
-class Group:
+class BlockGroup:
     """`n` blocks of one batch row, each `rows` queries × `keys` keys."""
 
     batch: int
@@ -86,7 +86,7 @@ class Group:
         starts, size = (self.row0, self.rows) if which == "rows" else (self.key0, self.keys)
         return torch.tensor(starts)[:, None] + torch.arange(size)
 
-    def bands(self, height: int) -> Iterator[Group]:
+    def bands(self, height: int) -> Iterator[BlockGroup]:
         """The same pairs in bands of `height` to 2·`height` query rows (bounds a call's
         output and keeps its rows many enough for the op's coarse query split).
 
@@ -106,11 +106,11 @@ class Group:
             if not self.causal:
                 yield replace(self, row0=row0, rows=n)
                 continue
-            yield Group(self.batch, row0, tuple(k + a for k in self.key0), n, n, causal=True)
+            yield BlockGroup(self.batch, row0, tuple(k + a for k in self.key0), n, n, causal=True)
             if a > 0:
-                yield Group(self.batch, row0, self.key0, n, a, merge=True)
+                yield BlockGroup(self.batch, row0, self.key0, n, a, merge=True)
 
-    def pieces(self, width: int) -> Iterator[Group]:
+    def pieces(self, width: int) -> Iterator[BlockGroup]:
         """The same pairs in blocks of under 2·`width` rows and keys (for a backward pass,
         which takes the global log-sum-exp and so may cut a row's keys anywhere)."""
         for band in self.bands(width):
@@ -121,7 +121,7 @@ class Group:
                 key0 = tuple(k + j for k in band.key0)
                 yield replace(band, key0=key0, keys=min(width, band.keys - j), merge=False)
 
-    def chunks(self, blocks: int) -> Iterator[Group]:
+    def chunks(self, blocks: int) -> Iterator[BlockGroup]:
         """The same blocks, at most `blocks` at a time (bounds the memory of one call)."""
         for i in range(0, self.size, blocks):
             sl = slice(i, i + blocks)
@@ -130,7 +130,7 @@ class Group:
 
 @dataclass(frozen=True)
 class TilePlan:
-    groups: tuple[Group, ...]
+    groups: tuple[BlockGroup, ...]
     area: int  # query-key pairs computed per head, over the batch
     covered: int  # query rows (over the batch) that lie in some block
     tile: int  # query rows per tile
@@ -347,7 +347,7 @@ def _group(
             area += length * (length + 1) // 2 + length * offset
             covered += length
     groups = tuple(
-        Group(b, tuple(m[0] for m in group), tuple(m[1] for m in group), n, k, causal, merge)
+        BlockGroup(b, tuple(m[0] for m in group), tuple(m[1] for m in group), n, k, causal, merge)
         for (b, n, k, causal, merge), group in sorted(blocks.items(), key=_merging_last)
     )
     return TilePlan(groups=groups, area=area, covered=covered, tile=tile)

@@ -103,7 +103,7 @@ def _disagreement(report: list[tuple[tuple[str, str] | None, dict[str, str]]]) -
             parts = "; ".join(f"ranks {ranks}: {text}" for text, ranks in values.items())
             lines.append(f"{name} differs ({parts})")
     return RanksDisagreeError(
-        f"the {P} ranks of a context-parallel call must pass the same global problem, but "
+        f"the {P} ranks of a context-parallel call must pass the same global global_call, but "
         + "; and ".join(lines)
         + ". Pass every rank the same mask (over global positions), options and equally "
         "sized shards (akd.shard of the same full tensors)."

@@ -13,7 +13,7 @@ from attnkit.contracts import normalize_call
 from attnkit.distributed.agree import agree
 from attnkit.distributed.comm import Group, group_of
 from attnkit.distributed.layout import Layout
-from attnkit.distributed.pieces import Problem
+from attnkit.distributed.pieces import GlobalCall
 from attnkit.distributed.plan import ContextPlan, plan_context
 from attnkit.distributed.strategies import run_strategy
 from attnkit.errors import ShapeContractError
@@ -217,8 +217,8 @@ def attention_with_lse(
         >>> dist.destroy_process_group()
     """
     g = group_of(group)
-    problem, plan = agreed(q, k, v, mask, g, layout, strategy, scale, softcap)
-    return run_strategy(plan.strategy, problem, g, plan.needs, q, k, v)
+    global_call, plan = agreed(q, k, v, mask, g, layout, strategy, scale, softcap)
+    return run_strategy(plan.strategy, global_call, g, plan.needs, q, k, v)
 
 
 def agreed(
@@ -231,13 +231,13 @@ def agreed(
     strategy: str,
     scale: float | None,
     softcap: float | None,
-) -> tuple[Problem, ContextPlan]:
+) -> tuple[GlobalCall, ContextPlan]:
     """The problem and plan of a call once every rank has validated its own and all pass
     the same (`agree`: one small collective, before any traffic)."""
 
-    def validate() -> tuple[Problem, ContextPlan]:
-        problem = _problem(q, k, v, mask, g, layout, scale, softcap)
-        return problem, _plan(problem, g, strategy, q, k, v, detail=False)
+    def validate() -> tuple[GlobalCall, ContextPlan]:
+        global_call = _global_call(q, k, v, mask, g, layout, scale, softcap)
+        return global_call, _plan(global_call, g, strategy, q, k, v, detail=False)
 
     return agree(
         g,
@@ -300,11 +300,11 @@ def explain(
         >>> dist.destroy_process_group()
     """
     g = group_of(group)
-    return _plan(_problem(q, k, v, mask, g, layout, scale, softcap), g, strategy, q, k, v)
+    return _plan(_global_call(q, k, v, mask, g, layout, scale, softcap), g, strategy, q, k, v)
 
 
 def _plan(
-    problem: Problem,
+    global_call: GlobalCall,
     g: Group,
     strategy: str,
     q: Tensor,
@@ -313,13 +313,15 @@ def _plan(
     *,
     detail: bool = True,
 ) -> ContextPlan:
-    kv_bytes = k.numel() * k.element_size() * (problem.D + problem.Dv) // max(1, problem.D)
-    out_bytes = q.numel() // max(1, problem.D) * (problem.Dv * q.element_size() + 4)
+    kv_bytes = (
+        k.numel() * k.element_size() * (global_call.D + global_call.Dv) // max(1, global_call.D)
+    )
+    out_bytes = q.numel() // max(1, global_call.D) * (global_call.Dv * q.element_size() + 4)
     q_bytes = q.numel() * q.element_size()
-    return plan_context(problem, g.rank, strategy, kv_bytes, q_bytes, out_bytes, detail=detail)
+    return plan_context(global_call, g.rank, strategy, kv_bytes, q_bytes, out_bytes, detail=detail)
 
 
-def _problem(
+def _global_call(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -328,7 +330,7 @@ def _problem(
     layout: str,
     scale: float | None,
     softcap: float | None,
-) -> Problem:
+) -> GlobalCall:
     call = normalize_call(q, k, v, None, scale=scale, softcap=softcap)  # shapes, dtypes, GQA
     d = call.dims
     if d.S != d.L:
@@ -340,4 +342,4 @@ def _problem(
     the_mask = None if mask is None else as_mask(mask)
     if the_mask is not None:
         the_mask.check(d.B, d.H, lay.L, lay.L)
-    return Problem(the_mask, d.B, d.H, d.Hkv, d.D, d.Dv, lay, scale, softcap)
+    return GlobalCall(the_mask, d.B, d.H, d.Hkv, d.D, d.Dv, lay, scale, softcap)

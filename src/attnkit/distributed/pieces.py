@@ -1,10 +1,10 @@
 """One rank's queries against one rank's keys: the piece every strategy computes.
 
 A rank's rows are one or two chunks of the global sequence (`Layout`), so a piece is at
-most four rectangles of the global problem, each an ordinary `attnkit` call with the
+most four rectangles of the global global_call, each an ordinary `attnkit` call with the
 global mask seen through a `window`. A rectangle no query of which sees a key (from the
 mask's key spans) is skipped, and a pair of ranks with no such rectangle exchanges
-nothing. Partial results merge exactly through their log-sum-exp (`Accumulator`).
+nothing. Partial results merge exactly through their log-sum-exp (`RunningMerge`).
 
 A window keeps the global (H, L, S) with shifted indices and shifted, clipped spans, so
 `tiled` still skips, a rectangle that sees every key runs unmasked and one on a causal
@@ -32,12 +32,12 @@ from attnkit.masks.structure import key_bounds
 from attnkit.masks.window import window
 from attnkit.softmax import merge_partials
 
-__all__ = ["Accumulator", "Problem"]
+__all__ = ["GlobalCall", "RunningMerge"]
 
 
 @dataclass(frozen=True)
-class Problem:
-    """The global problem every rank shares: sizes, mask, layout and score options."""
+class GlobalCall:
+    """The global call every rank shares: sizes, mask, layout and score options."""
 
     mask: Mask | None
     B: int
@@ -95,7 +95,7 @@ class Problem:
         out (B, H, n, Dv) in the compute dtype and lse (B, H, n), `-inf` where unseen."""
         outs, lses = [], []
         for lq, _ in self.layout.local_chunks(r):  # each chunk of rows merges its rectangles
-            acc = Accumulator(q.shape[0], self.H, lq[1] - lq[0], self.Dv, q)
+            acc = RunningMerge(q.shape[0], self.H, lq[1] - lq[0], self.Dv, q)
             for (q0, q1), (k0, k1), part in self.rectangles(r, s):
                 if (q0, q1) == lq:
                     acc.add(
@@ -181,7 +181,7 @@ def _sees_some(mask: Mask, B: int, L: int, S: int) -> bool:
     return bool((hi > lo).any())
 
 
-class Accumulator:
+class RunningMerge:
     """Attention over disjoint key sets merged as they come: a running output and
     log-sum-exp in the compute dtype (float32 for half inputs), exact at every step."""
 

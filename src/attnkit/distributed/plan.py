@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attnkit.distributed.pieces import Problem
+from attnkit.distributed.pieces import GlobalCall
 from attnkit.distributed.strategies import STRATEGIES
 
 __all__ = ["ContextPlan", "plan_context"]
@@ -95,7 +95,7 @@ class ContextPlan:
 
 
 def plan_context(
-    problem: Problem,
+    global_call: GlobalCall,
     rank: int,
     strategy: str,
     kv_bytes: int,
@@ -109,8 +109,8 @@ def plan_context(
     out the work per shard (a pass over every row's key span: for `explain` only)."""
     if strategy not in (*STRATEGIES, "auto"):
         raise ValueError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}.")
-    P = problem.P
-    needs = problem.needs()
+    P = global_call.P
+    needs = global_call.needs()
 
     def ring_bytes(rank: int) -> int:
         return kv_bytes * sum(needs[d][rank] for d in range(P) if d != rank)
@@ -124,10 +124,10 @@ def plan_context(
     # rank's bytes, which every rank computes the same
     busiest = {**sent, "ring": max(ring_bytes(s) for s in range(P))}
     refused: dict[str, str] = {}
-    if problem.Hkv % P:
+    if global_call.Hkv % P:
         sent["ulysses"] = None
         refused["ulysses"] = (
-            f"shards heads: Hkv={problem.Hkv} K/V heads do not split over P={P} ranks "
+            f"shards heads: Hkv={global_call.Hkv} K/V heads do not split over P={P} ranks "
             "(use ring or allgather, or a group whose size divides Hkv)"
         )
     if strategy != "auto" and strategy in refused:
@@ -152,8 +152,8 @@ def plan_context(
                 if busiest[name] != busiest[chosen]
                 else f"sends as much as {chosen}, which comes first: ring, allgather, ulysses"
             )
-    pairs = [problem.pairs(rank, s) for s in range(P)] if detail else []
-    return ContextPlan(chosen, rank, P, problem.layout.name, sent, reasons, needs, pairs)
+    pairs = [global_call.pairs(rank, s) for s in range(P)] if detail else []
+    return ContextPlan(chosen, rank, P, global_call.layout.name, sent, reasons, needs, pairs)
 
 
 def _auto(busiest: dict[str, int | None], refused: dict[str, str]) -> str:

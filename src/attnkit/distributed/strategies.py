@@ -35,7 +35,7 @@ from torch import Tensor
 from attnkit._compat import apply
 from attnkit.call.functional import attention_with_lse
 from attnkit.distributed.comm import Group, all_to_all_heads
-from attnkit.distributed.pieces import Accumulator, Problem
+from attnkit.distributed.pieces import GlobalCall, RunningMerge
 from attnkit.distributed.transports import FORWARD, TRANSPORTS, Transport
 from attnkit.masks.window import window
 from attnkit.softmax import part_gradients
@@ -47,7 +47,7 @@ STRATEGIES = ("ring", "allgather", "ulysses")
 
 def run_strategy(
     strategy: str,
-    problem: Problem,
+    global_call: GlobalCall,
     group: Group,
     needs: list[list[bool]],
     q: Tensor,
@@ -55,11 +55,11 @@ def run_strategy(
     v: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, n, Dv) in q's dtype and lse (B, H, n) of this rank's queries;
-    `needs[r][s]`: rank r's queries see some of rank s's keys (`Problem.needs`)."""
+    `needs[r][s]`: rank r's queries see some of rank s's keys (`GlobalCall.needs`)."""
     if strategy == "ulysses":
-        return _ulysses(problem, group, q, k, v)
+        return _ulysses(global_call, group, q, k, v)
     transport = TRANSPORTS[strategy]
-    out, lse = apply(_KeysToQueries, q, k, v, problem, group, transport, needs)
+    out, lse = apply(_KeysToQueries, q, k, v, global_call, group, transport, needs)
     return out, lse
 
 
@@ -78,28 +78,28 @@ class _KeysToQueries(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        problem: Problem,
+        global_call: GlobalCall,
         group: Group,
         transport: Transport,
         needs: list[list[bool]],
     ) -> tuple[Tensor, Tensor]:
         r = group.rank
-        acc = Accumulator(q.shape[0], problem.H, q.shape[2], problem.Dv, q)
+        acc = RunningMerge(q.shape[0], global_call.H, q.shape[2], global_call.Dv, q)
         grad = any(ctx.needs_input_grad[:3])
-        fused = grad and problem.fused_backward(q)  # gradients from the global out, lse
+        fused = grad and global_call.fused_backward(q)  # gradients from the global out, lse
         kept: dict[int, _Piece | tuple[Tensor, Tensor]] = {}
         for s, k_s, v_s in transport.fetch(group, needs, k, v, FORWARD):
             keep = grad and transport.keeps(s, r)
             if keep and not fused:
-                kept[s] = piece = _Piece(problem, r, s, q, k_s, v_s)
+                kept[s] = piece = _Piece(global_call, r, s, q, k_s, v_s)
                 acc.add(piece.out.detach(), piece.lse.detach())
                 continue
             if keep:
                 kept[s] = (k_s, v_s)  # the shard alone: no graph, no piece recomputed
-            acc.add(*problem.piece(r, s, q, k_s, v_s))
+            acc.add(*global_call.piece(r, s, q, k_s, v_s))
         ctx.save_for_backward(q, k, v, acc.out, acc.lse)
-        ctx.problem, ctx.group, ctx.transport, ctx.needs, ctx.kept = (
-            problem,
+        ctx.global_call, ctx.group, ctx.transport, ctx.needs, ctx.kept = (
+            global_call,
             group,
             transport,
             needs,
@@ -111,9 +111,9 @@ class _KeysToQueries(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        problem, group, needs, kept = ctx.problem, ctx.group, ctx.needs, ctx.kept
+        global_call, group, needs, kept = ctx.global_call, ctx.group, ctx.needs, ctx.kept
         ctx.kept = None  # the graphs are used once
-        r, D = group.rank, problem.D
+        r, D = group.rank, global_call.D
         dout = dout.to(out.dtype)
         lse_grad = None if dlse is None else dlse.to(lse.dtype)
         dq = q.new_zeros(q.shape, dtype=out.dtype)  # (B, H, n, D), compute dtype
@@ -126,9 +126,9 @@ class _KeysToQueries(torch.autograd.Function):
             nonlocal dq
             grads = None
             if ctx.fused and not isinstance(shard, _Piece):
-                grads = problem.piece_grads(r, s, q, *shard, out, lse, dout, lse_grad)
+                grads = global_call.piece_grads(r, s, q, *shard, out, lse, dout, lse_grad)
             if grads is None:
-                piece = shard if isinstance(shard, _Piece) else _Piece(problem, r, s, q, *shard)
+                piece = shard if isinstance(shard, _Piece) else _Piece(global_call, r, s, q, *shard)
                 zeros = torch.zeros_like(lse) if lse_grad is None else lse_grad
                 grads = piece.grads(out, lse, dout, zeros)
             dq = dq + grads[0]
@@ -146,10 +146,12 @@ class _KeysToQueries(torch.autograd.Function):
 class _Piece:
     """One piece computed with its autograd graph, on leaves of its own."""
 
-    def __init__(self, problem: Problem, r: int, s: int, q: Tensor, k: Tensor, v: Tensor) -> None:
+    def __init__(
+        self, global_call: GlobalCall, r: int, s: int, q: Tensor, k: Tensor, v: Tensor
+    ) -> None:
         with torch.enable_grad():
             self.leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-            self.out, self.lse = problem.piece(r, s, *self.leaves)  # (B, H, n, Dv), (B, H, n)
+            self.out, self.lse = global_call.piece(r, s, *self.leaves)  # (B, H, n, Dv), (B, H, n)
 
     def grads(
         self, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor
@@ -170,20 +172,28 @@ class _Piece:
 
 
 def _ulysses(
-    problem: Problem, group: Group, q: Tensor, k: Tensor, v: Tensor
+    global_call: GlobalCall, group: Group, q: Tensor, k: Tensor, v: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Sequence shards -> head shards (all-to-all), whole-sequence attention, and back."""
-    P, r, L = group.size, group.rank, problem.L
-    order = problem.layout.order().to(q.device)  # global position of each gathered row
+    P, r, L = group.size, group.rank, global_call.L
+    order = global_call.layout.order().to(q.device)  # global position of each gathered row
     inverse = torch.argsort(order)
     qh, kh, vh = (all_to_all_heads(t, group, to_heads=True)[:, :, inverse] for t in (q, k, v))
-    per = problem.H // P
-    mask = problem.mask
+    per = global_call.H // P
+    mask = global_call.mask
     if mask is not None:
         mask = window(
-            mask, H=problem.H, L=L, S=L, rows=(0, L), cols=(0, L), heads=(r * per, (r + 1) * per)
+            mask,
+            H=global_call.H,
+            L=L,
+            S=L,
+            rows=(0, L),
+            cols=(0, L),
+            heads=(r * per, (r + 1) * per),
         )
-    out, lse = attention_with_lse(qh, kh, vh, mask, scale=problem.scale, softcap=problem.softcap)
+    out, lse = attention_with_lse(
+        qh, kh, vh, mask, scale=global_call.scale, softcap=global_call.softcap
+    )
     out = all_to_all_heads(out[:, :, order], group, to_heads=False)  # (B, H, n, Dv)
     lse = all_to_all_heads(lse[:, :, order, None], group, to_heads=False)[..., 0]  # (B, H, n)
     return out, lse

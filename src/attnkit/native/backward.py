@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnkit.native.ops import ALiBi, Spans, _check, _unit_last
+from attnkit.native.ops import AlibiTerms, RowIntervals, _check, _unit_last
 
 __all__ = ["backward_blocking", "register_autograd", "span_backward"]
 
@@ -38,18 +38,18 @@ def span_backward(
     out: Tensor,
     dout: Tensor,
     lse: Tensor,
-    visible: Spans | None,
+    visible: RowIntervals | None,
     scale: float,
     glse: Tensor | None = None,
     softcap: float = 0.0,
-    bias: ALiBi | None = None,
+    bias: AlibiTerms | None = None,
     *,
     half: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (q's, k's, v's shapes, in q's dtype) of the span call whose output is
     `out` (B, H, L, Dv) and log-sum-exp `lse` (B, H, L) float32, given `dout` (out's
     shape) and `glse` (lse's, or None); `visible` None: every row saw every key; `softcap`
-    and `bias` (`ops.alibi`'s terms) as the forward had them; `half`: bfloat16 blocks
+    and `bias` (`ops.alibi_terms`) as the forward had them; `half`: bfloat16 blocks
     multiplied on the half units (`ops.span_forward`'s)."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
@@ -60,9 +60,13 @@ def span_backward(
         if t is not None and (t.shape != (B, H, L) or t.dtype != torch.float32):
             raise ValueError(f"{name} must be ({B}, {H}, {L}) float32 (got {tuple(t.shape)}).")
     if visible is not None and (visible.lo.shape != (B, L) or visible.S != k.shape[2]):
-        raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={k.shape[2]}).")
+        raise ValueError(
+            f"visible must be ops.row_intervals(lo, hi, B={B}, L={L}, S={k.shape[2]})."
+        )
     if bias is not None and (bias.slopes.shape != (B, L, H) or bias.positions.shape != (B, L)):
-        raise ValueError(f"bias must be ops.alibi(slopes, positions, B={B}, L={L}, H={H}, S).")
+        raise ValueError(
+            f"bias must be ops.alibi_terms(slopes, positions, B={B}, L={L}, H={H}, S)."
+        )
     rows, keys = backward_blocking(L, H // k.shape[1])
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
@@ -100,8 +104,8 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tens
 
 def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
     q, k, v, lo, hi, slopes, positions, out, lse = ctx.saved_tensors
-    visible = None if lo is None else Spans(lo, hi, k.shape[2])
-    bias = None if slopes is None else ALiBi(slopes, positions)
+    visible = None if lo is None else RowIntervals(lo, hi, k.shape[2])
+    bias = None if slopes is None else AlibiTerms(slopes, positions)
     grads = span_backward(
         q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias, half=ctx.half
     )

@@ -1,8 +1,8 @@
 """The native ops as Python calls: every input checked here before it reaches C++.
 
-`span_forward(q, k, v, spans(lo, hi, B, L, S), scale, softcap, tiles)` is
+`span_forward(q, k, v, row_intervals(lo, hi, B, L, S), scale, softcap, tiles)` is
 `torch.ops.attnkit_native.span_forward` (span_attention.cpp): attention where row i of
-batch row b sees keys `[lo[b, i], hi[b, i])` (checked once by `spans`, kept by a
+batch row b sees keys `[lo[b, i], hi[b, i])` (checked once by `row_intervals`, kept by a
 prepared call; `None` for every key), GQA by head groups, in tiles of `rows`
 query rows (of every head of a K/V head) and blocks of `keys` keys (`blocking` picks
 them), output in q's dtype and the log-sum-exp in float32 (0 and -inf on a row that sees
@@ -24,14 +24,14 @@ from torch import Tensor
 
 __all__ = [
     "DTYPES",
-    "ALiBi",
-    "Spans",
-    "alibi",
+    "AlibiTerms",
+    "RowIntervals",
+    "alibi_terms",
     "blocking",
     "paged_decode",
     "register_fakes",
+    "row_intervals",
     "span_forward",
-    "spans",
 ]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,17 +91,17 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float) -> Non
 
 
 @dataclass(frozen=True)
-class Spans:
+class RowIntervals:
     """Each query row's key interval, checked for the kernel: lo and hi (B, L) int64,
-    contiguous, within [0, S] (`spans` makes them; a prepared call keeps them)."""
+    contiguous, within [0, S] (`row_intervals` makes them; a prepared call keeps them)."""
 
     lo: Tensor
     hi: Tensor
     S: int
 
 
-def spans(lo: Tensor, hi: Tensor, B: int, L: int, S: int) -> Spans:
-    """(B|1, L) integer intervals [lo, hi) -> `Spans`, clamped to [0, S]."""
+def row_intervals(lo: Tensor, hi: Tensor, B: int, L: int, S: int) -> RowIntervals:
+    """(B|1, L) integer intervals [lo, hi) -> `RowIntervals`, clamped to [0, S]."""
     for name, t in (("lo", lo), ("hi", hi)):
         if t.dim() != 2 or t.shape[1] != L or t.shape[0] not in (1, B):
             raise ValueError(
@@ -110,13 +110,13 @@ def spans(lo: Tensor, hi: Tensor, B: int, L: int, S: int) -> Spans:
         if t.dtype.is_floating_point or t.dtype == torch.bool or t.device.type != "cpu":
             raise ValueError(f"{name} must be an integer CPU tensor (got {t.dtype} on {t.device}).")
     lo, hi = (t.to(torch.long).clamp(0, S).expand(B, L).contiguous() for t in (lo, hi))
-    return Spans(lo, hi, S)
+    return RowIntervals(lo, hi, S)
 
 
 @dataclass(frozen=True)
-class ALiBi:
+class AlibiTerms:
     """ALiBi's terms per query row, checked for the kernel: slopes (B, L, H) float32 and
-    aligned key positions (B, L) int64, contiguous (`alibi` makes them)."""
+    aligned key positions (B, L) int64, contiguous (`alibi_terms` makes them)."""
 
     slopes: Tensor
     positions: Tensor
@@ -125,8 +125,8 @@ class ALiBi:
 EXACT_DISTANCE = 2**24  # float32 holds every distance |position - j| below this exactly
 
 
-def alibi(slopes: Tensor, positions: Tensor, B: int, L: int, H: int, S: int) -> ALiBi:
-    """(B, L, H) slopes and (B, L) positions -> `ALiBi`: the kernel adds
+def alibi_terms(slopes: Tensor, positions: Tensor, B: int, L: int, H: int, S: int) -> AlibiTerms:
+    """(B, L, H) slopes and (B, L) positions -> `AlibiTerms`: the kernel adds
     `-slopes[b, i, h] · |positions[b, i] - j|` to row i's score of key j."""
     if slopes.shape != (B, L, H) or not slopes.dtype.is_floating_point:
         raise ValueError(f"ALiBi slopes must be float ({B}, {L}, {H}) (got {tuple(slopes.shape)}).")
@@ -142,18 +142,18 @@ def alibi(slopes: Tensor, positions: Tensor, B: int, L: int, H: int, S: int) -> 
     positions = positions.to(torch.long).contiguous()
     if positions.numel() and int(positions.abs().max()) + S >= EXACT_DISTANCE:
         raise ValueError(f"ALiBi positions and keys must lie within 2**24 (S={S}).")
-    return ALiBi(slopes, positions)
+    return AlibiTerms(slopes, positions)
 
 
 def span_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    visible: Spans | None,
+    visible: RowIntervals | None,
     scale: float,
     softcap: float = 0.0,
     tiles: tuple[int, int] | None = None,
-    bias: ALiBi | None = None,
+    bias: AlibiTerms | None = None,
     *,
     half: bool = False,
 ) -> tuple[Tensor, Tensor]:
@@ -161,21 +161,25 @@ def span_forward(
     library must be loaded: `attnkit.native.library()`); row i of batch row b sees
     keys [visible.lo[b, i], visible.hi[b, i]), every key where `visible` is None; softcap
     0 = none; `tiles` (rows, keys) as `blocking` picks them unless given; `bias` ALiBi's
-    terms (`alibi`) or None; `half`: bfloat16 blocks multiplied on the half units (where
+    terms (`alibi_terms`) or None; `half`: bfloat16 blocks multiplied on the half units (where
     built; float32 otherwise, and for other dtypes), as autograd's backward does too."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     if visible is not None and (
-        not isinstance(visible, Spans) or visible.lo.shape != (B, L) or visible.S != k.shape[2]
+        not isinstance(visible, RowIntervals)
+        or visible.lo.shape != (B, L)
+        or visible.S != k.shape[2]
     ):
         S = k.shape[2]
-        raise ValueError(f"visible must be ops.spans(lo, hi, B={B}, L={L}, S={S}) or None.")
+        raise ValueError(f"visible must be ops.row_intervals(lo, hi, B={B}, L={L}, S={S}) or None.")
     if bias is not None and (
-        not isinstance(bias, ALiBi)
+        not isinstance(bias, AlibiTerms)
         or bias.slopes.shape != (B, L, H)
         or bias.positions.shape != (B, L)
     ):
-        raise ValueError(f"bias must be ops.alibi(slopes, positions, B={B}, L={L}, H={H}, S).")
+        raise ValueError(
+            f"bias must be ops.alibi_terms(slopes, positions, B={B}, L={L}, H={H}, S)."
+        )
     rows, keys = tiles or blocking(L, H // k.shape[1])[:2]
     if not (0 < rows <= 4096 and 0 < keys <= 8192):
         raise ValueError(f"tiles must be 1..4096 rows and 1..8192 keys (got {rows}, {keys}).")
