@@ -51,10 +51,10 @@ from bench import (  # beside this file
 )
 
 import attnkit as ak
+from attnkit import runtime
 from attnkit._compat import cpu_kind
 from attnkit.learn.benchmark import round_robin
 from attnkit.native import unavailable
-from attnkit.native.ops import on_half_units
 
 H, D = 8, 64
 PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix")
@@ -195,7 +195,7 @@ def load_seconds(runs: int = 5) -> float:
 
 def half_units() -> bool:
     """Whether this process's kernels multiply bfloat16 on the CPU's half units."""
-    return on_half_units(torch.empty(0, dtype=torch.bfloat16), alibi=False)
+    return runtime.current().half.on_half_units(torch.empty(0, dtype=torch.bfloat16), alibi=False)
 
 
 def roofline_of(result: dict[str, object], dtype: str) -> float:
