@@ -18,13 +18,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#ifndef CPUBLAS_BRGEMM_F32F32F32
-// A PyTorch whose headers do not say they export float32 brgemm (before 2.9): the BLAS
-// PyTorch links (MKL or OpenBLAS), whose column-major sgemm_ computes Cᵀ = Bᵀ·Aᵀ.
+// The BLAS PyTorch links (MKL or OpenBLAS): a decoding step's few rows multiply through
+// it (PyTorch exports no float32 cpublas::gemm), and every product under a PyTorch whose
+// headers do not say they export float32 brgemm (before 2.9).
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
                        const int* k, const float* alpha, const float* a, const int* lda,
                        const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
-#endif
 
 namespace attnkit_native {
 
@@ -32,6 +31,18 @@ constexpr int64_t kKeyTile = 16;  // a product's keys are a multiple of this
 
 // n keys rounded up to whole tiles of kKeyTile.
 inline int64_t tile_keys(int64_t n) { return (n + kKeyTile - 1) / kKeyTile * kKeyTile; }
+
+// Row-major C (m × n) = A (m × k) · B (k × n), or · Bᵀ where `b_transposed` (B then
+// n × k), by the BLAS: column-major, as sgemm_ reads memory, Cᵀ = Bᵀ · Aᵀ (or B · Aᵀ),
+// each factor read where it lies; C += where `add`. m, n and k > 0.
+inline void blas_gemm(bool b_transposed, int64_t m, int64_t n, int64_t k, const float* a,
+                      int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, bool add) {
+  const char ta = 'N', tb = b_transposed ? 'T' : 'N';
+  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
+  const float one = 1.0f, beta = add ? 1.0f : 0.0f;
+  sgemm_(&tb, &ta, &M, &N, &K, &one, b, &la, a, &lb, &beta, c, &lc);
+}
 
 // Row-major C (m × n) = A (m × k) · B (k × n), or C += A · B where `add`; an empty k
 // gives C = 0 (or leaves C) without a kernel.
@@ -46,56 +57,31 @@ inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
 #ifdef CPUBLAS_BRGEMM_F32F32F32
   at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
 #else
-  const char t = 'N';
-  const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-  const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldc);
-  const float one = 1.0f, beta = add ? 1.0f : 0.0f;
-  sgemm_(&t, &t, &M, &N, &K, &one, b, &la, a, &lb, &beta, c, &lc);
+  blas_gemm(false, m, n, k, a, lda, b, ldb, c, ldc, add);
 #endif
 }
 
-// Fewer query rows than this (a decoding step's) multiply in place: packing K transposed
-// for brgemm would read and write the block once more than the product itself does.
-constexpr int64_t kFewRows = 4;
+// At most this many stacked query rows (a decoding step's: one query of a GQA group of
+// up to 8 heads) multiply K and V where they lie, through the BLAS: packing K transposed
+// for brgemm reads and writes the block once more than so few rows' product does (that,
+// or vector dot products per key, cost an AVX2 CPU's decoding step 20-35%).
+constexpr int64_t kFewRows = 8;
 
-// Row-major C (m × n) = A (m × k) · Bᵀ, B (n × k) read in place, m < kFewRows: each row
-// of B loaded once for every row of A (dot products over k in vectors).
+// Row-major C (m × n) = A (m × k) · Bᵀ, B (n × k) read in place (an empty k: C = 0).
 inline void gemm_nt_few(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                         const float* b, int64_t ldb, float* c, int64_t ldc) {
-  using V = at::vec::Vectorized<float>;
-  constexpr int64_t W = V::size();
-  for (int64_t j = 0; j < n; ++j) {
-    const float* bj = b + j * ldb;
-    V acc[kFewRows];
-    for (int64_t i = 0; i < m; ++i) acc[i] = V(0.0f);
-    for (int64_t d = 0; d < k; d += W) {
-      const int64_t count = std::min(W, k - d);
-      const V y = V::loadu(bj + d, count);
-      for (int64_t i = 0; i < m; ++i)
-        acc[i] = at::vec::fmadd(V::loadu(a + i * lda + d, count), y, acc[i]);
-    }
-    for (int64_t i = 0; i < m; ++i)
-      c[i * ldc + j] = at::vec::vec_reduce_all<float>([](V x, V y) { return x + y; }, acc[i]);
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {
+    for (int64_t r = 0; r < m; ++r) std::fill(c + r * ldc, c + r * ldc + n, 0.0f);
+    return;
   }
+  blas_gemm(true, m, n, k, a, lda, b, ldb, c, ldc, false);
 }
 
-// Row-major C (m × n) += A (m × k) · B (k × n), m < kFewRows: each row of B loaded once,
-// added to every row of C at its weight.
+// Row-major C (m × n) += A (m × k) · B (k × n), B read in place.
 inline void gemm_nn_add_few(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                             const float* b, int64_t ldb, float* c, int64_t ldc) {
-  using V = at::vec::Vectorized<float>;
-  constexpr int64_t W = V::size();
-  for (int64_t j = 0; j < k; ++j) {
-    const float* bj = b + j * ldb;
-    for (int64_t d = 0; d < n; d += W) {
-      const int64_t count = std::min(W, n - d);
-      const V y = V::loadu(bj + d, count);
-      for (int64_t i = 0; i < m; ++i) {
-        float* ci = c + i * ldc + d;
-        at::vec::fmadd(V(a[i * lda + j]), y, V::loadu(ci, count)).store(ci, count);
-      }
-    }
-  }
+  if (m > 0 && n > 0 && k > 0) blas_gemm(false, m, n, k, a, lda, b, ldb, c, ldc, true);
 }
 
 // kt (D × ldt) = the first n rows of k (n × D, row stride ldk), transposed, columns

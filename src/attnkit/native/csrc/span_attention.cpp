@@ -187,7 +187,7 @@ struct Kernel {
   void whole(const Item& it, Scratch& w, int64_t n, int64_t k0, const float* kb, int64_t ldk,
              const float* vb, int64_t ldv) const {
     const int64_t rows = z.G * it.rows, keys = tile_keys(n);
-    if (rows < kFewRows) {
+    if (rows <= kFewRows) {
       gemm_nt_few(rows, n, z.D, w.q.data(), z.D, kb, ldk, w.s.data(), z.SL);
       weigh(it, w, 0, rows, 0, n, k0, false);
       gemm_nn_add_few(rows, z.Dv, n, w.s.data(), z.SL, vb, ldv, w.o.data(), z.Dv);
