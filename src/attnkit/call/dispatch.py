@@ -2,7 +2,7 @@
 cache of prepared calls (`attnkit.runtime`: `Runtime.calls`).
 
 The first call of a kind is prepared (`prepared.prepare_call`: validated, planned, the
-backend's kernel made) and kept under its `prepared.key` key; a repeated call -- each
+backend's kernel made) and kept under its key (`prepared.key`); a repeated call -- each
 layer of a decoding step, each step of a loop of fixed sizes -- costs that key, one
 lookup and the kernel, and a prepared call is never served stale (the key holds the
 identity and version of the mask's tensors).

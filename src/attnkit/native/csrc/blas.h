@@ -63,8 +63,8 @@ inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
 
 // At most this many stacked query rows (a decoding step's: one query of a GQA group of
 // up to 8 heads) multiply K and V where they lie, through the BLAS: packing K transposed
-// for brgemm reads and writes the block once more than so few rows' product does (that,
-// or vector dot products per key, cost an AVX2 CPU's decoding step 20-35%).
+// for brgemm reads and writes the block once more than so few rows' product does, and
+// vector dot products per key are slower still (`benchmarks/native.py`'s decoding grid).
 constexpr int64_t kFewRows = 8;
 
 // Row-major C (m × n) = A (m × k) · Bᵀ, B (n × k) read in place (an empty k: C = 0).
