@@ -1,25 +1,26 @@
 """attnkit's native kernels side by side with their peers, in one run, per CPU kind.
 
 Forward passes (B = 1, or 4 for padding; H = 8, D = 64) of every mask pattern of
-`bench.py` in float32 and bfloat16 at each S: SDPA (`is_causal` where it applies, else
-the dense bool mask), FlexAttention compiled (compile time apart), the composed `tiled`
-backend, `native` and `auto`. For each it reports the median time (round-robin), and for
-native its time per visible pair against dense SDPA's per pair (`per pair`), its ratio
-to the best peer, and its share of the matrix-multiply roofline measured in the same
-run (useful work 4·pairs·D per head). Then forward+backward of the same patterns (the
-output's gradient all ones): SDPA, tiled, native and auto against dense SDPA's
-forward+backward per pair (useful work 3.5× the forward's, flash-attention's
-convention; FlexAttention has no backward on the CPU). Then the decoding grid (L = 1,
-H = 8, Hkv = 2, float32 and bfloat16; B × S, every sequence full or padded to lengths
-from S/2 to S; and Hkv = 8, float32, full): SDPA (a bool padding mask where padded)
-against attnkit's `auto` and `native`; and the time a fresh process takes to load the
-built kernels. Results go to
+`bench.py` in float32 and bfloat16 (and float16: `--dtypes`) at each S: SDPA
+(`is_causal` where it applies, else the dense bool mask), FlexAttention compiled
+(compile time apart), the composed `tiled` backend, `native` and `auto`. For each it
+reports the median time (round-robin), and for native its time per visible pair against
+dense SDPA's per pair (`per pair`), its ratio to the best peer, and its share of the
+matrix-multiply roofline measured in the same run (useful work 4·pairs·D per head). Then
+forward+backward of the same patterns (the output's gradient all ones): SDPA, tiled,
+native and auto against dense SDPA's forward+backward per pair (useful work 3.5× the
+forward's, flash-attention's convention; FlexAttention has no backward on the CPU). Then
+the decoding grid (L = 1, H = 8, Hkv = 2, float32 and bfloat16; B × S, every sequence
+full or padded to lengths from S/2 to S; and Hkv = 8, float32, full): SDPA (a bool
+padding mask where padded) against attnkit's `auto` and `native`; and the time a fresh
+process takes to load the built kernels. Results go to
 `results/native_<kind>.{md,json}`: one table per kind of CPU measured.
 
     python benchmarks/native.py                        # S = 1024 4096
     python benchmarks/native.py --sizes 1024 --no-flex --repeats 3   # a quick look
     python benchmarks/native.py --decode-only     # the decoding grid again, same table
     python benchmarks/native.py --train-only      # forward+backward again, same table
+    python benchmarks/native.py --forward-only --half amx --dtypes bfloat16 float16
     python benchmarks/native.py --sizes 16384 --patterns causal sliding documents \
         --no-decode --out results/s16384
 """
@@ -52,18 +53,20 @@ from bench import (  # beside this file
 
 import attnkit as ak
 from attnkit import runtime
-from attnkit._compat import cpu_kind
+from attnkit._compat import cpu_kind, half_matmul_is_fast
+from attnkit.call.precision import MODES
 from attnkit.learn.benchmark import round_robin
 from attnkit.native import unavailable
 
 H, D = 8, 64
+KINDS = {**DTYPES, "float16": torch.float16}  # float16 rows where asked (`--dtypes`)
 PATTERNS = ("none", "causal", "sliding", "documents", "padding", "prefix")
 DECODE_B = (1, 4, 8, 32)
 DECODE_S = (512, 2048, 8192)
 
 
 def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> dict[str, object]:
-    case = make_case(pattern, S, DTYPES[dtype])
+    case = make_case(pattern, S, KINDS[dtype])
     peers = Peers(case)
     q, k, v = inputs(case, grad=False)
     fns: dict[str, Callable[[], object]] = {}
@@ -106,7 +109,7 @@ def kernel_row(pattern: str, S: int, dtype: str, repeats: int, flex: bool) -> di
 
 def train_row(pattern: str, S: int, dtype: str, repeats: int) -> dict[str, object]:
     """Forward+backward of one pattern: SDPA, tiled, native, auto and dense SDPA."""
-    case = make_case(pattern, S, DTYPES[dtype])
+    case = make_case(pattern, S, KINDS[dtype])
     sdpa = Peers(case).call("sdpa", grad=True)
     assert not isinstance(sdpa, str)
     fns: dict[str, Callable[..., torch.Tensor]] = {"sdpa": sdpa}
@@ -149,8 +152,8 @@ def decode_row(
     dtype: str, padded: bool, B: int, S: int, Hkv: int, repeats: int
 ) -> dict[str, object]:
     g = torch.Generator().manual_seed(S + B)
-    q = torch.randn(B, H, 1, D, generator=g).to(DTYPES[dtype])
-    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(DTYPES[dtype]) for _ in range(2))
+    q = torch.randn(B, H, 1, D, generator=g).to(KINDS[dtype])
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(KINDS[dtype]) for _ in range(2))
     lengths = torch.randint(S // 2, S + 1, (B,), generator=g) if padded else None
     mask = ak.causal(align="bottom_right")
     attn_mask = None
@@ -194,8 +197,12 @@ def load_seconds(runs: int = 5) -> float:
 
 
 def half_units() -> bool:
-    """Whether this process's kernels multiply bfloat16 on the CPU's half units."""
-    return runtime.current().half.on_half_units(torch.empty(0, dtype=torch.bfloat16), alibi=False)
+    """Whether this process's kernels multiply bfloat16 on the CPU's half units: the CPU
+    has them, and the runtime's half kernels run bfloat16 natively."""
+    q = torch.empty(0, dtype=torch.bfloat16)
+    return half_matmul_is_fast(q.dtype, "cpu") and runtime.current().half.on_half_units(
+        q, alibi=False
+    )
 
 
 def roofline_of(result: dict[str, object], dtype: str) -> float:
@@ -212,7 +219,7 @@ def markdown(result: dict[str, object]) -> str:
         f"bf16 {result['roofline_bf16']:.0f} GFLOP/s (matrix products measured in the run; "
         "roofline = native's useful GFLOP/s over the one of the dtype it multiplies in: "
         f"{'bf16 for bfloat16' if result.get('half_units') else 'fp32 for every dtype'}"
-        "); the built kernels "
+        f"; half inputs in mode {result.get('half_mode', 'auto')!r}); the built kernels "
         f"load in {result['load_s'] * 1e3:.0f} ms in a fresh process.",
         "",
         "Forward, B = 1 (4 for padding), H = 8, D = 64: median ms; per pair = native's time "
@@ -283,7 +290,7 @@ def train_rows(args: argparse.Namespace) -> list[dict[str, object]]:
     """Forward+backward of every pattern, size and dtype asked for."""
     return [
         train_row(p, S, dtype, args.repeats)
-        for dtype in DTYPES
+        for dtype in args.dtypes
         for S in args.sizes
         for p in args.patterns
     ]
@@ -293,7 +300,7 @@ def kernel_rows(args: argparse.Namespace) -> list[dict[str, object]]:
     """The forward rows: every dtype, size and pattern asked."""
     return [
         kernel_row(p, S, dtype, args.repeats, not args.no_flex)
-        for dtype in DTYPES
+        for dtype in args.dtypes
         for S in args.sizes
         for p in args.patterns
     ]
@@ -308,6 +315,12 @@ def main() -> None:
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--no-train", action="store_true", help="skip forward+backward")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the tables go")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=list(DTYPES), choices=KINDS, help="forward and train rows"
+    )
+    parser.add_argument(
+        "--half", choices=MODES, help="what half inputs compute in (default: the runtime's)"
+    )
     parser.add_argument("--table", type=Path, help="only write the table of a kept JSON")
     parser.add_argument(
         "--decode-only", action="store_true", help="rerun the decoding grid of this kind's JSON"
@@ -324,6 +337,8 @@ def main() -> None:
     if (reason := unavailable()) is not None:
         sys.exit(f"the native kernels are unavailable: {reason}")
     peer_recompile_limit()
+    if args.half is not None:
+        runtime.current().half.use(args.half)
     kind = cpu_kind()
     kept = args.out / f"native_{kind}.json"
     if args.decode_only:
@@ -342,6 +357,7 @@ def main() -> None:
         "roofline_fp32": roofline_gflops(args.repeats),
         "roofline_bf16": roofline_gflops(args.repeats, torch.bfloat16),
         "half_units": half_units(),
+        "half_mode": runtime.current().half.mode,
         "load_s": load_seconds(),
         "kernels": kernels,
         "train": [] if args.no_train else train_rows(args),
@@ -360,6 +376,7 @@ def rerun(path: Path, part: str, rows: Callable[[], list[dict[str, object]]]) ->
     its table."""
     result = json.loads(path.read_text())
     result["half_units"] = half_units()  # the kernels the fresh rows ran
+    result["half_mode"] = runtime.current().half.mode
     fresh = {_cell(r): r for r in rows()}
     kept = [fresh.pop(_cell(r), r) for r in result.get(part, [])]
     result[part] = kept + list(fresh.values())

@@ -8,7 +8,9 @@ with a summary table per surface.
 
 Surfaces: `core` (`attention`, `attention_with_lse`, `attention_probs`, `explain` on every
 backend: tests/fuzz_check.py), `native` (the core cases on attnkit's own C++ kernels
-alone: a case they refuse counts as refused), `distributed` (`attnkit.distributed` in 2-4 gloo
+alone: a case they refuse counts as refused), `half` (the core cases in bfloat16 on
+those kernels with half computed natively: the half units' products, and AMX's tiles
+where the CPU has them), `distributed` (`attnkit.distributed` in 2-4 gloo
 processes: tests/fuzz_distributed.py), `paged` (`PagedKVCache` + `paged_attention`
 programs: tests/fuzz_paged.py), `transformers` (the mask bridge against transformers'
 own masks: tests/fuzz_transformers.py), `dropins` (`attnkit.sdpa` against torch's SDPA,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import sys
 import tempfile
 import time
@@ -34,10 +37,12 @@ import fuzz_distributed
 import fuzz_dropins
 import fuzz_paged
 import fuzz_transformers
+from attnkit import runtime
+from attnkit._compat import cpu_features
 from fuzz_cases import Draw, RandomDraw, draw_case
 from fuzz_check import Outcome, run_case
 
-SURFACES = ("core", "native", "distributed", "paged", "transformers", "dropins")
+SURFACES = ("core", "native", "half", "distributed", "paged", "transformers", "dropins")
 Results = Iterator[tuple[int, str, list[Outcome]]]
 
 
@@ -52,6 +57,27 @@ def _native(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
     for index in indices:
         case = draw_case(RandomDraw(seed, index), flex_percent=0)
         yield index, str(case), run_case(case, only=("native",))
+
+
+def _half(seed: int, indices: Iterable[int], flex_percent: int) -> Results:
+    """The core cases in bfloat16 on attnkit's own kernels, half computed natively: each
+    case in mode "native" (the half units' products where built) and, on a CPU with AMX,
+    "amx" (whole blocks on the tiles), counted as native/<mode>."""
+    modes = ("native", "amx") if cpu_features()["AMX"] else ("native",)
+    half = runtime.current().half
+    before = half.mode
+    try:
+        for index in indices:
+            case = draw_case(RandomDraw(seed, index), flex_percent=0)
+            case = dataclasses.replace(case, dtype=torch.bfloat16)
+            outcomes = []
+            for mode in modes:
+                half.use(mode)
+                for outcome in run_case(case, only=("native",)):
+                    outcomes.append(dataclasses.replace(outcome, backend=f"native/{mode}"))
+            yield index, str(case), outcomes
+    finally:
+        half.use(before)
 
 
 def _programs(name: str, program: Callable[[Draw], str]) -> Callable[..., Results]:
@@ -79,6 +105,7 @@ def _distributed(seed: int, indices: Iterable[int], flex_percent: int) -> Result
 RUNNERS: dict[str, Callable[..., Results]] = {
     "core": _core,
     "native": _native,
+    "half": _half,
     "distributed": _distributed,
     "paged": _programs("paged", fuzz_paged.program),
     "transformers": _programs("transformers", fuzz_transformers.check),

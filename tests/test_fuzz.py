@@ -17,6 +17,7 @@ import fuzz_distributed
 import fuzz_dropins
 import fuzz_paged
 import fuzz_transformers
+from attnkit import runtime
 from fuzz_cases import HypothesisDraw, RandomDraw, draw_case
 from fuzz_check import run_case
 
@@ -83,3 +84,14 @@ def test_campaign_prints_a_summary_table(capsys):
     assert "3/6 cases" in printed and "| backend | runs | ok | refused | wrong | crash |" in printed
     assert "| reference | 12 | 12 | 0 | 0 | 0 |" in printed and "no failures." in printed
     assert "fuzz paged: 4 cases" in printed and "| paged | 4 | 4 | 0 | 0 | 0 |" in printed
+
+
+def test_the_half_surface_runs_the_cases_in_bfloat16_in_each_half_mode(capsys):
+    """Each case in bfloat16 on the native kernel with half computed natively (and on
+    AMX's tiles where the CPU has them); the runtime's mode is left as it was."""
+    before = runtime.current().half.mode
+    assert fuzz.main(["--cases", "5", "--seed", "5", "--surface", "half"]) == 0
+    assert runtime.current().half.mode == before
+    printed = capsys.readouterr().out
+    assert "fuzz half: 5 cases" in printed and "| native/native |" in printed
+    assert "no failures." in printed

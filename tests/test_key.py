@@ -27,7 +27,7 @@ def test_a_key_holds_each_field_under_its_name():
         q_device=q.device,
         k_device=k.device,
         v_device=k.device,
-        half_dtype=None,
+        half_kernels=None,
         grad=False,
         options=options,
         mask_state=("state",),

@@ -313,9 +313,10 @@ def test_opcheck_and_compile_fullgraph():
     slopes, at = torch.rand(2, 33, 4), torch.arange(33)[None].expand(2, 33).contiguous() + 17
     for dtype in DTYPES:
         for bias in ((None, None), (slopes, at)):
-            for half in (False, True):  # the half units (bfloat16 where built), or float32
+            # float32; the half units (bfloat16 where built); AMX's tiles where the CPU has them
+            for units in ((False, False), (True, False), (True, True)):
                 args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, *bias, 0.25, 0.0, 16, 32)
-                torch.library.opcheck(torch.ops.attnkit_native.span_forward, (*args, half))
+                torch.library.opcheck(torch.ops.attnkit_native.span_forward, (*args, *units))
 
     def fn(q, k, v):
         return ops.span_forward(q, k, v, visible, 0.25)[0] * 2
@@ -412,7 +413,10 @@ def test_the_build_key_reads_every_source_and_header():
 def test_python_and_cpp_agree_on_the_block_sizes():
     """The sizes both sides name (ops.py for the cost model and blocking, the kernels'
     headers for their loops) are the same numbers."""
-    assert dict(torch.ops.attnkit_native.block_sizes()) == {"group_rows": ops.GROUP_ROWS}
+    assert dict(torch.ops.attnkit_native.block_sizes()) == {
+        "group_rows": ops.GROUP_ROWS,
+        "tile_rows": ops.TILE_ROWS,
+    }
 
 
 def test_a_bad_setting_is_refused(monkeypatch):

@@ -21,12 +21,13 @@ from helpers import assert_rule, half_kernels
 
 pytestmark = pytest.mark.skipif(build.setting() == "off", reason="ATTNKIT_NATIVE=off")
 
-MODES = ["native", "float32"]
 # built for a CPU with the units: `-march=native` defines __AVX512BF16__ and torch's
 # 16-lane vectors come with its AVX512 capability
 UNITS = _compat.half_matmul_is_fast(torch.bfloat16, "cpu") and (
     torch.backends.cpu.get_cpu_capability() == "AVX512"
 )
+TILES = UNITS and _compat.cpu_features()["AMX"]  # AMX: whole blocks on brgemm in "amx"
+MODES = ["native", "float32"] + (["amx"] if TILES else [])
 
 
 def _run(mode, q, k, v, mask, **kwargs):
@@ -109,9 +110,20 @@ def test_the_half_units_compute_where_kernel_dtype_says_half():
     the float32 path does not, so some output differs in its last bits."""
     q, k, v = _inputs(1, 4, 4, 200, 300, 64, 64, seed=1)
     mask = ak.causal(align="bottom_right")
-    native, float32 = (_run(mode, q, k, v, mask)[0] for mode in MODES)
+    native, float32 = (_run(mode, q, k, v, mask)[0] for mode in ("native", "float32"))
     assert not torch.equal(native, float32)
     assert _run("float32", q, k, v, mask, softcap=None)[0].equal(float32)  # repeatable
+
+
+@pytest.mark.parametrize("shape", ["MHA", "GQA-odd-D", "decode"])
+def test_the_amx_mode_multiplies_on_the_tiles_only_where_the_cpu_has_them(shape):
+    """Asked for AMX's tiles, a CPU without them runs the half units' own products (the
+    same bits as "native"); one with them runs whole blocks of 16 stacked rows or more on
+    brgemm, which sums in another order."""
+    B, H, Hkv, L, S, D, Dv = SHAPES[shape]
+    q, k, v = _inputs(B, H, Hkv, L, S, D, Dv, seed=3)
+    native, amx = (_run(mode, q, k, v, None)[0] for mode in ("native", "amx"))
+    assert torch.equal(native, amx) == (not TILES or H // Hkv * L < 16)
 
 
 @pytest.mark.parametrize("mode", MODES)

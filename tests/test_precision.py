@@ -41,9 +41,9 @@ def test_the_environment_sets_the_half_kernels_once_when_a_runtime_is_made(monke
     monkeypatch.setenv(OVERRIDE_ENV, "native")
     assert mine.half.mode == "float32"  # read once
     monkeypatch.setenv(OVERRIDE_ENV, "fp32")
-    with pytest.warns(UserWarning, match="auto, native, float32"):
+    with pytest.warns(UserWarning, match="auto, native, float32, amx"):
         assert HalfKernels.from_environment().mode == "auto"
-    with pytest.raises(ValueError, match="one of auto, native, float32"):
+    with pytest.raises(ValueError, match="one of auto, native, float32, amx"):
         mine.half.use("half")
 
 
@@ -61,6 +61,21 @@ def test_changing_the_half_kernels_plans_the_call_again(monkeypatch):
         mine.half.use("float32")
         ak.attention(q, q, q, backend="sdpa")
         assert len(plans) > planned  # another dtype inside: planned again
+        planned = len(plans)
+        mine.half.use("amx")
+        ak.attention(q, q, q, backend="sdpa")
+        assert len(plans) > planned  # AMX's tiles asked for: planned again
+
+
+def test_the_amx_mode_is_native_half_with_the_tiles_asked_for():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    amx, native = HalfKernels("amx"), HalfKernels("native")
+    assert amx.kernel_dtype(torch.bfloat16, CPU) == native.kernel_dtype(torch.bfloat16, CPU)
+    assert amx.plan_key(torch.bfloat16, CPU) == (torch.bfloat16, True)
+    assert native.plan_key(torch.bfloat16, CPU) == (torch.bfloat16, False)
+    assert amx.on_amx_tiles(q, alibi=False) and not native.on_amx_tiles(q, alibi=False)
+    assert not amx.on_amx_tiles(q, alibi=True)  # ALiBi keeps the call in float32
+    assert not amx.on_amx_tiles(q.half(), alibi=False)  # the tiles take bfloat16
 
 
 def test_repeat_kv_gradient_sums_the_group_in_float32():

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from attnkit._compat import cpu_features
 from attnkit.backends.protocol import Backend, Block, Kernel, PagedDecode, Probe, Work
 from attnkit.call import cost
 from attnkit.call.precision import HALF, HalfKernels
@@ -35,6 +36,7 @@ from attnkit.native.backward import span_backward
 from attnkit.native.loader import Kernels
 from attnkit.native.ops import (
     DTYPES,
+    TILE_ROWS,
     AlibiTerms,
     RowIntervals,
     alibi_terms,
@@ -147,13 +149,16 @@ class _DenseKernel:
     scale: float
     softcap: float
     half: bool  # bfloat16 blocks on the half units (as planned)
+    amx: bool  # whole blocks on AMX's tiles (as planned)
 
     @property
     def serves_any_length(self) -> bool:
         return True
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-        return span_forward(q, k, v, None, self.scale, self.softcap, half=self.half)[0]
+        return span_forward(q, k, v, None, self.scale, self.softcap, half=self.half, amx=self.amx)[
+            0
+        ]
 
 
 class NativeBackend(Backend):
@@ -308,7 +313,8 @@ class NativeBackend(Backend):
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""
         if need_lse or not call.is_dense or call.has_bias or self._rows(call) is None:
             return None
-        return _DenseKernel(call.scale, call.softcap or 0.0, self.half_units(call))
+        amx = self.half.on_amx_tiles(call.q, alibi=False)
+        return _DenseKernel(call.scale, call.softcap or 0.0, self.half_units(call), amx)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output, log-sum-exp and the spans, plus each thread's scratch (float32)."""
@@ -332,6 +338,7 @@ class NativeBackend(Backend):
             blocking(d.L, d.groups)[:2],
             rows.bias,
             half=self.half_units(call),
+            amx=self.half.on_amx_tiles(call.q, alibi=call.has_bias),
         )
         return out, lse if need_lse else None
 
@@ -386,11 +393,24 @@ class NativeBackend(Backend):
     def notes(self, call: AttentionCall) -> list[str]:
         tiles, d = self._tiles(call), call.dims
         share = tiles.pairs / max(d.L * d.S, 1) / d.B
-        return [
+        notes = [
             f"native: tiles of {tiles.rows} query rows × {d.groups} head(s), key blocks of"
             f" {tiles.keys}, cut blocks in groups of {tiles.group_rows} rows;"
             f" {share:.1%} of the L×S pairs computed"
         ]
+        return notes + ([f"native: {self._half_note(call)}"] if call.q.dtype in HALF else [])
+
+    def _half_note(self, call: AttentionCall) -> str:
+        """What the kernel multiplies a half call's blocks in."""
+        if not self.half_units(call):
+            return "half blocks converted to float32 (the runtime's half kernels, or a bias)"
+        if not self.half.on_amx_tiles(call.q, alibi=call.has_bias):
+            return "bfloat16 products on the half units where the build has them"
+        tiles = "" if cpu_features()["AMX"] else " (asked for; this CPU has none)"
+        return (
+            f"bfloat16 on the half units; blocks every row sees whole, of {TILE_ROWS} stacked"
+            f" rows or more, on AMX's tiles{tiles}"
+        )
 
     def work(self, call: AttentionCall) -> Work | None:
         if self._rows(call) is None:

@@ -59,7 +59,7 @@ class CallKey(NamedTuple):
     q_device: torch.device
     k_device: torch.device
     v_device: torch.device
-    half_dtype: torch.dtype | None  # what half inputs compute in (None: not half)
+    half_kernels: tuple[torch.dtype, bool] | None  # what half inputs compute in, AMX's tiles
     grad: bool  # autograd records
     options: Options
     mask_state: tuple[object, ...]  # its tensors' identity and version (`mask_state`)
@@ -73,7 +73,7 @@ FIELD_NAMES = {
     **{f"{t}_stride": f"{t}'s strides" for t in "qkv"},
     **{f"{t}_dtype": f"{t}'s dtype" for t in "qkv"},
     **{f"{t}_device": f"{t}'s device" for t in "qkv"},
-    "half_dtype": "the dtype half inputs compute in",
+    "half_kernels": "what half inputs compute in",
     "grad": "whether autograd records (grad mode, requires_grad)",
     "options": "the options (scale, softcap, dropout_p, backend, need_lse, check_bias)",
     "mask_state": "the mask's tensors (identity and version: changed in place?)",
@@ -123,7 +123,7 @@ def call_key(
             device,
             k.device,
             v.device,
-            rt.half.kernel_dtype(q.dtype, device) if q.dtype in HALF else None,
+            rt.half.plan_key(q.dtype, device) if q.dtype in HALF else None,
             grad,
             options,
             state,

@@ -11,9 +11,12 @@ then faster and also more precise.
 `HalfKernels.kernel_dtype` decides: half runs natively on GPUs and on CPUs with
 AVX512-BF16 or AMX (bfloat16) or AMX-FP16 (float16), probed once
 (`_compat.half_matmul_is_fast`). The runtime holds the process's `HalfKernels`
-(`runtime.current().half`), read from `ATTNKIT_HALF_KERNELS=native|float32` once when
+(`runtime.current().half`), read from `ATTNKIT_HALF_KERNELS=native|float32|amx` once when
 attnkit is imported: `native` or `float32` overrides the probe (`use` changes it in a
-running process), and the test matrix runs both paths on every machine.
+running process), and the test matrix runs both paths on every machine. `amx` is
+`native`, and the native kernel's bfloat16 blocks that every row sees whole multiply on
+AMX's tiles where the CPU has them (`cpublas::brgemm`); it is asked for, not probed,
+until the kernels' tables are measured on an AMX CPU.
 
 On the native half path GQA K/V are repeated by
 `heads.repeat_kv_exact_grad` (its backward sums the G heads in float32; float32 calls
@@ -41,8 +44,8 @@ from attnkit._compat import half_matmul_is_fast
 __all__ = ["HALF", "MODES", "OVERRIDE_ENV", "HalfKernels", "compute_dtype"]
 
 HALF = (torch.float16, torch.bfloat16)
-OVERRIDE_ENV = "ATTNKIT_HALF_KERNELS"  # "native" or "float32" overrides the hardware probe
-MODES = ("auto", "native", "float32")  # the probe; half always; float32 always
+OVERRIDE_ENV = "ATTNKIT_HALF_KERNELS"  # a mode other than "auto" overrides the hardware probe
+MODES = ("auto", "native", "float32", "amx")  # the probe; half; float32; half with AMX's tiles
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -56,7 +59,9 @@ class HalfKernels:
 
     Args:
         mode: `"auto"` (half natively where `half_matmul_is_fast`, else float32),
-            `"native"` (always half) or `"float32"` (always float32).
+            `"native"` (always half), `"float32"` (always float32) or `"amx"` (always
+            half, and the native kernel's whole bfloat16 blocks on AMX's tiles where the
+            CPU has them).
 
     Examples:
         >>> from attnkit.call.precision import HalfKernels
@@ -108,9 +113,14 @@ class HalfKernels:
             return dtype
         if bias or self.mode == "float32":
             return torch.float32
-        if self.mode == "native":
+        if self.mode in ("native", "amx"):
             return dtype
         return dtype if half_matmul_is_fast(dtype, device.type) else torch.float32
+
+    def plan_key(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, bool]:
+        """What a plan for half inputs of `dtype` depends on: the dtype they compute in,
+        and whether AMX's tiles are asked for (a prepared call's key holds it)."""
+        return self.kernel_dtype(dtype, device), self.mode == "amx"
 
     def on_half_units(self, q: Tensor, *, alibi: bool) -> bool:
         """Whether the native kernels multiply q's blocks on the CPU's bfloat16 units:
@@ -118,3 +128,9 @@ class HalfKernels:
         without the units converts to float32 whatever this says."""
         dtype = q.dtype
         return dtype == torch.bfloat16 and self.kernel_dtype(dtype, q.device, bias=alibi) in HALF
+
+    def on_amx_tiles(self, q: Tensor, *, alibi: bool) -> bool:
+        """Whether the native kernel is asked to multiply q's whole blocks on AMX's tiles:
+        the `"amx"` mode, on the half units; the kernel checks the CPU has the tiles
+        (elsewhere the half units' own products run)."""
+        return self.mode == "amx" and self.on_half_units(q, alibi=alibi)

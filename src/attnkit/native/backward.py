@@ -98,7 +98,7 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]
-    ctx.scale, ctx.softcap, ctx.half = scale, softcap, inputs[11]  # (then rows, keys, half)
+    ctx.scale, ctx.softcap, ctx.half = scale, softcap, inputs[11]  # (then rows, keys, half, amx)
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
 
@@ -109,7 +109,7 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
     grads = span_backward(
         q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias, half=ctx.half
     )
-    return *grads, None, None, None, None, None, None, None, None, None
+    return *grads, None, None, None, None, None, None, None, None, None, None
 
 
 def register_autograd() -> None:

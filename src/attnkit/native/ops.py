@@ -42,9 +42,11 @@ INT32 = 2**31 - 1
 # 4096 keys; GQA stacks its G heads' rows, so an item's rows are capped at STACKED_ROWS
 # (R from 16 to 128). A partly seen block runs in groups of GROUP_ROWS stacked rows, the
 # kernel's register tile (micro.h's kMicroRows; the op `block_sizes` says it, a test compares).
+# A block every row sees whole takes AMX's tiles (where asked) from TILE_ROWS stacked rows.
 STACKED_ROWS = 256
 KEY_BLOCK = 512
 GROUP_ROWS = 6
+TILE_ROWS = 16
 
 
 def blocking(L: int, groups: int) -> tuple[int, int, int]:
@@ -156,13 +158,16 @@ def span_forward(
     bias: AlibiTerms | None = None,
     *,
     half: bool = False,
+    amx: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """out (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of the span call (the
     library must be loaded: `attnkit.native.library()`); row i of batch row b sees
     keys [visible.lo[b, i], visible.hi[b, i]), every key where `visible` is None; softcap
     0 = none; `tiles` (rows, keys) as `blocking` picks them unless given; `bias` ALiBi's
     terms (`alibi_terms`) or None; `half`: bfloat16 blocks multiplied on the half units (where
-    built; float32 otherwise, and for other dtypes), as autograd's backward does too."""
+    built; float32 otherwise, and for other dtypes), as autograd's backward does too; `amx`
+    (with `half`): blocks every row sees whole, for at least `TILE_ROWS` stacked rows, on
+    AMX's tiles where the CPU has them (the forward only)."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     if visible is not None and (
@@ -188,7 +193,19 @@ def span_forward(
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
     half = half and q.dtype == torch.bfloat16
     out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
-        q, k, v, lo, hi, slopes, positions, float(scale), float(softcap), rows, keys, half
+        q,
+        k,
+        v,
+        lo,
+        hi,
+        slopes,
+        positions,
+        float(scale),
+        float(softcap),
+        rows,
+        keys,
+        half,
+        half and amx,
     )
     return out
 
@@ -307,6 +324,7 @@ def _span_forward_fake(
     rows: int,
     keys: int,
     half: bool = False,
+    amx: bool = False,
 ) -> tuple[Tensor, Tensor]:
     B, H, L, _ = q.shape
     out = q.new_empty(B, H, L, v.shape[3])

@@ -34,6 +34,10 @@ namespace attnkit_native {
 
 using Pair = uint32_t;
 
+// The fewest stacked rows a block every row sees whole takes to AMX's tiles (brgemm):
+// a tile holds 16 rows, and fewer stay on the pair dots.
+constexpr int64_t kTileRows = 16;
+
 inline int64_t pair_count(int64_t n) { return (n + 1) / 2; }
 
 #ifdef ATTNKIT_PAIR_DOTS

@@ -28,6 +28,13 @@
 // rows hold a non-finite value takes an exact per-row loop instead, which touches only
 // the keys each row sees.
 //
+// bfloat16 on the half units (half.h): K and V packed as pairs once per block, products
+// in bfloat16 with float32 sums. Where the caller asks (`amx`) and the CPU has AMX
+// (`cpublas::could_pack`), a block every row sees whole, for at least kTileRows stacked
+// rows, multiplies on AMX's tiles through PyTorch's cpublas::brgemm: its pair layout
+// ([K/2][N][2], "VNNI") is exactly half.h's packed keys (Kᵀ: D/2 × keys) and values
+// (keys/2 × Dv), and a row of weights as pairs is a row of bfloat16 weights.
+//
 // Work items run on the threads from a list sorted longest first (queue.h): a causal
 // mask's late tiles cost more.
 
@@ -59,6 +66,18 @@ struct Item {
   int64_t b, hkv, r0, rows, kmin, kmax;
 };
 
+// brgemm's AMX state on a thread that used it, released when the thread's work ends (as
+// PyTorch's own kernels release it).
+struct TileState {
+  bool used = false;
+  TileState() = default;
+  TileState(const TileState&) = delete;
+  TileState& operator=(const TileState&) = delete;
+  ~TileState() {
+    if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  }
+};
+
 // A thread's scratch: scaled queries, a block's scores, K and V as float, K transposed,
 // a last block's V rows padded with zeros, the running output, max and sum of every
 // stacked row; on the half units (half.h) the queries, K
@@ -67,6 +86,7 @@ struct Scratch {
   Buffer q, s, k, v, kt, vt, o, m, l;
   BufferOf<Pair> qp, kp, vp;
   BufferOf<Pair> ph;
+  TileState tiles;
   Scratch(const Sizes& z, bool convert, bool pairs)  // convert: K and V need a float32 copy
       : q(pairs ? 0 : z.G * z.R * z.D), s(z.G * z.R * z.SL), k(convert ? z.KB * z.D : 0),
         v(convert ? z.KB * z.Dv : 0), kt(pairs ? 0 : z.D * z.SL),
@@ -82,6 +102,7 @@ struct Kernel {
   static constexpr bool kHalfUnits = kPairDots && std::is_same_v<T, at::BFloat16>;
   const Sizes z;
   bool pairs;
+  bool amx;  // whole blocks of at least kTileRows stacked rows on AMX's tiles (brgemm)
   const T *q, *k, *v;
   const int64_t *lo, *hi;       // (B, L) contiguous, or null: every row sees every key
   int64_t qs[4], ks[4], vs[4];  // strides (elements); the last is 1
@@ -249,6 +270,33 @@ struct Kernel {
   }
 
 #ifdef ATTNKIT_PAIR_DOTS
+  // A block every row sees whole, on AMX's tiles: S = Q·Kᵀ and O += P·V for all M stacked
+  // rows, each one cpublas::brgemm call over the pairs (half.h's layouts are brgemm's),
+  // the keys rounded up to whole vectors of pairs (zero keys past n score 0; their
+  // weights are set to 0). V rows holding a non-finite value go to `on_pairs`, whose
+  // groups sum each row's own keys.
+  void whole_on_tiles(const Item& it, Scratch& w, int64_t n, int64_t k0, const T* kb,
+                      const T* vb) const {
+    const int64_t M = z.G * it.rows, K2 = 2 * pair_count(z.D), ldv = vs[2];
+    if (!all_finite_half(vb, n, z.Dv, ldv)) return on_pairs(it, w, n, k0, kb, vb, true);
+    const int64_t keys = round_up(n, 2 * kLanes), ldp = pair_count(z.SL), pe = n + n % 2;
+    pack_key_pairs(kb, n, z.D, ks[2], w.kp.data(), keys);
+    pack_value_pairs(vb, n, z.Dv, ldv, w.vp.data());
+    const auto* qh = reinterpret_cast<const at::BFloat16*>(w.qp.data());  // (M, K2)
+    const auto* kh = reinterpret_cast<const at::BFloat16*>(w.kp.data());  // (K2/2, keys, 2)
+    w.tiles.used = true;
+    at::native::cpublas::brgemm(M, keys, K2, K2, keys, z.SL, false, qh, kh, w.s.data(), true);
+    weigh(it, w, 0, M, 0, n, k0, false);
+    for (int64_t r = 0; r < M; ++r) {
+      float* p = w.s.data() + r * z.SL;
+      if (pe > n) p[n] = 0.0f;  // the zero key that completes the last pair
+      weights_pairs(p, 0, pe, w.ph.data() + r * ldp);
+    }
+    const auto* ph = reinterpret_cast<const at::BFloat16*>(w.ph.data());  // (M, 2·ldp)
+    const auto* vh = reinterpret_cast<const at::BFloat16*>(w.vp.data());  // (pe/2, Dv, 2)
+    at::native::cpublas::brgemm(M, z.Dv, pe, 2 * ldp, z.Dv, z.Dv, true, ph, vh, w.o.data(), true);
+  }
+
   // A key block on the half units: K and V packed as pairs once (half.h), then groups of
   // MR stacked rows, each over the hull of its rows' intervals in the block (all of it
   // where every row sees it whole: `full`), P rounded to bfloat16 for P·V. As in `cut`, a
@@ -299,7 +347,9 @@ struct Kernel {
     if (!any) return;
 #ifdef ATTNKIT_PAIR_DOTS
     if constexpr (kHalfUnits) {
-      if (pairs) return on_pairs(it, w, n, k0, kh + k0 * ks[2], vh + k0 * vs[2], full);
+      const T *kb = kh + k0 * ks[2], *vb = vh + k0 * vs[2];
+      if (amx && full && z.G * it.rows >= kTileRows) return whole_on_tiles(it, w, n, k0, kb, vb);
+      if (pairs) return on_pairs(it, w, n, k0, kb, vb, full);
     }
 #endif
     int64_t ldk = 0, ldv = 0;
@@ -359,13 +409,14 @@ template <typename T>
 void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
              const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-             double scale, double softcap, int64_t rows, int64_t keys, bool half, at::Tensor& out,
-             at::Tensor& lse) {
+             double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx,
+             at::Tensor& out, at::Tensor& lse) {
   const int64_t H = q.size(1), Hkv = k.size(1);
   const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
   const bool pairs = Kernel<T>::kHalfUnits && half;
   Kernel<T> kern{z,
                  pairs,
+                 pairs && amx && at::native::cpublas::could_pack(at::kBFloat16),
                  q.data_ptr<T>(),
                  k.data_ptr<T>(),
                  v.data_ptr<T>(),
@@ -398,7 +449,7 @@ std::tuple<at::Tensor, at::Tensor> span_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
     const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-    double scale, double softcap, int64_t rows, int64_t keys, bool half) {
+    double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -433,18 +484,19 @@ std::tuple<at::Tensor, at::Tensor> span_forward(
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_forward", [&] {
-    forward<scalar_t>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, out,
-                      lse);
+    forward<scalar_t>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, amx,
+                      out, lse);
   });
   return {out, lse};
 }
 
 // The block sizes Python's cost model and blocking must agree with (attnkit.native.ops
 // names them too; a test compares the two): the stacked rows of a partly seen block's
-// group, micro.h's register tile.
+// group, micro.h's register tile; the fewest stacked rows a whole block takes to AMX.
 c10::Dict<std::string, int64_t> block_sizes() {
   c10::Dict<std::string, int64_t> sizes;
   sizes.insert("group_rows", kMicroRows);
+  sizes.insert("tile_rows", kTileRows);
   return sizes;
 }
 
@@ -455,8 +507,8 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def("block_sizes() -> Dict(str, int)");
   m.def(
       "span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
-      "Tensor? positions, float scale, float softcap, int rows, int keys, bool half=False) "
-      "-> (Tensor, Tensor)");
+      "Tensor? positions, float scale, float softcap, int rows, int keys, bool half=False, "
+      "bool amx=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {
