@@ -251,8 +251,9 @@ def test_opcheck_of_the_backward_op():
             (None, (lo, hi), (slopes, positions), 3.0),
         ):
             args = (qd, kd, vd, out, dout, lse, glse, *spans, *bias, 0.25, softcap, 16, 32)
-            for half in (False, True):  # the half units (bfloat16 where built), or float32
-                torch.library.opcheck(torch.ops.attnkit_native.span_backward, (*args, half))
+            # float32; the half units (bfloat16 where built); AMX's tiles where the CPU has them
+            for units in ((False, False), (True, False), (True, True)):
+                torch.library.opcheck(torch.ops.attnkit_native.span_backward, (*args, *units))
         grads = span_backward(qd, kd, vd, out, dout, lse, None, 0.25)
         assert [t.shape for t in grads] == [qd.shape, kd.shape, vd.shape]
 

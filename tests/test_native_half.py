@@ -124,6 +124,15 @@ def test_the_amx_mode_multiplies_on_the_tiles_only_where_the_cpu_has_them(shape)
     q, k, v = _inputs(B, H, Hkv, L, S, D, Dv, seed=3)
     native, amx = (_run(mode, q, k, v, None)[0] for mode in ("native", "amx"))
     assert torch.equal(native, amx) == (not TILES or H // Hkv * L < 16)
+    grads = {}
+    for mode in ("native", "amx"):
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        with pytest.MonkeyPatch.context() as patch:
+            half_kernels(patch, mode)
+            ak.attention(*x, ak.causal(align="bottom_right"), backend="native").sum().backward()
+        grads[mode] = [t.grad for t in x]
+    same = all(torch.equal(a, b) for a, b in zip(grads["native"], grads["amx"], strict=True))
+    assert same == (not TILES or H // Hkv * L < 16)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -388,6 +388,7 @@ class NativeBackend(Backend):
             call.softcap or 0.0,
             rows.bias,
             half=self.half_units(call),
+            amx=self.half.on_amx_tiles(call.q, alibi=call.has_bias),
         )
 
     def notes(self, call: AttentionCall) -> list[str]:

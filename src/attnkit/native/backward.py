@@ -45,12 +45,14 @@ def span_backward(
     bias: AlibiTerms | None = None,
     *,
     half: bool = False,
+    amx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (q's, k's, v's shapes, in q's dtype) of the span call whose output is
     `out` (B, H, L, Dv) and log-sum-exp `lse` (B, H, L) float32, given `dout` (out's
     shape) and `glse` (lse's, or None); `visible` None: every row saw every key; `softcap`
     and `bias` (`ops.alibi_terms`) as the forward had them; `half`: bfloat16 blocks
-    multiplied on the half units (`ops.span_forward`'s)."""
+    multiplied on the half units (`ops.span_forward`'s); `amx` (with `half`): the products
+    of at least `ops.TILE_ROWS` stacked rows on AMX's tiles where the CPU has them."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     shape = (B, H, L, v.shape[3])
@@ -88,6 +90,7 @@ def span_backward(
         rows,
         keys,
         half,
+        half and amx,
     )
     return grads
 
@@ -98,7 +101,8 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]
-    ctx.scale, ctx.softcap, ctx.half = scale, softcap, inputs[11]  # (then rows, keys, half, amx)
+    ctx.scale, ctx.softcap = scale, softcap
+    ctx.half, ctx.amx = inputs[11], inputs[12]  # (after rows, keys)
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
 
@@ -107,7 +111,19 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
     visible = None if lo is None else RowIntervals(lo, hi, k.shape[2])
     bias = None if slopes is None else AlibiTerms(slopes, positions)
     grads = span_backward(
-        q, k, v, out, dout, lse, visible, ctx.scale, glse, ctx.softcap, bias, half=ctx.half
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        visible,
+        ctx.scale,
+        glse,
+        ctx.softcap,
+        bias,
+        half=ctx.half,
+        amx=ctx.amx,
     )
     return *grads, None, None, None, None, None, None, None, None, None, None
 

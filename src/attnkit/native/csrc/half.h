@@ -19,6 +19,8 @@
 // converted to float32.
 #pragma once
 
+#include <ATen/native/CPUBlas.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -34,9 +36,21 @@ namespace attnkit_native {
 
 using Pair = uint32_t;
 
-// The fewest stacked rows a block every row sees whole takes to AMX's tiles (brgemm):
-// a tile holds 16 rows, and fewer stay on the pair dots.
+// The fewest stacked rows whose products take AMX's tiles (brgemm) where asked: a tile
+// holds 16 rows, and fewer stay on the pair dots.
 constexpr int64_t kTileRows = 16;
+
+// brgemm's AMX state on a thread that used it, released when the thread's scratch goes
+// (as PyTorch's own kernels release it after their loops).
+struct TileState {
+  bool used = false;
+  TileState() = default;
+  TileState(const TileState&) = delete;
+  TileState& operator=(const TileState&) = delete;
+  ~TileState() {
+    if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  }
+};
 
 inline int64_t pair_count(int64_t n) { return (n + 1) / 2; }
 
@@ -258,6 +272,32 @@ inline void pair_gemm_add(int64_t m, int64_t n, int64_t k2, const Pair* a, int64
   for (int64_t r0 = 0; r0 < m; r0 += kMicroRows)
     by_rows<PairProducts>(std::min(kMicroRows, m - r0), a + r0 * ars, ars, aps, int64_t{0}, k2, b,
                           n, c + r0 * ldc, ldc);
+}
+
+// The same two products on AMX's tiles, through PyTorch's cpublas::brgemm: its bfloat16
+// "VNNI" layout of B (K × N as [K/2][N][2]) is exactly the packed pairs above (keys:
+// pairs along D × keys; values: pairs of keys × columns), and a row of pairs is a row
+// of bfloat16 values, so A needs no packing. Where the CPU has no tiles
+// (`cpublas::could_pack` false) brgemm refuses this layout: callers ask the CPU first.
+
+inline const at::BFloat16* halves(const Pair* p) {
+  return reinterpret_cast<const at::BFloat16*>(p);
+}
+
+// C (m × ldt) = A·Bᵀ as pair_gemm_nt, over all ldt packed keys of B (zero past its last).
+inline void tile_gemm_nt(int64_t m, int64_t k2, const Pair* ap, const Pair* bp, int64_t ldt,
+                         float* c, int64_t ldc, TileState& tiles) {
+  tiles.used = true;
+  at::native::cpublas::brgemm(m, ldt, 2 * k2, 2 * k2, ldt, ldc, false, halves(ap), halves(bp), c,
+                              /*is_vnni=*/true);
+}
+
+// C (m × n) += A·B over k2 pairs as pair_gemm_add, A's rows as pairs (row stride lda).
+inline void tile_gemm_add(int64_t m, int64_t n, int64_t k2, const Pair* a, int64_t lda,
+                          const Pair* b, float* c, int64_t ldc, TileState& tiles) {
+  tiles.used = true;
+  at::native::cpublas::brgemm(m, n, 2 * k2, 2 * lda, n, ldc, true, halves(a), halves(b), c,
+                              /*is_vnni=*/true);
 }
 
 #else

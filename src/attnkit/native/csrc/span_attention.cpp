@@ -31,9 +31,8 @@
 // bfloat16 on the half units (half.h): K and V packed as pairs once per block, products
 // in bfloat16 with float32 sums. Where the caller asks (`amx`) and the CPU has AMX
 // (`cpublas::could_pack`), a block every row sees whole, for at least kTileRows stacked
-// rows, multiplies on AMX's tiles through PyTorch's cpublas::brgemm: its pair layout
-// ([K/2][N][2], "VNNI") is exactly half.h's packed keys (Kᵀ: D/2 × keys) and values
-// (keys/2 × Dv), and a row of weights as pairs is a row of bfloat16 weights.
+// rows, multiplies on AMX's tiles through PyTorch's cpublas::brgemm (half.h: the pairs
+// are brgemm's layout).
 //
 // Work items run on the threads from a list sorted longest first (queue.h): a causal
 // mask's late tiles cost more.
@@ -64,18 +63,6 @@ struct Sizes {
 // whose intervals' hull is [kmin, kmax).
 struct Item {
   int64_t b, hkv, r0, rows, kmin, kmax;
-};
-
-// brgemm's AMX state on a thread that used it, released when the thread's work ends (as
-// PyTorch's own kernels release it).
-struct TileState {
-  bool used = false;
-  TileState() = default;
-  TileState(const TileState&) = delete;
-  TileState& operator=(const TileState&) = delete;
-  ~TileState() {
-    if (used) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
-  }
 };
 
 // A thread's scratch: scaled queries, a block's scores, K and V as float, K transposed,
@@ -271,30 +258,24 @@ struct Kernel {
 
 #ifdef ATTNKIT_PAIR_DOTS
   // A block every row sees whole, on AMX's tiles: S = Q·Kᵀ and O += P·V for all M stacked
-  // rows, each one cpublas::brgemm call over the pairs (half.h's layouts are brgemm's),
-  // the keys rounded up to whole vectors of pairs (zero keys past n score 0; their
-  // weights are set to 0). V rows holding a non-finite value go to `on_pairs`, whose
-  // groups sum each row's own keys.
+  // rows, each one brgemm call over the pairs (half.h), the keys rounded up to whole
+  // vectors of pairs (zero keys past n score 0; their weights are set to 0). V rows
+  // holding a non-finite value go to `on_pairs`, whose groups sum each row's own keys.
   void whole_on_tiles(const Item& it, Scratch& w, int64_t n, int64_t k0, const T* kb,
                       const T* vb) const {
-    const int64_t M = z.G * it.rows, K2 = 2 * pair_count(z.D), ldv = vs[2];
+    const int64_t M = z.G * it.rows, D2 = pair_count(z.D), ldv = vs[2];
     if (!all_finite_half(vb, n, z.Dv, ldv)) return on_pairs(it, w, n, k0, kb, vb, true);
     const int64_t keys = round_up(n, 2 * kLanes), ldp = pair_count(z.SL), pe = n + n % 2;
     pack_key_pairs(kb, n, z.D, ks[2], w.kp.data(), keys);
     pack_value_pairs(vb, n, z.Dv, ldv, w.vp.data());
-    const auto* qh = reinterpret_cast<const at::BFloat16*>(w.qp.data());  // (M, K2)
-    const auto* kh = reinterpret_cast<const at::BFloat16*>(w.kp.data());  // (K2/2, keys, 2)
-    w.tiles.used = true;
-    at::native::cpublas::brgemm(M, keys, K2, K2, keys, z.SL, false, qh, kh, w.s.data(), true);
+    tile_gemm_nt(M, D2, w.qp.data(), w.kp.data(), keys, w.s.data(), z.SL, w.tiles);
     weigh(it, w, 0, M, 0, n, k0, false);
     for (int64_t r = 0; r < M; ++r) {
       float* p = w.s.data() + r * z.SL;
       if (pe > n) p[n] = 0.0f;  // the zero key that completes the last pair
       weights_pairs(p, 0, pe, w.ph.data() + r * ldp);
     }
-    const auto* ph = reinterpret_cast<const at::BFloat16*>(w.ph.data());  // (M, 2·ldp)
-    const auto* vh = reinterpret_cast<const at::BFloat16*>(w.vp.data());  // (pe/2, Dv, 2)
-    at::native::cpublas::brgemm(M, z.Dv, pe, 2 * ldp, z.Dv, z.Dv, true, ph, vh, w.o.data(), true);
+    tile_gemm_add(M, z.Dv, pe / 2, w.ph.data(), ldp, w.vp.data(), w.o.data(), z.Dv, w.tiles);
   }
 
   // A key block on the half units: K and V packed as pairs once (half.h), then groups of

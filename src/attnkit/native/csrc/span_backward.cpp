@@ -85,6 +85,7 @@ struct Rows {
 struct Scratch {
   Buffer p, ds, cap, k, v, kt, vt, dq, dk, dv;
   BufferOf<Pair> kp, vp, kn, tp, rp, dsp;
+  TileState tiles;
   Scratch(const Sizes& z, bool pairs)
       : p(z.G * z.R * z.KW), ds(z.G * z.R * z.KW), cap(z.KB), k(pairs ? 0 : z.KB * z.D),
         v(pairs ? 0 : z.KB * z.Dv), kt(pairs ? 0 : z.D * z.KW), vt(pairs ? 0 : z.Dv * z.KW),
@@ -113,6 +114,7 @@ struct Backward {
   static constexpr bool kHalfUnits = kPairDots && std::is_same_v<T, at::BFloat16>;
   const Sizes z;
   bool pairs;
+  bool amx;  // S, dP and dQ of at least kTileRows stacked rows on AMX's tiles (brgemm)
   const T *q, *k, *v, *out, *dout;
   const float *lse, *glse;   // (B, H, L) contiguous; glse may be null
   const int64_t *lo, *hi;    // (B, L) contiguous, or null: every row sees every key
@@ -261,9 +263,14 @@ struct Backward {
 
   // S = Q·Kᵀ and dP = dO·Vᵀ of the tile's M stacked rows against the block's n keys, in
   // w.p and w.ds: float32 GEMMs over whole tiles of keys (blas.h; columns past n are
-  // never read), or the half units' tiles (S unscaled).
+  // never read), or the half units' tiles (S unscaled), or AMX's (all KW packed keys).
   void products(const View& x, Scratch& w, int64_t M, int64_t n) const {
 #ifdef ATTNKIT_PAIR_DOTS
+    if (amx && M >= kTileRows) {
+      tile_gemm_nt(M, pair_count(z.D), x.qp, w.kp.data(), z.KW, w.p.data(), z.KW, w.tiles);
+      tile_gemm_nt(M, pair_count(z.Dv), x.dop, w.vp.data(), z.KW, w.ds.data(), z.KW, w.tiles);
+      return;
+    }
     if (pairs) {
       pair_gemm_nt(M, n, pair_count(z.D), x.qp, w.kp.data(), z.KW, w.p.data(), z.KW);
       pair_gemm_nt(M, n, pair_count(z.Dv), x.dop, w.vp.data(), z.KW, w.ds.data(), z.KW);
@@ -392,7 +399,10 @@ struct Backward {
         if (n % 2) s[n] = 0.0f;  // the last key's missing partner
         weights_pairs(s, 0, pe, w.dsp.data() + r * ldp);
       }
-      pair_gemm_add(M, z.D, pe / 2, w.dsp.data(), ldp, 1, w.kn.data(), acc, z.D);
+      if (amx && M >= kTileRows)
+        tile_gemm_add(M, z.D, pe / 2, w.dsp.data(), ldp, w.kn.data(), acc, z.D, w.tiles);
+      else
+        pair_gemm_add(M, z.D, pe / 2, w.dsp.data(), ldp, 1, w.kn.data(), acc, z.D);
       return;
     }
 #endif
@@ -479,12 +489,14 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
               const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
               const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-              double scale, double softcap, int64_t rows, int64_t keys, bool half, at::Tensor& dq,
-              at::Tensor& dk, at::Tensor& dv) {
+              double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx,
+              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t H = q.size(1), Hkv = k.size(1);
   const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
+  const bool pairs = Backward<T>::kHalfUnits && half;
   Backward<T> kern{z,
-                   Backward<T>::kHalfUnits && half,
+                   pairs,
+                   pairs && amx && at::native::cpublas::could_pack(at::kBFloat16),
                    q.data_ptr<T>(),
                    k.data_ptr<T>(),
                    v.data_ptr<T>(),
@@ -551,7 +563,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
     const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
     const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-    double scale, double softcap, int64_t rows, int64_t keys, bool half) {
+    double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   for (const at::Tensor* t : {&q, &k, &v, &out, &dout}) {
     check(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
@@ -591,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_backward", [&] {
     backward<scalar_t>(q, k, v, out, dout, lse, glse, lo, hi, slopes, positions, scale, softcap,
-                       rows, keys, half, dq, dk, dv);
+                       rows, keys, half, amx, dq, dk, dv);
   });
   return {dq, dk, dv};
 }
@@ -603,7 +615,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
   m.def(
       "span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
       "Tensor? glse, Tensor? lo, Tensor? hi, Tensor? slopes, Tensor? positions, float scale, "
-      "float softcap, int rows, int keys, bool half=False) "
+      "float softcap, int rows, int keys, bool half=False, bool amx=False) "
       "-> (Tensor, Tensor, Tensor)");
 }
 
