@@ -115,6 +115,20 @@ inline void pack_value_pairs(const at::BFloat16* v, int64_t n, int64_t Dv, int64
   }
 }
 
+// yp[c · m2 + r2] = (y[2·r2, c], y[2·r2 + 1, c]) for the m rows of y (row stride ldy) and
+// `cols` columns, m2 = pair_count(m), a missing last row zero: pairs of consecutive rows,
+// one row of pairs per column (the rows' side of a product over rows on AMX's tiles).
+inline void transpose_row_pairs(const at::BFloat16* y, int64_t m, int64_t cols, int64_t ldy,
+                                Pair* yp) {
+  const int64_t m2 = pair_count(m);
+  for (int64_t r2 = 0; r2 < m2; ++r2) {
+    const at::BFloat16* first = y + 2 * r2 * ldy;
+    const at::BFloat16* second = 2 * r2 + 1 < m ? first + ldy : nullptr;
+    for (int64_t c = 0; c < cols; ++c)
+      yp[c * m2 + r2] = pair_of(first + c, second ? second + c : nullptr);
+  }
+}
+
 // Whether every value of a (rows, cols) bfloat16 slab is finite: an exponent of all ones
 // is an infinity or a NaN.
 inline bool all_finite_half(const at::BFloat16* x, int64_t rows, int64_t cols, int64_t ld) {

@@ -32,7 +32,7 @@
 // in bfloat16 with float32 sums. Where the caller asks (`amx`) and the CPU has AMX
 // (`cpublas::could_pack`), a block every row sees whole, for at least kTileRows stacked
 // rows, multiplies on AMX's tiles through PyTorch's cpublas::brgemm (half.h: the pairs
-// are brgemm's layout).
+// are brgemm's layout); the backward's five products likewise.
 //
 // Work items run on the threads from a list sorted longest first (queue.h): a causal
 // mask's late tiles cost more.

@@ -78,10 +78,10 @@ struct Rows {
 // A thread's scratch: a block's P and dS (stacked rows × KW), a row's softcap derivative
 // t', K and V as float (half dtypes) and transposed (kt, vt: D × KW, Dv × KW), and the
 // accumulated gradients (dk, dv: dKᵀ and dVᵀ, D × KW and Dv × KW; on the half units dK
-// and dV, KW × D and KW × Dv); on the half units
+// and dV, KW × D and KW × Dv, but dKᵀ and dVᵀ again on AMX's tiles); on the half units
 // the block's K and V as pairs along D (kp, vp: for S and dP) and K as pairs of keys (kn:
-// for dQ), two rows of P or dS interleaved (tp), two rows of dO or Q (rp), dS as pairs of
-// keys (dsp).
+// for dQ), two rows of P or dS interleaved (tp), two rows of dO or Q (rp; on AMX's tiles
+// transposed), dS as pairs of keys (dsp).
 struct Scratch {
   Buffer p, ds, cap, k, v, kt, vt, dq, dk, dv;
   BufferOf<Pair> kp, vp, kn, tp, rp, dsp;
@@ -114,7 +114,7 @@ struct Backward {
   static constexpr bool kHalfUnits = kPairDots && std::is_same_v<T, at::BFloat16>;
   const Sizes z;
   bool pairs;
-  bool amx;  // S, dP and dQ of at least kTileRows stacked rows on AMX's tiles (brgemm)
+  bool amx;  // the products of at least kTileRows stacked rows on AMX's tiles (brgemm)
   const T *q, *k, *v, *out, *dout;
   const float *lse, *glse;   // (B, H, L) contiguous; glse may be null
   const int64_t *lo, *hi;    // (B, L) contiguous, or null: every row sees every key
@@ -348,18 +348,31 @@ struct Backward {
   }
 
   // The strides (key, column) of a block's accumulated dK or dV of `width` columns: dKᵀ
-  // and dVᵀ (row stride KW) in float32, dK and dV on the half units.
+  // and dVᵀ (row stride KW) in float32 and on AMX's tiles, dK and dV on the half units.
   std::pair<int64_t, int64_t> acc_strides(int64_t width) const {
-    return pairs ? std::pair<int64_t, int64_t>{width, 1} : std::pair<int64_t, int64_t>{1, z.KW};
+    if (pairs && !amx) return {width, 1};
+    return {1, z.KW};
   }
 
   // acc += xᵀ·y over the M stacked rows: x a block's P or dS (M × n, row stride KW), y
   // the rows' dO or scaled Q; in float32 accᵀ (width × n, row stride KW) += yᵀ·x from
   // the tile's transposed rows (yt: width × M), on the half units acc (n × width) from
-  // the rows as they are (yh, then times a: the scale Q leaves out).
+  // the rows as they are (yh, then times a: the scale Q leaves out); with AMX's tiles
+  // accᵀ += yᵀ·(a·x), x's rows interleaved in pairs as brgemm reads B and yᵀ's rows as
+  // pairs of y's rows (on the tiles from kTileRows rows, else on the pair dots).
   void over_rows(Scratch& w, const float* x, float a, const float* yt, const at::BFloat16* yh,
                  int64_t M, int64_t n, int64_t width, float* acc) const {
 #ifdef ATTNKIT_PAIR_DOTS
+    if (amx) {
+      const int64_t M2 = pair_count(M);
+      interleave_rows(x, M, n, z.KW, a, w.tp.data());         // (M/2 × n) pairs of rows
+      transpose_row_pairs(yh, M, width, width, w.rp.data());  // (width × M/2)
+      if (M >= kTileRows)
+        tile_gemm_add(width, n, M2, w.rp.data(), M2, w.tp.data(), acc, z.KW, w.tiles);
+      else
+        pair_gemm_add(width, n, M2, w.rp.data(), M2, 1, w.tp.data(), acc, z.KW);
+      return;
+    }
     if (pairs) {
       interleave_rows(x, M, n, z.KW, a, w.tp.data());      // (M/2 × n) pairs of rows
       pack_value_pairs(yh, M, width, width, w.rp.data());  // (M/2 × width)
