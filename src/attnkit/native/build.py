@@ -43,7 +43,14 @@ __all__ = ["SANITIZE", "SOURCES", "Home", "build", "cache_dir", "flags", "home",
 
 SOURCES = ("csrc/span_attention.cpp", "csrc/span_backward.cpp", "csrc/paged_decode.cpp")
 # every header (a test checks the list)
-HEADERS = ("csrc/blas.h", "csrc/common.h", "csrc/half.h", "csrc/micro.h", "csrc/queue.h")
+HEADERS = (
+    "csrc/backward.h",
+    "csrc/blas.h",
+    "csrc/common.h",
+    "csrc/half.h",
+    "csrc/micro.h",
+    "csrc/queue.h",
+)
 NAME = "attnkit_native"
 MODES = ("on", "wait", "off", "sanitize")
 PROGRESS_EVERY = 10.0  # seconds between a blocking build's lines on stderr
