@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attnkit as ak
-from attnkit import _compat
+from attnkit import _compat, runtime
 from attnkit.native import build
 from helpers import assert_rule, half_kernels
 
@@ -243,3 +243,29 @@ def _grads(mode, q, k, v, dout, mask):
         half_kernels(patch, mode)
         ak.attention(q, k, v, mask, backend="native").backward(dout)
     return q.grad, k.grad, v.grad
+
+
+class _Probe:
+    """A calibration's probe whose calls take fixed times: a tiny call 10 units, the
+    window 100 in float32 and 55 in bfloat16."""
+
+    def inputs(self, L, H=8):
+        return tuple(torch.zeros(1, H, L, 64) for _ in range(3))
+
+    def attention(self, inputs, mask, backend, runs=3):
+        if inputs[0].shape[2] == 16:
+            return 10.0
+        return 55.0 if inputs[0].dtype == torch.bfloat16 else 100.0
+
+
+@pytest.mark.parametrize("mode", ["native", "float32"])
+def test_calibration_times_bfloat16_where_it_runs_on_the_half_units(monkeypatch, mode):
+    """`bf16` is the window's bfloat16 time over its float32 time, net of a call, where
+    bfloat16 runs on the half units; elsewhere the factor is never read, and not timed."""
+    half_kernels(monkeypatch, mode)
+    measured = runtime.current().backends.get("native").calibrate(_Probe())
+    assert measured["call"] == 10.0
+    if mode == "native":
+        assert measured["bf16"] == pytest.approx(45 / 90)
+    else:
+        assert "bf16" not in measured

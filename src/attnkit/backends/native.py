@@ -422,16 +422,22 @@ class NativeBackend(Backend):
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """`call` from a tiny causal call; `pair` and `piece` scaled together by a causal
-        256-key window on 4096 rows (net of the call); nothing where the kernels are not
-        built (the backend then serves no call: its built-in factors stand)."""
+        256-key window on 4096 rows (net of the call); `bf16` from the same window in
+        bfloat16 where it runs on the half units; nothing where the kernels are not built
+        (the backend then serves no call: its built-in factors stand)."""
         if self.kernels.unavailable() is not None:
             return {}
         measured = {"call": probe.attention(probe.inputs(16), causal(), self.name, runs=20)}
-        window = sliding_window(255) & causal()
-        _, predicted, spent = self.timed(probe, probe.inputs(4096), window)
+        window, inputs = sliding_window(255) & causal(), probe.inputs(4096)
+        _, predicted, spent = self.timed(probe, inputs, window)
         default = self.cost_factors.default
         predicted -= default["call"]
         spent -= measured["call"]
         for name in ("pair", "piece"):
             measured[name] = cost.rescaled(default[name], predicted, spent)
+        q, k, v = inputs
+        half = (q.bfloat16(), k.bfloat16(), v.bfloat16())
+        if spent > 0 and self.half.on_half_units(half[0], alibi=False):
+            in_half = probe.attention(half, window, self.name) - measured["call"]
+            measured |= {"bf16": in_half / spent} if in_half > 0 else {}
         return measured
