@@ -316,7 +316,10 @@ def test_opcheck_and_compile_fullgraph():
             # float32; the half units (bfloat16 where built); AMX's tiles where the CPU has them
             for units in ((False, False), (True, False), (True, True)):
                 args = (q.to(dtype), k.to(dtype), v.to(dtype), lo, hi, *bias, 0.25, 0.0, 16, 32)
-                torch.library.opcheck(torch.ops.attnkit_native.span_forward, (*args, *units))
+                for float_out in (False, True):  # the output in float32 (a half call's)
+                    torch.library.opcheck(
+                        torch.ops.attnkit_native.span_forward, (*args, *units, float_out)
+                    )
 
     def fn(q, k, v):
         return ops.span_forward(q, k, v, visible, 0.25)[0] * 2

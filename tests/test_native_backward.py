@@ -254,6 +254,8 @@ def test_opcheck_of_the_backward_op():
             # float32; the half units (bfloat16 where built); AMX's tiles where the CPU has them
             for units in ((False, False), (True, False), (True, True)):
                 torch.library.opcheck(torch.ops.attnkit_native.span_backward, (*args, *units))
+            kept = (qd, kd, vd, out.float(), *args[4:])  # the output in float32
+            torch.library.opcheck(torch.ops.attnkit_native.span_backward, kept)
         grads = span_backward(qd, kd, vd, out, dout, lse, None, 0.25)
         assert [t.shape for t in grads] == [qd.shape, kd.shape, vd.shape]
 
@@ -267,6 +269,33 @@ def test_half_gradients_take_delta_from_the_weights_not_the_rounded_output():
 
     outcomes = run_case(draw_case(RandomDraw(37, 1254), flex_percent=0), only=("native",))
     assert [o.status for o in outcomes] == ["ok", "ok"], outcomes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_call_that_records_keeps_its_output_in_float32_for_delta(dtype):
+    """Autograd recording, the forward keeps its float32 output (the backward takes
+    Δ = dO·O from it, with no pass over P·dP); the caller gets the same bits as without."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 70, 24, generator=g).to(dtype) for _ in range(3))
+    lo = torch.zeros(2, 70, dtype=torch.long)
+    hi = torch.arange(1, 71).expand(2, 70).contiguous()  # causal
+    visible = ops.row_intervals(lo, hi, 2, 70, 70)
+    with torch.no_grad():
+        plain, plain_lse = ops.span_forward(q, k, v, visible, 0.3)
+        args = (q, k, v, lo, hi, None, None, 0.3, 0.0, *ops.blocking(70, 1)[:2], False, False)
+        kept, _ = torch.ops.attnkit_native.span_forward(*args, True)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ops.span_forward(*x, visible, 0.3)
+    assert kept.dtype == torch.float32 and torch.equal(kept.to(dtype), plain)
+    assert out.dtype == dtype and torch.equal(out, plain) and torch.equal(lse, plain_lse)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    out.backward(dout)
+    with torch.no_grad():
+        from_kept = span_backward(q, k, v, kept, dout, plain_lse, visible, 0.3)
+        summed = span_backward(q, k, v, plain, dout, plain_lse, visible, 0.3)
+    assert all(torch.equal(a.grad, b) for a, b in zip(x, from_kept, strict=True))
+    for a, b in zip(x, summed, strict=True):  # Σ P·dP instead: the same up to rounding
+        assert (a.grad.float() - b.float()).abs().max() < 0.05
 
 
 @pytest.mark.parametrize(

@@ -48,16 +48,20 @@ def span_backward(
     amx: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (q's, k's, v's shapes, in q's dtype) of the span call whose output is
-    `out` (B, H, L, Dv) and log-sum-exp `lse` (B, H, L) float32, given `dout` (out's
-    shape) and `glse` (lse's, or None); `visible` None: every row saw every key; `softcap`
-    and `bias` (`ops.alibi_terms`) as the forward had them; `half`: bfloat16 blocks
-    multiplied on the half units (`ops.span_forward`'s); `amx` (with `half`): the products
-    of at least `ops.TILE_ROWS` stacked rows on AMX's tiles where the CPU has them."""
+    `out` (B, H, L, Dv; in q's dtype, or float32 as the forward computed it: then Δ =
+    dO·O from it, else Σ P·dP for half inputs) and log-sum-exp `lse` (B, H, L) float32,
+    given `dout` (out's shape) and `glse` (lse's, or None); `visible` None: every row
+    saw every key; `softcap` and `bias` (`ops.alibi_terms`) as the forward had them;
+    `half`: bfloat16 blocks multiplied on the half units (`ops.span_forward`'s); `amx`
+    (with `half`): the products of at least `ops.TILE_ROWS` stacked rows on AMX's tiles
+    where the CPU has them."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     shape = (B, H, L, v.shape[3])
-    if out.shape != shape or dout.shape != shape or out.dtype != q.dtype or dout.dtype != q.dtype:
-        raise ValueError(f"out and dout must be {shape} in {q.dtype}.")
+    if out.shape != shape or dout.shape != shape or dout.dtype != q.dtype:
+        raise ValueError(f"out and dout must be {shape} in {q.dtype} (out also float32).")
+    if out.dtype not in (q.dtype, torch.float32):
+        raise ValueError(f"out must be in {q.dtype} or float32 (got {out.dtype}).")
     for name, t in (("lse", lse), ("glse", glse)):
         if t is not None and (t.shape != (B, H, L) or t.dtype != torch.float32):
             raise ValueError(f"{name} must be ({B}, {H}, {L}) float32 (got {tuple(t.shape)}).")
@@ -102,7 +106,7 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
     q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]
     ctx.scale, ctx.softcap = scale, softcap
-    ctx.half, ctx.amx = inputs[11], inputs[12]  # (after rows, keys)
+    ctx.half, ctx.amx = inputs[11], inputs[12]  # (after rows, keys; then float_out)
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
 
@@ -115,7 +119,7 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
         k,
         v,
         out,
-        dout,
+        dout.to(q.dtype),
         lse,
         visible,
         ctx.scale,
@@ -125,7 +129,7 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
         half=ctx.half,
         amx=ctx.amx,
     )
-    return *grads, None, None, None, None, None, None, None, None, None, None
+    return *grads, *([None] * 11)
 
 
 def register_autograd() -> None:

@@ -192,7 +192,10 @@ def span_forward(
     lo, hi = (None, None) if visible is None else (visible.lo, visible.hi)
     slopes, positions = (None, None) if bias is None else (bias.slopes, bias.positions)
     half = half and q.dtype == torch.bfloat16
-    out: tuple[Tensor, Tensor] = torch.ops.attnkit_native.span_forward(
+    # a half call autograd records keeps its output in float32 for the backward's Δ = dO·O
+    # (rounded to the dtype, dO·O would move dP − Δ; the backward would sum Σ P·dP instead)
+    float_out = q.dtype != torch.float32 and _records_grad(q, k, v)
+    out, lse = torch.ops.attnkit_native.span_forward(
         q,
         k,
         v,
@@ -206,8 +209,13 @@ def span_forward(
         keys,
         half,
         half and amx,
+        float_out,
     )
-    return out
+    return (out.to(q.dtype) if float_out else out), lse
+
+
+def _records_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _check_tables(
@@ -325,9 +333,10 @@ def _span_forward_fake(
     keys: int,
     half: bool = False,
     amx: bool = False,
+    float_out: bool = False,
 ) -> tuple[Tensor, Tensor]:
     B, H, L, _ = q.shape
-    out = q.new_empty(B, H, L, v.shape[3])
+    out = q.new_empty(B, H, L, v.shape[3], dtype=torch.float32 if float_out else q.dtype)
     return out, q.new_empty(B, H, L, dtype=torch.float32)
 
 

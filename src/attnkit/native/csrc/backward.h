@@ -31,8 +31,9 @@
 // interval (0 elsewhere), so a key a row does not see never reaches its gradients through
 // 0·NaN in S or dP; where a block is cut (some row sees part of it) and the other factor
 // of a product holds a non-finite value (Q or dO rows in pass 1, K rows in pass 2), an
-// exact loop over each row's own keys replaces the GEMM. Half inputs take Δ_i as
-// Σ_j P_ij·dP_ij in a first pass (their output, rounded to its dtype, would move dP − Δ).
+// exact loop over each row's own keys replaces the GEMM. Half inputs take Δ_i = do_i·o_i
+// from the float32 output their forward kept (autograd's case), else as Σ_j P_ij·dP_ij in
+// a first pass: their output rounded to its dtype would move dP − Δ.
 // bfloat16 on the half units multiplies in pairs (half.h), and in the half mode `amx` the
 // products of at least kTileRows stacked rows run on AMX's tiles (brgemm).
 
@@ -118,14 +119,19 @@ struct Backward {
   const Sizes z;
   bool pairs;
   bool amx;  // the products of at least kTileRows stacked rows on AMX's tiles (brgemm)
-  const T *q, *k, *v, *out, *dout;
-  const float *lse, *glse;   // (B, H, L) contiguous; glse may be null
-  const int64_t *lo, *hi;    // (B, L) contiguous, or null: every row sees every key
-  const float* slopes;       // ALiBi (B, L, H) contiguous, or null
-  const int64_t* positions;  // ALiBi's aligned positions (B, L) contiguous
+  const T *q, *k, *v, *out, *dout;  // out null where out32 holds the output
+  const float* out32;               // a half call's output in float32 (its forward's), or null
+  const float *lse, *glse;          // (B, H, L) contiguous; glse may be null
+  const int64_t *lo, *hi;           // (B, L) contiguous, or null: every row sees every key
+  const float* slopes;              // ALiBi (B, L, H) contiguous, or null
+  const int64_t* positions;         // ALiBi's aligned positions (B, L) contiguous
   int64_t qs[4], ks[4], vs[4], os[4], ds[4];
   float scale, softcap;
   T *dq, *dk, *dv;  // contiguous
+
+  // Whether Δ = dO·O from the output: a float32 call's, or a half call's kept in float32;
+  // else a half output rounded to its dtype, and `delta_pass` sums Σ P·dP instead.
+  bool delta_from_output() const { return std::is_same_v<T, float> || out32 != nullptr; }
 
   int64_t first(int64_t row) const { return lo ? lo[row] : 0; }
   int64_t last(int64_t row) const { return hi ? hi[row] : z.S; }
@@ -146,16 +152,16 @@ struct Backward {
     for (int64_t l = 0; l < z.L; ++l) {
       const int64_t r = ((b * z.Hkv + hkv) * z.L + l) * z.G + g, at = (b * z.H + h) * z.L + l;
       const T* qi = q + b * qs[0] + h * qs[1] + l * qs[2];
-      const T* oi = out + b * os[0] + h * os[1] + l * os[2];
+      const int64_t o_at = b * os[0] + h * os[1] + l * os[2];
       const T* di = dout + b * ds[0] + h * ds[1] + l * ds[2];
       for (int64_t d = 0; d < z.D; ++d) rows.q[r * z.D + d] = static_cast<float>(qi[d]) * scale;
       float dot = 0.0f;
       for (int64_t d = 0; d < z.Dv; ++d) {
         const float x = static_cast<float>(di[d]);
         rows.dout[r * z.Dv + d] = x;
-        dot += x * static_cast<float>(oi[d]);
+        dot += x * (out32 ? out32[o_at + d] : static_cast<float>(out[o_at + d]));
       }
-      rows.delta[r] = (std::is_same_v<T, float> ? dot : 0.0f) - (glse ? glse[at] : 0.0f);
+      rows.delta[r] = (delta_from_output() ? dot : 0.0f) - (glse ? glse[at] : 0.0f);
       rows.lse[r] = lse[at];
 #ifdef ATTNKIT_PAIR_DOTS
       if constexpr (kHalfUnits) {

@@ -96,7 +96,8 @@ struct Kernel {
   float scale, softcap;
   const float* slopes;       // ALiBi (B, L, H) contiguous, or null
   const int64_t* positions;  // ALiBi's aligned positions (B, L) contiguous
-  T* out;                    // (B, H, L, Dv) contiguous
+  T* out;                    // (B, H, L, Dv) contiguous, or null: out32 instead
+  float* out32;              // the output in float32 (a half call's, kept for its backward)
   float* lse;                // (B, H, L) contiguous
 
   // The stacked row r of an item is query row r0 + r / G of query head hkv·G + r % G: a
@@ -345,16 +346,15 @@ struct Kernel {
       for (int64_t g = 0; g < z.G; ++g) {
         const int64_t r = i * z.G + g, h = it.hkv * z.G + g;
         const int64_t row = (it.b * z.H + h) * z.L + it.r0 + i;
-        T* dst = out + row * z.Dv;
         const float* o = w.o.data() + r * z.Dv;
-        if (w.l[r] > 0.0f || std::isnan(w.l[r])) {
-          const float inv = 1.0f / w.l[r];
-          for (int64_t d = 0; d < z.Dv; ++d) dst[d] = static_cast<T>(o[d] * inv);
-          lse[row] = w.m[r] + std::log(w.l[r]);
-        } else {  // the row sees nothing
-          for (int64_t d = 0; d < z.Dv; ++d) dst[d] = static_cast<T>(0.0f);
-          lse[row] = kNegInf;
-        }
+        const bool seen = w.l[r] > 0.0f || std::isnan(w.l[r]);  // else the row sees nothing
+        const float inv = seen ? 1.0f / w.l[r] : 0.0f;
+        if (out32 != nullptr)
+          for (int64_t d = 0; d < z.Dv; ++d) out32[row * z.Dv + d] = seen ? o[d] * inv : 0.0f;
+        else
+          for (int64_t d = 0; d < z.Dv; ++d)
+            out[row * z.Dv + d] = static_cast<T>(seen ? o[d] * inv : 0.0f);
+        lse[row] = seen ? w.m[r] + std::log(w.l[r]) : kNegInf;
       }
   }
 
@@ -391,7 +391,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
              const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
              double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx,
-             at::Tensor& out, at::Tensor& lse) {
+             bool float_out, at::Tensor& out, at::Tensor& lse) {
   const int64_t H = q.size(1), Hkv = k.size(1);
   const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
   const bool pairs = Kernel<T>::kHalfUnits && half;
@@ -410,7 +410,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  static_cast<float>(softcap),
                  slopes ? slopes->data_ptr<float>() : nullptr,
                  positions ? positions->data_ptr<int64_t>() : nullptr,
-                 out.data_ptr<T>(),
+                 float_out ? nullptr : out.data_ptr<T>(),
+                 float_out ? out.data_ptr<float>() : nullptr,
                  lse.data_ptr<float>()};
   for (int d = 0; d < 4; ++d) {
     kern.qs[d] = q.stride(d);
@@ -430,7 +431,7 @@ std::tuple<at::Tensor, at::Tensor> span_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
     const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-    double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx) {
+    double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx, bool float_out) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
@@ -461,12 +462,14 @@ std::tuple<at::Tensor, at::Tensor> span_forward(
   check(q.size(2) * q.size(1) * q.size(3) < (int64_t{1} << 31), "sizes within int32 GEMMs");
   check(rows >= 1 && keys >= 1, "blocking");
   check(rows * keys * q.size(1) < (int64_t{1} << 31), "blocking within int32");
-  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  // float_out: the output in float32 for a half call (its backward takes Δ = dO·O from it)
+  const auto out_dtype = float_out ? at::kFloat : q.scalar_type();
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options().dtype(out_dtype));
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_forward", [&] {
     forward<scalar_t>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, amx,
-                      out, lse);
+                      float_out, out, lse);
   });
   return {out, lse};
 }
@@ -489,7 +492,7 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def(
       "span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
       "Tensor? positions, float scale, float softcap, int rows, int keys, bool half=False, "
-      "bool amx=False) -> (Tensor, Tensor)");
+      "bool amx=False, bool float_out=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

@@ -58,8 +58,9 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
                    q.data_ptr<T>(),
                    k.data_ptr<T>(),
                    v.data_ptr<T>(),
-                   out.data_ptr<T>(),
+                   out.scalar_type() == q.scalar_type() ? out.data_ptr<T>() : nullptr,
                    dout.data_ptr<T>(),
+                   out.scalar_type() == q.scalar_type() ? nullptr : out.data_ptr<float>(),
                    lse.data_ptr<float>(),
                    glse ? glse->data_ptr<float>() : nullptr,
                    lo ? lo->data_ptr<int64_t>() : nullptr,
@@ -94,7 +95,7 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       for (int64_t t = begin; t < end; ++t)
         kern.transpose_tile(stacked, tiles[t / z.Hkv], t % z.Hkv);
     });
-  if (!std::is_same_v<T, float>)
+  if (!kern.delta_from_output())
     run_items(count * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
       kern.delta_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
     });
@@ -124,8 +125,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   for (const at::Tensor* t : {&q, &k, &v, &out, &dout}) {
-    check(t->dim() == 4 && t->device().is_cpu() && t->scalar_type() == q.scalar_type(),
-          "q, k, v, out, dout: 4-D CPU tensors of one dtype");
+    const bool float_out = t == &out && t->scalar_type() == at::kFloat;  // a half call's
+    check(
+        t->dim() == 4 && t->device().is_cpu() && (t->scalar_type() == q.scalar_type() || float_out),
+        "q, k, v, dout: 4-D CPU tensors of one dtype; out in it or float32");
     check(t->size(3) <= 1 || t->stride(3) == 1, "unit last stride");
   }
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
