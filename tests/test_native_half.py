@@ -16,6 +16,7 @@ import torch
 
 import attnkit as ak
 from attnkit import _compat, runtime
+from attnkit.contracts import normalize_call
 from attnkit.native import build
 from helpers import assert_rule, half_kernels
 
@@ -269,3 +270,18 @@ def test_calibration_times_bfloat16_where_it_runs_on_the_half_units(monkeypatch,
         assert measured["bf16"] == pytest.approx(45 / 90)
     else:
         assert "bf16" not in measured
+
+
+def test_a_recorded_half_call_counts_the_float32_output_it_keeps():
+    """A half call autograd records keeps its output in float32 for the backward's Δ: the
+    memory the planner sees has 4 more bytes per output element."""
+    native = runtime.current().backends.get("native")
+    q = torch.randn(1, 4, 64, 16).bfloat16()
+    x = q.clone().requires_grad_()
+    plain, recorded = (
+        native.peak_bytes(
+            normalize_call(t, t, t, ak.causal(), scale=None, softcap=None), need_lse=False
+        )
+        for t in (q, x)
+    )
+    assert recorded - plain == 4 * q.numel()

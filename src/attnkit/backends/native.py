@@ -317,12 +317,15 @@ class NativeBackend(Backend):
         return _DenseKernel(call.scale, call.softcap or 0.0, self.half_units(call), amx)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
-        """Output, log-sum-exp and the spans, plus each thread's scratch (float32)."""
+        """Output (and the float32 one a half call autograd records keeps), log-sum-exp
+        and the spans, plus each thread's scratch (float32)."""
         d = call.dims
         rows, keys, _ = blocking(d.L, d.groups)
         stacked = d.groups * rows
         scratch = stacked * (d.D + keys + d.Dv + 2) + keys * (d.D + d.Dv)
-        out = d.B * d.H * d.L * d.Dv * call.q.element_size() + 4 * d.B * d.H * d.L
+        records = torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
+        kept = 4 if call.q.dtype in HALF and records else 0
+        out = d.B * d.H * d.L * d.Dv * (call.q.element_size() + kept) + 4 * d.B * d.H * d.L
         return out + 16 * d.B * d.L + 4 * scratch * torch.get_num_threads()
 
     def run(self, call: AttentionCall, *, need_lse: bool) -> tuple[Tensor, Tensor | None]:
