@@ -41,6 +41,7 @@ from attnkit.native.ops import (
     RowIntervals,
     alibi_terms,
     blocking,
+    records_grad,
     span_forward,
 )
 from attnkit.native.ops import paged_decode as paged_kernel
@@ -156,9 +157,8 @@ class _DenseKernel:
         return True
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor | None:
-        return span_forward(q, k, v, None, self.scale, self.softcap, half=self.half, amx=self.amx)[
-            0
-        ]
+        out, _ = span_forward(q, k, v, None, self.scale, self.softcap, half=self.half, amx=self.amx)
+        return out
 
 
 class NativeBackend(Backend):
@@ -218,6 +218,11 @@ class NativeBackend(Backend):
         """Whether the kernel multiplies this call's blocks on the CPU's bfloat16 units
         (ALiBi is the only bias the kernel takes, and it keeps the call in float32)."""
         return self.half.on_half_units(call.q, alibi=call.has_bias)
+
+    def amx_tiles(self, call: AttentionCall) -> bool:
+        """Whether the kernel is asked to multiply this call's whole blocks on AMX's tiles
+        (the runtime's half mode `amx`; the kernel checks the CPU has them)."""
+        return self.half.on_amx_tiles(call.q, alibi=call.has_bias)
 
     @property
     def version(self) -> int:
@@ -313,8 +318,8 @@ class NativeBackend(Backend):
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""
         if need_lse or not call.is_dense or call.has_bias or self._rows(call) is None:
             return None
-        amx = self.half.on_amx_tiles(call.q, alibi=False)
-        return _DenseKernel(call.scale, call.softcap or 0.0, self.half_units(call), amx)
+        half, amx = self.half_units(call), self.amx_tiles(call)
+        return _DenseKernel(call.scale, call.softcap or 0.0, half, amx)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         """Output (and the float32 one a half call autograd records keeps), log-sum-exp
@@ -323,8 +328,7 @@ class NativeBackend(Backend):
         rows, keys, _ = blocking(d.L, d.groups)
         stacked = d.groups * rows
         scratch = stacked * (d.D + keys + d.Dv + 2) + keys * (d.D + d.Dv)
-        records = torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v))
-        kept = 4 if call.q.dtype in HALF and records else 0
+        kept = 4 if call.q.dtype in HALF and records_grad(call.q, call.k, call.v) else 0
         out = d.B * d.H * d.L * d.Dv * (call.q.element_size() + kept) + 4 * d.B * d.H * d.L
         return out + 16 * d.B * d.L + 4 * scratch * torch.get_num_threads()
 
@@ -341,7 +345,7 @@ class NativeBackend(Backend):
             blocking(d.L, d.groups)[:2],
             rows.bias,
             half=self.half_units(call),
-            amx=self.half.on_amx_tiles(call.q, alibi=call.has_bias),
+            amx=self.amx_tiles(call),
         )
         return out, lse if need_lse else None
 
@@ -391,7 +395,7 @@ class NativeBackend(Backend):
             call.softcap or 0.0,
             rows.bias,
             half=self.half_units(call),
-            amx=self.half.on_amx_tiles(call.q, alibi=call.has_bias),
+            amx=self.amx_tiles(call),
         )
 
     def notes(self, call: AttentionCall) -> list[str]:
@@ -408,7 +412,7 @@ class NativeBackend(Backend):
         """What the kernel multiplies a half call's blocks in."""
         if not self.half_units(call):
             return "half blocks converted to float32 (the runtime's half kernels, or a bias)"
-        if not self.half.on_amx_tiles(call.q, alibi=call.has_bias):
+        if not self.amx_tiles(call):
             return "bfloat16 products on the half units where the build has them"
         tiles = "" if cpu_features()["AMX"] else " (asked for; this CPU has none)"
         return (

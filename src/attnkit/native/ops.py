@@ -29,6 +29,7 @@ __all__ = [
     "alibi_terms",
     "blocking",
     "paged_decode",
+    "records_grad",
     "register_fakes",
     "row_intervals",
     "span_forward",
@@ -194,7 +195,7 @@ def span_forward(
     half = half and q.dtype == torch.bfloat16
     # a half call autograd records keeps its output in float32 for the backward's Δ = dO·O
     # (rounded to the dtype, dO·O would move dP − Δ; the backward would sum Σ P·dP instead)
-    float_out = q.dtype != torch.float32 and _records_grad(q, k, v)
+    float_out = q.dtype != torch.float32 and records_grad(q, k, v)
     out, lse = torch.ops.attnkit_native.span_forward(
         q,
         k,
@@ -214,7 +215,9 @@ def span_forward(
     return (out.to(q.dtype) if float_out else out), lse
 
 
-def _records_grad(*tensors: Tensor) -> bool:
+def records_grad(*tensors: Tensor) -> bool:
+    """Whether autograd records a call on `tensors` (a half one then keeps its output in
+    float32 for the backward)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
