@@ -1,9 +1,9 @@
 """The native decoding kernels' edges against float64: the paged kernel over page sizes
-that cut a history into runs of every length (one slot a page, pages longer than the
-kernel's run), awkward head sizes (vector tails in every dtype), more query heads per K/V
-head than one register tile holds, K/V heads grouped when sequences are few, empty
-sequences, and NaN in slots no sequence reads; the span kernel's dense call (no spans)
-against the same call with spans of every key."""
+that cut a history into runs of every length (one slot a page, pages that straddle the
+kernel's batches, pages longer than a batch), awkward head sizes (vector tails in every
+dtype), more query heads per K/V head than one register tile holds, K/V heads grouped
+when sequences are few, empty sequences, and NaN in slots no sequence reads; the span
+kernel's dense call (no spans) against the same call with spans of every key."""
 
 from __future__ import annotations
 

@@ -12,12 +12,14 @@
 //
 // The blocking. Decoding is bound by reading K and V, so each byte is read once per step,
 // in place: a work item is one sequence's range of positions (a part) for a group of its
-// K/V heads. The part walks its positions page run by page run (a page's slots are
-// consecutive); per K/V head the G query heads that share it score the run's keys
-// together (micro.h's dots_tile: each key row loaded once, in any dtype, converted as it
-// is loaded), the online softmax updates over the run (running max m, sum l, output O, as
-// in span_attention.cpp; the output is rescaled only when the max grows), and O += P·V
-// reads the run's value rows (values_tile) while they are in cache. The pages lie
+// K/V heads. The part walks its positions in batches of kBatch, a batch page run by page
+// run (a page's slots are consecutive): per K/V head the G query heads that share it
+// score each run's keys together (micro.h's dots_tile: each key row loaded once, in any
+// dtype, converted as it is loaded), one online-softmax update covers the whole batch
+// (running max m, sum l, output O, as in span_attention.cpp; the output is rescaled only
+// when the max grows), and O += P·V reads the batch's value rows run by run
+// (values_tile) while they are in cache. A batch spans many small pages, so the update's
+// passes over the scores run once per kBatch positions, not once per page. The pages lie
 // anywhere in the pool, where no hardware prefetcher looks ahead, so the rows of the run
 // kLead positions further on are prefetched a row per key scored (micro.h's Ahead).
 //
@@ -40,7 +42,7 @@
 namespace attnkit_native {
 namespace {
 
-constexpr int64_t kRun = 256;    // positions of a page run at most (one softmax update)
+constexpr int64_t kBatch = 256;  // positions of a batch at most (one softmax update)
 constexpr int64_t kPart = 2048;  // positions of a part (the last of a sequence: the rest)
 constexpr int64_t kLead = 32;    // positions the prefetch runs ahead, at least
 
@@ -52,6 +54,12 @@ void axpy(float* o, float p, const float* x, int64_t n) {
     at::vec::fmadd(vp, Vec::loadu(x + d), Vec::loadu(o + d)).store(o + d);
   for (; d < n; ++d) o[d] += p * x[d];
 }
+
+// A page run of a batch: `count` positions from `slot` on, their scores at `offset` of the
+// batch's; `ahead` rows from slot `next` on to prefetch while it is scored.
+struct Run {
+  int64_t slot, count, offset, next, ahead;
+};
 
 // One part: sequence i, K/V heads [h0, h1), positions [p0, p1); its partial results are
 // rows [row, row + (h1 - h0)·G) of m, l and O.
@@ -73,11 +81,11 @@ struct Paged {
   int64_t slot(int64_t i, int64_t p) const { return blocks[at[i] + p / bs] * bs + p % bs; }
 
   // The part's partial result: m, l (one per query head of its K/V heads) and O (one row
-  // of Dv each) unnormalised, in one pass over its page runs (the blocking above).
+  // of Dv each) unnormalised, in one pass over its batches (the blocking above).
   void run(const Part& part, Buffer& w, float* m, float* l, float* o) const {
     const int64_t ldq = padded(D), heads = (part.h1 - part.h0) * G;
     float* qf = w.data();     // heads × ldq, scaled, zero-padded
-    float* s = qf + H * ldq;  // G × kRun: a run's scores
+    float* s = qf + H * ldq;  // G × kBatch: a batch's scores
     for (int64_t r = 0; r < heads; ++r) {
       const T* src = q + part.i * qs[0] + (part.h0 * G + r) * qs[1];
       for (int64_t d = 0; d < ldq; ++d)
@@ -86,54 +94,62 @@ struct Paged {
       l[r] = 0.0f;
     }
     std::fill(o, o + heads * Dv, 0.0f);
-    runs(part, [&](int64_t count, int64_t at_slot, int64_t next, int64_t ahead) {
+    std::vector<Run> batch;
+    for (int64_t b = part.p0; b < part.p1; b += kBatch) {
+      batch.clear();
+      runs(part, b, std::min(part.p1, b + kBatch), batch);
+      const int64_t n = batch.back().offset + batch.back().count;
       for (int64_t hkv = part.h0; hkv < part.h1; ++hkv) {
         const int64_t r0 = (hkv - part.h0) * G;
-        const T* k = keys + at_slot * ks[0] + hkv * ks[1];
-        const Ahead fetch = prefetch(next, hkv, ahead), none;
-        for (int64_t g = 0; g < G; g += kMicroRows)
-          by_rows<Dots>(std::min(kMicroRows, G - g), qf + (r0 + g) * ldq, ldq, D, k, ks[0], count,
-                        s + g * kRun, kRun, g == 0 ? &fetch : &none);
+        for (const Run& run : batch) {
+          const T* k = keys + run.slot * ks[0] + hkv * ks[1];
+          const Ahead fetch = prefetch(run, hkv), none;
+          for (int64_t g = 0; g < G; g += kMicroRows)
+            by_rows<Dots>(std::min(kMicroRows, G - g), qf + (r0 + g) * ldq, ldq, D, k, ks[0],
+                          run.count, s + g * kBatch + run.offset, kBatch, g == 0 ? &fetch : &none);
+        }
         for (int64_t g = 0; g < G; ++g)
-          update(s + g * kRun, count, m[r0 + g], l[r0 + g], o + (r0 + g) * Dv);
-        const T* v = values + at_slot * vs[0] + hkv * vs[1];
-        for (int64_t g = 0; g < G; g += kMicroRows)
-          by_rows<Values>(std::min(kMicroRows, G - g), s + g * kRun, kRun, v, vs[0], int64_t{0},
-                          count, o + (r0 + g) * Dv, Dv);
+          update(s + g * kBatch, n, m[r0 + g], l[r0 + g], o + (r0 + g) * Dv);
+        for (const Run& run : batch) {
+          const T* v = values + run.slot * vs[0] + hkv * vs[1];
+          for (int64_t g = 0; g < G; g += kMicroRows)
+            by_rows<Values>(std::min(kMicroRows, G - g), s + g * kBatch + run.offset, kBatch, v,
+                            vs[0], int64_t{0}, run.count, o + (r0 + g) * Dv, Dv);
+        }
       }
-    });
+    }
   }
 
-  // f(count, slot, next, ahead) for each run of positions [p, p + count) of the part
-  // within one page (kRun at most): `slot` holds p; `next` the first of the `ahead` rows
-  // to prefetch meanwhile (none near the part's end): the run that starts kLead positions
-  // or more past this one's end, so that every run is prefetched once.
-  template <typename F>
-  void runs(const Part& part, const F& f) const {
-    const int64_t skip = bs <= kRun ? std::max<int64_t>(0, (kLead + bs - 1) / bs - 1) * bs : 0;
-    for (int64_t p = part.p0; p < part.p1;) {
-      const int64_t count = std::min({part.p1 - p, bs - p % bs, kRun});
-      const int64_t target = p + count + skip;  // a run's start: a page's, or kRun into one
+  // The page runs of the part's positions [b0, b1) into `batch`: each run within one page
+  // (a page's slots are consecutive), kBatch at most; with the rows to prefetch while it
+  // is scored: the run that starts kLead positions or more past its end (none near the
+  // part's end), so that every run is prefetched once.
+  void runs(const Part& part, int64_t b0, int64_t b1, std::vector<Run>& batch) const {
+    const int64_t skip = bs <= kBatch ? std::max<int64_t>(0, (kLead + bs - 1) / bs - 1) * bs : 0;
+    for (int64_t p = b0; p < b1;) {
+      const int64_t count = std::min(b1 - p, bs - p % bs);
+      const int64_t target = p + count + skip;  // a run's start: a page's, or a batch's
       const int64_t ahead =
-          target < part.p1 ? std::min({part.p1 - target, bs - target % bs, kRun}) : 0;
-      f(count, slot(part.i, p), ahead > 0 ? slot(part.i, target) : 0, ahead);
+          target < part.p1 ? std::min({part.p1 - target, bs - target % bs, kBatch}) : 0;
+      batch.push_back(
+          {slot(part.i, p), count, p - b0, ahead > 0 ? slot(part.i, target) : 0, ahead});
       p += count;
     }
   }
 
-  // The next run's key and value rows of K/V head hkv, to prefetch.
-  Ahead prefetch(int64_t next, int64_t hkv, int64_t ahead) const {
+  // The key and value rows of K/V head hkv to prefetch while the run is scored.
+  Ahead prefetch(const Run& run, int64_t hkv) const {
     const int64_t size = static_cast<int64_t>(sizeof(T));
-    return {reinterpret_cast<const char*>(keys + next * ks[0] + hkv * ks[1]),
-            reinterpret_cast<const char*>(values + next * vs[0] + hkv * vs[1]),
-            ahead,
+    return {reinterpret_cast<const char*>(keys + run.next * ks[0] + hkv * ks[1]),
+            reinterpret_cast<const char*>(values + run.next * vs[0] + hkv * vs[1]),
+            run.ahead,
             ks[0] * size,
             vs[0] * size,
             D * size,
             Dv * size};
   }
 
-  // A run's scores into weights, the running max, sum and output rescaled (only when
+  // A batch's scores into weights, the running max, sum and output rescaled (only when
   // the max grows: most runs of a long history leave it as it is).
   void update(float* s, int64_t n, float& m, float& l, float* o) const {
     if (softcap > 0) softcap_inplace(s, n, softcap);
@@ -208,7 +224,7 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   const int64_t count = static_cast<int64_t>(parts.size());
   std::vector<float> m(rows), l(rows), o(rows * Dv);
   run_queue(
-      count, [&] { return Buffer(H * Paged<T>::padded(D) + G * kRun); },
+      count, [&] { return Buffer(H * Paged<T>::padded(D) + G * kBatch); },
       [&](int64_t t, Buffer& w) {
         const int64_t r = parts[t].row;
         k.run(parts[t], w, &m[r], &l[r], &o[r * Dv]);
