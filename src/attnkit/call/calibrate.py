@@ -11,9 +11,10 @@ registry's order (a factor that moves with another backend's asks the probe for 
 which times that backend first), while the planner prices with the built-in defaults:
 SDPA with a mask tensor and with `is_causal`; tiled per group on a tiny call, per pair
 on a sliding window, its short blocks from the flash op on blocks of 64 and 256 rows,
-its causal runs moved with SDPA's; blockwise and the reference on a small causal call. A
-factor timed on one call is the built-in default scaled by measured time over the time
-the defaults predict (`cost.rescaled`). What a backend does not time stays built in for
+its causal runs moved with SDPA's; blockwise and the reference per call on a tiny
+causal call and per pair on a small one, net of it. A factor timed on one call is the
+built-in default scaled by measured time over the time the defaults predict
+(`cost.rescaled`). What a backend does not time stays built in for
 the CPU's kind (FlexAttention's: measuring it compiles). One to two seconds on a quiet
 CPU; the table is kept as JSON in `$XDG_CACHE_HOME/attnkit` (else `~/.cache/attnkit`)
 under the machine's key (CPU model and units, threads, torch and attnkit versions),
