@@ -40,12 +40,11 @@ class BlockwiseBackend(Backend):
     name = "blockwise"
     values_exact = True
     # per pair: the reference's math over key spans; `call` per block: its Python and
-    # operators, the mask's spans and the checkpoint (a tiny call, one block, takes about
-    # 0.3 ms more than the reference's: 1.0-1.3 ms on a 2-core AVX2 CPU); `backward`:
+    # operators, the mask's spans and the checkpoint (more than the reference's whole
+    # call: `attnkit calibrate` times it on a tiny call, one block); `backward`:
     # forward+backward over forward, taken as tiled's (the same autograd ops)
     cost_factors = cost.Factors(
-        {"pair": 4.0, "call": 320_000.0, "backward": 3.7},
-        {"amx": {"pair": 4.36, "call": 176_600.0}},
+        {"pair": 4.0, "call": 320_000.0, "backward": 3.7}, {"amx": {"pair": 4.36}}
     )
 
     def can_use(self, call: AttentionCall, *, need_lse: bool) -> str | None:
@@ -67,10 +66,10 @@ class BlockwiseBackend(Backend):
         return factors["call"] + dense
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
-        """Per block from a tiny causal call (one block); per pair from a small one, net
-        of its blocks."""
+        """Per block from a tiny causal call (one block), net of its pairs; per pair from
+        a small one, net of its blocks."""
         default = self.cost_factors.default
-        block = probe.attention(probe.inputs(64), causal(), self.name, runs=20)
+        block = self.timed_call(probe, causal())
         call, predicted, spent = self.timed(probe, probe.inputs(512), causal())
         blocks = math.ceil(call.dims.L / _rows(call))
         predicted -= default["call"] * blocks

@@ -173,12 +173,21 @@ class Backend:
         return {}
 
     def timed(
-        self, probe: Probe, inputs: Inputs, mask: Mask | None
+        self, probe: Probe, inputs: Inputs, mask: Mask | None, runs: int = 3
     ) -> tuple[AttentionCall, float, float]:
         """One call of this backend: the call, the cost the table prices it at (during a
         calibration: the built-in defaults'), and the time it took, in units."""
         call = normalize_call(*inputs, mask, scale=None, softcap=None, table=cost.BUILT_IN)
-        return call, self.cost(call, need_lse=False), probe.attention(inputs, mask, self.name)
+        spent = probe.attention(inputs, mask, self.name, runs=runs)
+        return call, self.cost(call, need_lse=False), spent
+
+    def timed_call(self, probe: Probe, mask: Mask) -> float:
+        """Its factor `call` on this CPU: a tiny call (64 rows under `mask`, one call of
+        its overhead) timed, less what its pairs cost at the built-in factors (at least
+        5% of the time: a timer's hiccup never makes a call free)."""
+        _, predicted, spent = self.timed(probe, probe.inputs(64), mask, runs=20)
+        pairs = predicted - self.cost_factors.default["call"]
+        return max(spent - pairs, 0.05 * spent)
 
     @property
     def version(self) -> int:

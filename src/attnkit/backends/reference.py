@@ -19,9 +19,9 @@ class ReferenceBackend(Backend):
     name = "reference"
     values_exact = True
     # per pair: the readable loop materializes (B, H, L, S) scores; `call` per call (the
-    # mask made dense, a dozen operators and their Python: about 0.5 ms on a 2-core AVX2
-    # CPU, where attnkit's SDPA call of 28 causal rows takes 0.2 ms); `backward`: autograd
-    # through its four steps, forward+backward over forward (estimated, not timed)
+    # mask made dense, a dozen operators and their Python: `attnkit calibrate` times it on
+    # a tiny call); `backward`: autograd through its four steps, forward+backward over
+    # forward (estimated, not timed)
     cost_factors = cost.Factors(
         {"pair": 6.0, "call": 200_000.0, "backward": 3.0}, {"amx": {"pair": 4.20}}
     )
@@ -34,9 +34,10 @@ class ReferenceBackend(Backend):
         return factors["pair"] * d.B * d.H * d.L * d.S + factors["call"]
 
     def calibrate(self, probe: Probe) -> dict[str, float]:
-        """Per call from a tiny causal call; per pair from a small one, net of the call."""
+        """Per call from a tiny causal call, net of its pairs; per pair from a small one,
+        net of the call."""
         default = self.cost_factors.default
-        call = probe.attention(probe.inputs(64), causal(), self.name, runs=20)
+        call = self.timed_call(probe, causal())
         _, predicted, spent = self.timed(probe, probe.inputs(512), causal())
         pair = cost.rescaled(default["pair"], predicted - default["call"], spent - call)
         return {"pair": pair, "call": call}

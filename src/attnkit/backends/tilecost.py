@@ -31,8 +31,8 @@ __all__ = ["FACTORS", "calibrate", "pair_cost"]
 # (is_causal, 768+ rows); `predicate` on masks whose blocks are gathered from an L×S
 # tensor (no spans): more than the pairs it skips (a (2, 1, 2048, 2048) random bool mask,
 # fp32, H=4: tiled 276 ms, sdpa 134 ms); `call` per group of blocks (masks,
-# copies, Python: `attnkit calibrate` times 184,000-247,000 units on a 2-core AVX2 CPU,
-# 176,600 on AMX); `backward`, `backward_half`: forward+backward over forward (the
+# copies, Python: as `attnkit calibrate` times it on a 2-core AVX2 CPU and on AMX);
+# `backward`, `backward_half`: forward+backward over forward (the
 # medians over every pattern at S = 4096 on a 2-core AVX512-BF16 CPU)
 FACTORS = cost.Factors(
     {"pair": 1.2, "short": 0.1, "causal": 1.15, "predicate": 2.2, "call": 200_000.0}

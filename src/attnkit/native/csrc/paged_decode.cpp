@@ -94,27 +94,29 @@ struct Paged {
       l[r] = 0.0f;
     }
     std::fill(o, o + heads * Dv, 0.0f);
-    std::vector<Run> batch;
+    std::vector<Run> batch;  // a batch's page runs: kBatch at most (pages of one slot)
+    batch.reserve(static_cast<size_t>(std::min(kBatch, part.p1 - part.p0)));
     for (int64_t b = part.p0; b < part.p1; b += kBatch) {
       batch.clear();
       runs(part, b, std::min(part.p1, b + kBatch), batch);
       const int64_t n = batch.back().offset + batch.back().count;
       for (int64_t hkv = part.h0; hkv < part.h1; ++hkv) {
         const int64_t r0 = (hkv - part.h0) * G;
-        for (const Run& run : batch) {
-          const T* k = keys + run.slot * ks[0] + hkv * ks[1];
-          const Ahead fetch = prefetch(run, hkv), none;
+        for (const Run& page : batch) {
+          const T* k = keys + page.slot * ks[0] + hkv * ks[1];
+          const Ahead fetch = prefetch(page, hkv), none;
           for (int64_t g = 0; g < G; g += kMicroRows)
             by_rows<Dots>(std::min(kMicroRows, G - g), qf + (r0 + g) * ldq, ldq, D, k, ks[0],
-                          run.count, s + g * kBatch + run.offset, kBatch, g == 0 ? &fetch : &none);
+                          page.count, s + g * kBatch + page.offset, kBatch,
+                          g == 0 ? &fetch : &none);
         }
         for (int64_t g = 0; g < G; ++g)
           update(s + g * kBatch, n, m[r0 + g], l[r0 + g], o + (r0 + g) * Dv);
-        for (const Run& run : batch) {
-          const T* v = values + run.slot * vs[0] + hkv * vs[1];
+        for (const Run& page : batch) {
+          const T* v = values + page.slot * vs[0] + hkv * vs[1];
           for (int64_t g = 0; g < G; g += kMicroRows)
-            by_rows<Values>(std::min(kMicroRows, G - g), s + g * kBatch + run.offset, kBatch, v,
-                            vs[0], int64_t{0}, run.count, o + (r0 + g) * Dv, Dv);
+            by_rows<Values>(std::min(kMicroRows, G - g), s + g * kBatch + page.offset, kBatch, v,
+                            vs[0], int64_t{0}, page.count, o + (r0 + g) * Dv, Dv);
         }
       }
     }
@@ -122,8 +124,8 @@ struct Paged {
 
   // The page runs of the part's positions [b0, b1) into `batch`: each run within one page
   // (a page's slots are consecutive), kBatch at most; with the rows to prefetch while it
-  // is scored: the run that starts kLead positions or more past its end (none near the
-  // part's end), so that every run is prefetched once.
+  // is scored: the run that starts kLead positions or more past its start (none near the
+  // part's end).
   void runs(const Part& part, int64_t b0, int64_t b1, std::vector<Run>& batch) const {
     const int64_t skip = bs <= kBatch ? std::max<int64_t>(0, (kLead + bs - 1) / bs - 1) * bs : 0;
     for (int64_t p = b0; p < b1;) {
@@ -150,7 +152,7 @@ struct Paged {
   }
 
   // A batch's scores into weights, the running max, sum and output rescaled (only when
-  // the max grows: most runs of a long history leave it as it is).
+  // the max grows: most batches of a long history leave it as it is).
   void update(float* s, int64_t n, float& m, float& l, float* o) const {
     if (softcap > 0) softcap_inplace(s, n, softcap);
     const float mx = row_max(s, n);
