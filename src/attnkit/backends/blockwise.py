@@ -56,7 +56,7 @@ class BlockwiseBackend(Backend):
         first, last, lo, hi = _block_bounds(call, rows)  # (T,) each
         pairs = int(((hi - lo).clamp(min=0) * (last + 1 - first)).sum())
         factors = self.factors(call.table)
-        return factors["pair"] * d.B * d.H * pairs + factors["call"] * math.ceil(d.L / rows)
+        return factors["pair"] * d.B * d.H * pairs + factors["call"] * _block_count(call)
 
     def cost_floor(self, call: AttentionCall) -> float:
         """At least one block's call, and a dense call's every pair: the planner prices
@@ -68,13 +68,7 @@ class BlockwiseBackend(Backend):
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Per block from a tiny causal call (one block), net of its pairs; per pair from
         a small one, net of its blocks."""
-        default = self.cost_factors.default
-        block = self.timed_call(probe, causal())
-        call, predicted, spent = self.timed(probe, probe.inputs(512), causal())
-        blocks = math.ceil(call.dims.L / _rows(call))
-        predicted -= default["call"] * blocks
-        spent -= block * blocks
-        return {"pair": cost.rescaled(default["pair"], predicted, spent), "call": block}
+        return self.timed_call_and_pair(probe, causal(), _block_count)
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims
@@ -122,6 +116,11 @@ class _Block:
             weights = F.dropout(weights, call.dropout_p)
         out = weighted_values(weights, v, effective_visibility(visible, bias))  # (B, H, R, Dv)
         return out.to(q.dtype), lse
+
+
+def _block_count(call: AttentionCall) -> int:
+    """The blocks of query rows a call runs (`call` is priced per block)."""
+    return math.ceil(call.dims.L / _rows(call))
 
 
 def _rows(call: AttentionCall) -> int:

@@ -181,13 +181,21 @@ class Backend:
         spent = probe.attention(inputs, mask, self.name, runs=runs)
         return call, self.cost(call, need_lse=False), spent
 
-    def timed_call(self, probe: Probe, mask: Mask) -> float:
-        """Its factor `call` on this CPU: a tiny call (64 rows under `mask`, one call of
-        its overhead) timed, less what its pairs cost at the built-in factors (at least
-        5% of the time: a timer's hiccup never makes a call free)."""
+    def timed_call_and_pair(
+        self, probe: Probe, mask: Mask, calls: Callable[[AttentionCall], int] = lambda c: 1
+    ) -> dict[str, float]:
+        """Its factors `call` and `pair` on this CPU, for a backend priced per pair plus
+        `call` times `calls(call)`: `call` from a tiny call (64 rows under `mask`, one
+        call) less what its pairs cost at the built-in factors (at least 5% of its time:
+        a timer's hiccup never makes a call free); `pair` from a small one (512 rows), net
+        of its calls."""
+        default = self.cost_factors.default
         _, predicted, spent = self.timed(probe, probe.inputs(64), mask, runs=20)
-        pairs = predicted - self.cost_factors.default["call"]
-        return max(spent - pairs, 0.05 * spent)
+        per_call = max(spent - (predicted - default["call"]), 0.05 * spent)
+        call, predicted, spent = self.timed(probe, probe.inputs(512), mask)
+        n = calls(call)
+        pair = cost.rescaled(default["pair"], predicted - default["call"] * n, spent - per_call * n)
+        return {"pair": pair, "call": per_call}
 
     @property
     def version(self) -> int:

@@ -36,11 +36,7 @@ class ReferenceBackend(Backend):
     def calibrate(self, probe: Probe) -> dict[str, float]:
         """Per call from a tiny causal call, net of its pairs; per pair from a small one,
         net of the call."""
-        default = self.cost_factors.default
-        call = self.timed_call(probe, causal())
-        _, predicted, spent = self.timed(probe, probe.inputs(512), causal())
-        pair = cost.rescaled(default["pair"], predicted - default["call"], spent - call)
-        return {"pair": pair, "call": call}
+        return self.timed_call_and_pair(probe, causal())
 
     def peak_bytes(self, call: AttentionCall, *, need_lse: bool) -> int:
         d = call.dims

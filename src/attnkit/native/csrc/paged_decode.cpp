@@ -97,9 +97,9 @@ struct Paged {
     std::vector<Run> batch;  // a batch's page runs: kBatch at most (pages of one slot)
     batch.reserve(static_cast<size_t>(std::min(kBatch, part.p1 - part.p0)));
     for (int64_t b = part.p0; b < part.p1; b += kBatch) {
+      const int64_t b1 = std::min(part.p1, b + kBatch), n = b1 - b;  // the batch [b, b1)
       batch.clear();
-      runs(part, b, std::min(part.p1, b + kBatch), batch);
-      const int64_t n = batch.back().offset + batch.back().count;
+      runs(part, b, b1, batch);
       for (int64_t hkv = part.h0; hkv < part.h1; ++hkv) {
         const int64_t r0 = (hkv - part.h0) * G;
         for (const Run& page : batch) {
