@@ -97,6 +97,45 @@ def test_softcap_and_alibi_gradients(dtype, heads, L, S, terms):
         assert_rule(f"native {terms} {name}", a, r, w)
 
 
+def test_large_logits_keep_the_rule_through_the_rest_of_lse():
+    """Rows that see two keys, one dominating, at logits in the thousands, float32: the
+    forward keeps what rounding lse to float32 left out (its op's third output) and the
+    backward subtracts it, so each weight exp(s − lse) is as exact as the naive softmax's
+    (without it dv was off by 9x the naive computation's error: an ulp of lse at 2·10³ is
+    1.2·10⁻⁴, a weight's relative error)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 4, 64, 64, generator=g, dtype=torch.float64) for _ in range(4))
+    q, k = q * 30, k * 30
+    mask = ak.sliding_window(1)
+    truth = _grads(q, k, v, mask, dout, "reference")
+    got = _grads(*(t.float() for t in (q, k, v)), mask, dout.float())
+    ref = _grads(*(t.float() for t in (q, k, v)), mask, dout.float(), "reference")
+    # out and dv read the weights alone (dq and dk here are 0 in float64: their error is
+    # flash's Δ = dO·O against dP, times |k| ~ 240, in every flash backward)
+    for name, i in (("out", 0), ("dv", 3)):
+        assert_rule(f"native at large logits {name}", got[i], ref[i], truth[i])
+
+
+def test_rows_one_apart_are_laid_out_anew():
+    """A transposed (B, Hkv, Dv, 1) value tensor is a (B, Hkv, 1, Dv) one whose rows are 1
+    apart (a size-1 dimension's stride is free): the kernels' GEMMs take the row stride as
+    their leading dimension, so the op lays such a tensor out anew (the BLAS refused it,
+    and its product was never written); the C++ side refuses one that reaches it."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 1, 40, generator=g)
+    k = torch.randn(1, 1, 1, 40, generator=g)
+    v = torch.randn(1, 1, 8, 1, generator=g).transpose(-1, -2)
+    assert v.stride(-2) < v.shape[-1]
+    dout = torch.randn(1, 4, 1, 8, generator=g)
+    got = _grads(q, k, v, None, dout)
+    want = _grads(q, k, v.contiguous(), None, dout, "reference")
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    args = (q, k, v, None, None, None, None, 0.5, 0.0, 1, 16, False, False, False)
+    with pytest.raises(RuntimeError, match="rows at least a row apart"):
+        torch.ops.attnkit_native.span_forward(*args)
+
+
 @pytest.fixture
 def threads():
     before = torch.get_num_threads()
@@ -283,7 +322,7 @@ def test_a_half_call_that_records_keeps_its_output_in_float32_for_delta(dtype):
     with torch.no_grad():
         plain, plain_lse = ops.span_forward(q, k, v, visible, 0.3)
         args = (q, k, v, lo, hi, None, None, 0.3, 0.0, *ops.blocking(70, 1)[:2], False, False)
-        kept, _ = torch.ops.attnkit_native.span_forward(*args, True)
+        kept, _, rest = torch.ops.attnkit_native.span_forward(*args, True)
     x = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = ops.span_forward(*x, visible, 0.3)
     assert kept.dtype == torch.float32 and torch.equal(kept.to(dtype), plain)
@@ -291,7 +330,7 @@ def test_a_half_call_that_records_keeps_its_output_in_float32_for_delta(dtype):
     dout = torch.randn(out.shape, generator=g).to(dtype)
     out.backward(dout)
     with torch.no_grad():
-        from_kept = span_backward(q, k, v, kept, dout, plain_lse, visible, 0.3)
+        from_kept = span_backward(q, k, v, kept, dout, plain_lse, visible, 0.3, rest=rest)
         summed = span_backward(q, k, v, plain, dout, plain_lse, visible, 0.3)
     assert all(torch.equal(a.grad, b) for a, b in zip(x, from_kept, strict=True))
     for a, b in zip(x, summed, strict=True):  # Σ P·dP instead: the same up to rounding

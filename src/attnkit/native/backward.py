@@ -46,6 +46,7 @@ def span_backward(
     *,
     half: bool = False,
     amx: bool = False,
+    rest: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (q's, k's, v's shapes, in q's dtype) of the span call whose output is
     `out` (B, H, L, Dv; in q's dtype, or float32 as the forward computed it: then Δ =
@@ -54,7 +55,9 @@ def span_backward(
     saw every key; `softcap` and `bias` (`ops.alibi_terms`) as the forward had them;
     `half`: bfloat16 blocks multiplied on the half units (`ops.span_forward`'s); `amx`
     (with `half`): the products of at least `ops.TILE_ROWS` stacked rows on AMX's tiles
-    where the CPU has them."""
+    where the CPU has them; `rest` (lse's shape) what the span forward's rounding of lse
+    to float32 left out (its op's third output; None: 0), so that the weights stay exact
+    where |lse| is large."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     shape = (B, H, L, v.shape[3])
@@ -62,7 +65,7 @@ def span_backward(
         raise ValueError(f"out and dout must be {shape} in {q.dtype} (out also float32).")
     if out.dtype not in (q.dtype, torch.float32):
         raise ValueError(f"out must be in {q.dtype} or float32 (got {out.dtype}).")
-    for name, t in (("lse", lse), ("glse", glse)):
+    for name, t in (("lse", lse), ("glse", glse), ("rest", rest)):
         if t is not None and (t.shape != (B, H, L) or t.dtype != torch.float32):
             raise ValueError(f"{name} must be ({B}, {H}, {L}) float32 (got {tuple(t.shape)}).")
     if visible is not None and (visible.lo.shape != (B, L) or visible.S != k.shape[2]):
@@ -95,6 +98,7 @@ def span_backward(
         keys,
         half,
         half and amx,
+        None if rest is None else rest.contiguous(),
     )
     return grads
 
@@ -103,15 +107,17 @@ def _fake(q: Tensor, k: Tensor, v: Tensor, *args: Any) -> tuple[Tensor, Tensor, 
     return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+def _setup_context(
+    ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor, Tensor]
+) -> None:
     q, k, v, lo, hi, slopes, positions, scale, softcap = inputs[:9]
     ctx.scale, ctx.softcap = scale, softcap
     ctx.half, ctx.amx = inputs[11], inputs[12]  # (after rows, keys; then float_out)
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
 
 
-def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
-    q, k, v, lo, hi, slopes, positions, out, lse = ctx.saved_tensors
+def _backward(ctx: Any, dout: Tensor, glse: Tensor | None, _: Any) -> tuple[Any, ...]:
+    q, k, v, lo, hi, slopes, positions, out, lse, rest = ctx.saved_tensors
     visible = None if lo is None else RowIntervals(lo, hi, k.shape[2])
     bias = None if slopes is None else AlibiTerms(slopes, positions)
     grads = span_backward(
@@ -128,6 +134,7 @@ def _backward(ctx: Any, dout: Tensor, glse: Tensor | None) -> tuple[Any, ...]:
         bias,
         half=ctx.half,
         amx=ctx.amx,
+        rest=rest,
     )
     return *grads, *([None] * 11)
 

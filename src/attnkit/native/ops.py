@@ -59,7 +59,13 @@ def blocking(L: int, groups: int) -> tuple[int, int, int]:
 
 
 def _unit_last(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+    """x as the span kernels read a (..., rows, n) tensor: unit last stride, and rows at
+    least n apart (their GEMMs take the row stride as the leading dimension, which BLAS
+    wants at least n). A size-1 dimension's stride is free in torch, so a transposed
+    (..., n, 1) view has rows 1 apart though it is "contiguous": it is laid out anew."""
+    if (x.stride(-1) == 1 or x.shape[-1] <= 1) and x.stride(-2) >= x.shape[-1]:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)  # standard strides, size-1 dims too
 
 
 def _check_kind(names: str, *tensors: Tensor) -> None:
@@ -196,7 +202,7 @@ def span_forward(
     # a half call autograd records keeps its output in float32 for the backward's Δ = dO·O
     # (rounded to the dtype, dO·O would move dP − Δ; the backward would sum Σ P·dP instead)
     float_out = q.dtype != torch.float32 and records_grad(q, k, v)
-    out, lse = torch.ops.attnkit_native.span_forward(
+    out, lse, _ = torch.ops.attnkit_native.span_forward(  # _: lse's rest, for autograd
         q,
         k,
         v,
@@ -337,10 +343,11 @@ def _span_forward_fake(
     half: bool = False,
     amx: bool = False,
     float_out: bool = False,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     B, H, L, _ = q.shape
     out = q.new_empty(B, H, L, v.shape[3], dtype=torch.float32 if float_out else q.dtype)
-    return out, q.new_empty(B, H, L, dtype=torch.float32)
+    lse = q.new_empty(B, H, L, dtype=torch.float32)
+    return out, lse, torch.empty_like(lse)
 
 
 def register_fakes() -> None:

@@ -7,14 +7,16 @@
 // (t = s without them), the forward's lse_i and output o_i, and the incoming gradients do_i
 // (of out) and g_i (of lse; 0 where none flows), query head h reading K/V head h / G:
 //
-//   P_ij  = exp(t_ij − lse_i)                    0 where row i does not see key j
+//   P_ij  = exp(t_ij − lse_i − rest_i)           0 where row i does not see key j
 //   Δ_i   = do_i · o_i − g_i
 //   dv_j  = Σ_i P_ij · do_i
 //   ds_ij = P_ij · (do_i · v_j − Δ_i) · t'_ij    t' = 1 − tanh²(s_ij/c), 1 without softcap
 //   dq_i  = scale · Σ_j ds_ij · k_j
 //   dk_j  = scale · Σ_i ds_ij · q_i
 //
-// (ALiBi's slopes are constants: the bias has no gradient to take.)
+// (ALiBi's slopes are constants: the bias has no gradient to take; rest_i is what the
+// forward's rounding of lse_i to float32 left out, span_attention.cpp, 0 where the lse
+// came from elsewhere: at |lse| ~ 10⁴ it moves P by 10⁻³.)
 //
 // with dk and dv summed over the G query heads of their K/V head (GQA), all in float32.
 // A row that sees nothing has P = 0: its dq is 0, and it adds nothing to dk or dv.
@@ -68,12 +70,12 @@ struct Tile {
 // rows, for the products over rows, blas.h); on the half units (half.h) instead the
 // queries (unscaled) and dO as they are, and as pairs along D and Dv.
 struct Rows {
-  std::vector<float> q, dout, delta, lse, qt, dot;
+  std::vector<float> q, dout, delta, lse, rest, qt, dot;
   std::vector<Pair> qp, dop;
   std::vector<at::BFloat16> qh, doh;
   Rows(const Sizes& z, bool pairs)
       : q(z.B * z.H * z.L * z.D), dout(z.B * z.H * z.L * z.Dv), delta(z.B * z.H * z.L),
-        lse(z.B * z.H * z.L), qt(pairs ? 0 : z.B * z.H * z.L * z.D),
+        lse(z.B * z.H * z.L), rest(z.B * z.H * z.L), qt(pairs ? 0 : z.B * z.H * z.L * z.D),
         dot(pairs ? 0 : z.B * z.H * z.L * z.Dv), qp(pairs ? z.B * z.H * z.L * pair_count(z.D) : 0),
         dop(pairs ? z.B * z.H * z.L * pair_count(z.Dv) : 0), qh(pairs ? z.B * z.H * z.L * z.D : 0),
         doh(pairs ? z.B * z.H * z.L * z.Dv : 0) {}
@@ -104,7 +106,7 @@ struct Scratch {
 // float (row strides) and transposed (row stride KW); on the half units the rows' pairs
 // and bfloat16 copies, and the block's keys as they are (row stride ldk).
 struct View {
-  const float *q, *dout, *delta, *lse;
+  const float *q, *dout, *delta, *lse, *rest;
   const float *k, *v;
   int64_t ldk, ldv, hkv;
   const float *qt = nullptr, *dot = nullptr, *kt = nullptr, *vt = nullptr;
@@ -121,7 +123,7 @@ struct Backward {
   bool amx;  // the products of at least kTileRows stacked rows on AMX's tiles (brgemm)
   const T *q, *k, *v, *out, *dout;  // out null where out32 holds the output
   const float* out32;               // a half call's output in float32 (its forward's), or null
-  const float *lse, *glse;          // (B, H, L) contiguous; glse may be null
+  const float *lse, *rest, *glse;   // (B, H, L) contiguous; rest and glse may be null
   const int64_t *lo, *hi;           // (B, L) contiguous, or null: every row sees every key
   const float* slopes;              // ALiBi (B, L, H) contiguous, or null
   const int64_t* positions;         // ALiBi's aligned positions (B, L) contiguous
@@ -146,7 +148,7 @@ struct Backward {
     if (f >= l) *a = *e = 0;
   }
 
-  // Rows of (b, h) in stacked order: scaled queries, dO, Δ = dO·O − g and lse.
+  // Rows of (b, h) in stacked order: scaled queries, dO, Δ = dO·O − g, lse and its rest.
   void stack(int64_t b, int64_t h, Rows& rows) const {
     const int64_t hkv = h / z.G, g = h % z.G;
     for (int64_t l = 0; l < z.L; ++l) {
@@ -163,6 +165,7 @@ struct Backward {
       }
       rows.delta[r] = (delta_from_output() ? dot : 0.0f) - (glse ? glse[at] : 0.0f);
       rows.lse[r] = lse[at];
+      rows.rest[r] = rest ? rest[at] : 0.0f;
 #ifdef ATTNKIT_PAIR_DOTS
       if constexpr (kHalfUnits) {
         if (pairs) {
@@ -186,7 +189,8 @@ struct Backward {
 
   // Keys [k0, k0 + n) of batch row b, K/V head hkv, as float.
   View block(int64_t b, int64_t hkv, int64_t k0, int64_t n, Scratch& w) const {
-    View x{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, hkv};
+    View x{};  // every pointer null, the strides 0
+    x.hkv = hkv;
     const T* kh = k + b * ks[0] + hkv * ks[1] + k0 * ks[2];
     const T* vh = v + b * vs[0] + hkv * vs[1] + k0 * vs[2];
 #ifdef ATTNKIT_PAIR_DOTS
@@ -213,6 +217,7 @@ struct Backward {
     const int64_t r = ((t.b * z.Hkv + x.hkv) * z.L + t.r0) * z.G;
     x.q = rows.q.data() + r * z.D, x.dout = rows.dout.data() + r * z.Dv;
     x.delta = rows.delta.data() + r, x.lse = rows.lse.data() + r;
+    x.rest = rows.rest.data() + r;
     if (pairs) {
       x.qp = rows.qp.data() + r * pair_count(z.D), x.dop = rows.dop.data() + r * pair_count(z.Dv);
       x.qh = rows.qh.data() + r * z.D, x.doh = rows.doh.data() + r * z.Dv;
@@ -262,7 +267,7 @@ struct Backward {
       if (a >= e) continue;
       if (pairs) scale_inplace(p + a, e - a, scale);  // scores of unscaled pairs
       transform(t, x, r, k0, p, a, e, w);
-      gradient_weights(p + a, s + a, e - a, x.lse[r], x.delta[r]);
+      gradient_weights(p + a, s + a, e - a, x.lse[r], x.rest[r], x.delta[r]);
       if (chain && softcap > 0)
         at::vec::map2<float>([](Vec d, Vec c) { return d * c; }, s + a, s + a, w.cap.data() + a,
                              e - a);
@@ -291,17 +296,18 @@ struct Backward {
     gemm(M, keys, z.Dv, x.dout, z.Dv, x.vt, z.KW, w.ds.data(), z.KW, false);
   }
 
-  // p = exp(p − m) and s = p · (s − delta) over n entries.
-  static void gradient_weights(float* p, float* s, int64_t n, float m, float delta) {
-    const Vec vm(m), vd(delta);
+  // p = exp((p − m) − rest) and s = p · (s − delta) over n entries (p − m exact where p is
+  // near m, so rest, lse's remainder, counts).
+  static void gradient_weights(float* p, float* s, int64_t n, float m, float rest, float delta) {
+    const Vec vm(m), vr(rest), vd(delta);
     int64_t j = 0;
     for (; j + Vec::size() <= n; j += Vec::size()) {
-      const Vec x = (Vec::loadu(p + j) - vm).exp_u20();
+      const Vec x = ((Vec::loadu(p + j) - vm) - vr).exp_u20();
       x.store(p + j);
       (x * (Vec::loadu(s + j) - vd)).store(s + j);
     }
     for (; j < n; ++j) {
-      p[j] = std::exp(p[j] - m);
+      p[j] = std::exp((p[j] - m) - rest);
       s[j] = p[j] * (s[j] - delta);
     }
   }

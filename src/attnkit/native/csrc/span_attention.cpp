@@ -23,10 +23,14 @@
 //   m' = max(m, rowmax S);  P = exp(S − m');  l = l·exp(m − m') + rowsum P
 //   O  = O·exp(m − m') + P·V
 //
-// and at the end out = O / l, lse = m + log l. A key inside a group's hull that some row
-// does not see could still leak into that row's output through 0·NaN: a group whose V
-// rows hold a non-finite value takes an exact per-row loop instead, which touches only
-// the keys each row sees.
+// and at the end out = O / l, lse = m + log l, and rest = (m − lse) + log l: what lse's
+// rounding to float32 left out (m + log l = lse + rest to float32's precision twice over),
+// which the backward subtracts so that its weights exp(s − lse − rest) stay exact where
+// |lse| is large (at 10⁴ an ulp of lse is 10⁻³: one key's weight would be 1 ± 10⁻³).
+//
+// A key inside a group's hull that some row does not see could still leak into that row's
+// output through 0·NaN: a group whose V rows hold a non-finite value takes an exact
+// per-row loop instead, which touches only the keys each row sees.
 //
 // bfloat16 on the half units (half.h): K and V packed as pairs once per block, products
 // in bfloat16 with float32 sums. Where the caller asks (`amx`) and the CPU has AMX
@@ -99,6 +103,7 @@ struct Kernel {
   T* out;                    // (B, H, L, Dv) contiguous, or null: out32 instead
   float* out32;              // the output in float32 (a half call's, kept for its backward)
   float* lse;                // (B, H, L) contiguous
+  float* rest;               // (B, H, L) contiguous: lse's remainder, (m − lse) + log l
 
   // The stacked row r of an item is query row r0 + r / G of query head hkv·G + r % G: a
   // run of query rows is a run of stacked rows, for every head. Scaled float32, or the
@@ -354,7 +359,9 @@ struct Kernel {
         else
           for (int64_t d = 0; d < z.Dv; ++d)
             out[row * z.Dv + d] = static_cast<T>(seen ? o[d] * inv : 0.0f);
-        lse[row] = seen ? w.m[r] + std::log(w.l[r]) : kNegInf;
+        const float log_l = seen ? std::log(w.l[r]) : 0.0f;
+        lse[row] = seen ? w.m[r] + log_l : kNegInf;
+        rest[row] = seen ? (w.m[r] - lse[row]) + log_l : 0.0f;
       }
   }
 
@@ -391,7 +398,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
              const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
              const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
              double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx,
-             bool float_out, at::Tensor& out, at::Tensor& lse) {
+             bool float_out, at::Tensor& out, at::Tensor& lse, at::Tensor& rest) {
   const int64_t H = q.size(1), Hkv = k.size(1);
   const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
   const bool pairs = Kernel<T>::kHalfUnits && half;
@@ -412,7 +419,8 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  positions ? positions->data_ptr<int64_t>() : nullptr,
                  float_out ? nullptr : out.data_ptr<T>(),
                  float_out ? out.data_ptr<float>() : nullptr,
-                 lse.data_ptr<float>()};
+                 lse.data_ptr<float>(),
+                 rest.data_ptr<float>()};
   for (int d = 0; d < 4; ++d) {
     kern.qs[d] = q.stride(d);
     kern.ks[d] = k.stride(d);
@@ -427,7 +435,7 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "attnkit_native::span_forward: ", what); }
 
-std::tuple<at::Tensor, at::Tensor> span_forward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> span_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
     const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
@@ -436,8 +444,10 @@ std::tuple<at::Tensor, at::Tensor> span_forward(
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
   check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
   check(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "one dtype");
-  for (const at::Tensor* t : {&q, &k, &v})
+  for (const at::Tensor* t : {&q, &k, &v}) {
     check(t->size(3) <= 1 || t->stride(3) == 1, "unit last stride");
+    check(t->stride(2) >= t->size(3), "rows at least a row apart (a GEMM's leading dimension)");
+  }
   check(k.size(0) == q.size(0) && v.size(0) == q.size(0), "batch sizes differ");
   check(k.size(1) > 0 && q.size(1) % k.size(1) == 0 && v.size(1) == k.size(1), "heads");
   check(k.size(2) == v.size(2) && k.size(3) == q.size(3), "key sizes differ");
@@ -466,12 +476,13 @@ std::tuple<at::Tensor, at::Tensor> span_forward(
   const auto out_dtype = float_out ? at::kFloat : q.scalar_type();
   auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options().dtype(out_dtype));
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  auto rest = at::empty_like(lse);
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse, rest};
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_forward", [&] {
     forward<scalar_t>(q, k, v, lo, hi, slopes, positions, scale, softcap, rows, keys, half, amx,
-                      float_out, out, lse);
+                      float_out, out, lse, rest);
   });
-  return {out, lse};
+  return {out, lse, rest};
 }
 
 // The block sizes Python's cost model and blocking must agree with (attnkit.native.ops
@@ -492,7 +503,7 @@ TORCH_LIBRARY(attnkit_native, m) {
   m.def(
       "span_forward(Tensor q, Tensor k, Tensor v, Tensor? lo, Tensor? hi, Tensor? slopes, "
       "Tensor? positions, float scale, float softcap, int rows, int keys, bool half=False, "
-      "bool amx=False, bool float_out=False) -> (Tensor, Tensor)");
+      "bool amx=False, bool float_out=False) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnkit_native, CPU, m) {

@@ -48,7 +48,8 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
               const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
               const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
               double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx,
-              at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+              const std::optional<at::Tensor>& rest, at::Tensor& dq, at::Tensor& dk,
+              at::Tensor& dv) {
   const int64_t H = q.size(1), Hkv = k.size(1);
   const Sizes z{q.size(0), H, Hkv, H / Hkv, q.size(2), k.size(2), q.size(3), v.size(3), rows, keys};
   const bool pairs = Backward<T>::kHalfUnits && half;
@@ -62,6 +63,7 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
                    dout.data_ptr<T>(),
                    out.scalar_type() == q.scalar_type() ? nullptr : out.data_ptr<float>(),
                    lse.data_ptr<float>(),
+                   rest ? rest->data_ptr<float>() : nullptr,
                    glse ? glse->data_ptr<float>() : nullptr,
                    lo ? lo->data_ptr<int64_t>() : nullptr,
                    hi ? hi->data_ptr<int64_t>() : nullptr,
@@ -122,7 +124,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& glse,
     const std::optional<at::Tensor>& lo, const std::optional<at::Tensor>& hi,
     const std::optional<at::Tensor>& slopes, const std::optional<at::Tensor>& positions,
-    double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx) {
+    double scale, double softcap, int64_t rows, int64_t keys, bool half, bool amx,
+    const std::optional<at::Tensor>& rest) {
   // attnkit.native validates every input before it gets here; these guard the memory.
   for (const at::Tensor* t : {&q, &k, &v, &out, &dout}) {
     const bool float_out = t == &out && t->scalar_type() == at::kFloat;  // a half call's
@@ -130,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
         t->dim() == 4 && t->device().is_cpu() && (t->scalar_type() == q.scalar_type() || float_out),
         "q, k, v, dout: 4-D CPU tensors of one dtype; out in it or float32");
     check(t->size(3) <= 1 || t->stride(3) == 1, "unit last stride");
+    check(t->stride(2) >= t->size(3), "rows at least a row apart (a GEMM's leading dimension)");
   }
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
   check(k.size(0) == B && v.size(0) == B && k.size(1) > 0 && H % k.size(1) == 0, "heads");
@@ -137,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   check(out.sizes() == dout.sizes() && out.size(0) == B && out.size(1) == H && out.size(2) == L &&
             out.size(3) == v.size(3),
         "out, dout (B, H, L, Dv)");
-  for (const at::Tensor* t : {&lse, glse ? &*glse : &lse})
+  for (const at::Tensor* t : {&lse, glse ? &*glse : &lse, rest ? &*rest : &lse})
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
               t->size(0) == B && t->size(1) == H && t->size(2) == L,
           "lse (B, H, L) float32");
@@ -164,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   if (dq.numel() == 0 && dk.numel() == 0 && dv.numel() == 0) return {dq, dk, dv};
   ATTNKIT_DISPATCH(q.scalar_type(), "attnkit_native::span_backward", [&] {
     backward<scalar_t>(q, k, v, out, dout, lse, glse, lo, hi, slopes, positions, scale, softcap,
-                       rows, keys, half, amx, dq, dk, dv);
+                       rows, keys, half, amx, rest, dq, dk, dv);
   });
   return {dq, dk, dv};
 }
@@ -176,7 +180,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit_native, m) {
   m.def(
       "span_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
       "Tensor? glse, Tensor? lo, Tensor? hi, Tensor? slopes, Tensor? positions, float scale, "
-      "float softcap, int rows, int keys, bool half=False, bool amx=False) "
+      "float softcap, int rows, int keys, bool half=False, bool amx=False, Tensor? rest=None) "
       "-> (Tensor, Tensor, Tensor)");
 }
 
