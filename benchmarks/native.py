@@ -220,7 +220,8 @@ def markdown(result: dict[str, object]) -> str:
         "roofline = native's useful GFLOP/s over the one of the dtype it multiplies in: "
         f"{'bf16 for bfloat16' if result.get('half_units') else 'fp32 for every dtype'}"
         f"; half inputs in mode {result.get('half_mode', 'auto')!r}); the built kernels "
-        f"load in {result['load_s'] * 1e3:.0f} ms in a fresh process.",
+        f"load in {result['load_s'] * 1e3:.0f} ms in a fresh process."
+        + (f" Source: {result['source']}." if result.get("source") else ""),
         "",
         "Forward, B = 1 (4 for padding), H = 8, D = 64: median ms; per pair = native's time "
         "per visible pair against dense SDPA's; vs best = the best of SDPA, Flex compiled "
@@ -377,6 +378,7 @@ def rerun(path: Path, part: str, rows: Callable[[], list[dict[str, object]]]) ->
     result = json.loads(path.read_text())
     result["half_units"] = half_units()  # the kernels the fresh rows ran
     result["half_mode"] = runtime.current().half.mode
+    result.pop("source", None)  # a table measured elsewhere now holds this machine's rows
     fresh = {_cell(r): r for r in rows()}
     kept = [fresh.pop(_cell(r), r) for r in result.get(part, [])]
     result[part] = kept + list(fresh.values())

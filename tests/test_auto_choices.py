@@ -1,8 +1,9 @@
 """`auto` never slower than the plain call: on every kind of CPU with a table of
 `benchmarks/native.py`, the backend `auto` plans for each measured call (patterns none,
 causal, sliding, padding and prefix at S = 1024 and 4096, and at S = 341, one document
-of a pack, where a table has it; every dtype measured, forward and forward+backward) is
-within the noise of the fastest backend measured there.
+of a pack, where a table has it; every dtype measured, forward and forward+backward),
+and for each point of its decoding grid, is within the noise of the fastest backend
+measured there.
 
 The tables are the benchmark's own (`benchmarks/results/native_<kind>.json`), priced
 with the kind's built-in cost table: a change of the cost model that moves a choice off
@@ -31,6 +32,7 @@ RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 NOISE = 1.10  # repeated runs of one table move a ratio by about ±0.05
 BACKENDS = ("sdpa", "tiled", "native")
 PATTERNS = ("none", "causal", "sliding", "padding", "prefix")
+HALF_MODE = {"avx2": "float32", "amx": "amx"}  # what half computes in by default there
 
 
 def _rows() -> list[tuple[str, str, dict[str, object]]]:
@@ -67,7 +69,7 @@ def case_of(monkeypatch):
 
 def test_the_tables_cover_every_measured_kind():
     kinds = {kind for kind, _, _ in ROWS}
-    assert {"avx2", "avx512_bf16"} <= kinds
+    assert {"avx2", "avx512_bf16", "amx"} <= kinds
     assert {part for _, part, _ in ROWS} == {"kernels", "train"}
 
 
@@ -77,8 +79,9 @@ def test_the_tables_cover_every_measured_kind():
     ids=[f"{k}-{p}-{r['dtype']}-{r['pattern']}-{r['S']}" for k, p, r in ROWS],
 )
 def test_auto_plans_the_fastest_backend_measured(kind, part, row, case_of, monkeypatch):
-    """Half runs as on the table's kind: natively where it has bfloat16 units."""
-    half_kernels(monkeypatch, "float32" if kind == "avx2" else "native")
+    """Half runs as by default on the table's kind: in float32 on AVX2, on AMX's tiles on
+    `amx`, on the pair dots elsewhere."""
+    half_kernels(monkeypatch, HALF_MODE.get(kind, "native"))
     mask, q = case_of(row)
     runtime.current().costs.use(cost.built_in(kind))
     try:
@@ -110,3 +113,46 @@ def test_a_tiny_call_plans_on_a_fused_kernel(kind, dtype):
     finally:
         runtime.current().costs.use(None)
     assert picked in ("sdpa", "native")
+
+
+def _steps() -> list[tuple[str, dict[str, object]]]:
+    return [
+        (json.loads(path.read_text())["kind"], row)
+        for path in sorted(RESULTS.glob("native_*.json"))
+        for row in json.loads(path.read_text()).get("decode", [])
+    ]
+
+
+STEPS = _steps()
+
+
+@pytest.mark.parametrize(
+    ("kind", "row"),
+    STEPS,
+    ids=[
+        f"{k}-{r['dtype']}-Hkv{r['Hkv']}-{'padded' if r['padded'] else 'full'}-B{r['B']}-S{r['S']}"
+        for k, r in STEPS
+    ],
+)
+def test_auto_decodes_on_the_fastest_backend_measured(kind, row, monkeypatch):
+    """Each point of every kind's decoding grid (L = 1, H = 8, D = 64; GQA and MHA, full
+    and padded to lengths from S/2 to S) plans the backend within the noise of the
+    fastest of SDPA and the kernel there (the step rule reads the kind's thresholds)."""
+    half_kernels(monkeypatch, HALF_MODE.get(kind, "native"))
+    B, S, Hkv, dtype = row["B"], row["S"], row["Hkv"], getattr(torch, row["dtype"])
+    q = torch.empty(B, 8, 1, 64, dtype=dtype)
+    k = torch.empty(B, Hkv, S, 64, dtype=dtype)
+    mask = ak.causal(align="bottom_right")
+    if row["padded"]:
+        mask = mask & ak.key_padding(torch.full((B,), S // 2))
+    runtime.current().costs.use(cost.built_in(kind))
+    try:
+        picked = ak.explain(q, k, k, mask).backend
+    finally:
+        runtime.current().costs.use(None)
+    times = {name: row[f"{name}_us"] for name in ("sdpa", "native")}
+    fastest = min(times, key=times.__getitem__)
+    assert picked in times and times[picked] <= NOISE * times[fastest], (
+        f"auto plans {picked} ({times.get(picked, 0):.0f} µs) where {fastest} took "
+        f"{times[fastest]:.0f} µs"
+    )

@@ -277,7 +277,7 @@ def test_a_half_decoding_step_runs_native_and_its_kernel_serves_a_growing_cache(
     compute it in float32 (converting the whole cache each step) or in its own dtype
     (slower still than the kernel on AVX512-BF16), and the prepared call serves the next
     steps of the growing cache's bucket without planning again; a float32 step of one
-    sequence at 77 keys (B·G·bucket(S) below SHARED_KEYS) stays with SDPA."""
+    sequence at 77 keys (B·G·bucket(S) below the `step_keys` threshold) stays with SDPA."""
     from attnkit.call import dispatch
 
     half_kernels(monkeypatch, "float32")

@@ -91,24 +91,28 @@ def test_span_kernel_without_spans_sees_every_key(dtype):
 
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize(
-    ("B", "H", "Hkv", "S", "backend"),
+    ("B", "H", "Hkv", "S"),
     [
-        (4, 8, 2, 300, "native"),  # B·G·bucket(S) = 16·512: the shared reads pay
-        (4, 8, 2, 40, "sdpa"),  # 16·64
-        (1, 8, 2, 1000, "sdpa"),  # 4·1024: one sequence's step of a short cache
-        (1, 8, 2, 1500, "native"),  # 4·2048
-        (32, 8, 8, 1500, "sdpa"),  # MHA: the two run about even
+        (4, 8, 2, 300),  # B·G·bucket(S) = 16·512: the shared reads pay
+        (4, 8, 2, 40),  # 16·64
+        (1, 8, 2, 1000),  # 4·1024: one sequence's step of a short cache
+        (1, 8, 2, 1500),  # 4·2048
+        (32, 8, 8, 300),  # MHA, 32·512
+        (32, 8, 8, 1500),  # MHA, 32·2048
     ],
 )
-def test_auto_routes_a_float32_decoding_step_by_its_shared_reads(B, H, Hkv, S, backend, padded):
-    """A float32 GQA step whose B·G query heads sharing each key read times the key
-    length's bucket reach SHARED_KEYS runs on the kernel, unpriced, padded or not (the
-    exact result); a shorter one, and MHA, stay with SDPA."""
+def test_auto_routes_a_float32_decoding_step_by_its_shared_reads(B, H, Hkv, S, padded):
+    """A float32 step whose B·G query heads sharing each key read times the key length's
+    bucket reach the CPU kind's threshold (`step_keys`, GQA; `step_keys_mha`) runs on the
+    kernel, unpriced, padded or not (the exact result); a shorter one stays with SDPA."""
     import attnkit as ak
-    from attnkit.backends.native import SHARED_KEYS
+    from attnkit import runtime
+    from attnkit.backends.native import NativeBackend
     from attnkit.call.steps import bucket
 
-    assert (H > Hkv and B * H // Hkv * bucket(S) >= SHARED_KEYS) == (backend == "native")
+    factors = runtime.current().costs.table().of("native", NativeBackend.cost_factors)
+    threshold = factors["step_keys" if H > Hkv else "step_keys_mha"]
+    backend = "native" if B * H // Hkv * bucket(S) >= threshold else "sdpa"
     mask = ak.causal(align="bottom_right")
     if padded:
         mask = mask & ak.key_padding(torch.arange(B) * 7 % (S // 2) + S // 2)

@@ -160,12 +160,12 @@ def test_a_non_finite_key_or_value_reaches_only_the_rows_that_see_it(mode, poiso
 
 
 def test_the_cost_prices_bfloat16_on_the_half_units_by_the_kinds_factor(monkeypatch):
-    """`bf16` scales the forward's work where the units run (AVX512-BF16's own factor, AMX's
-    upper bound, 1 on AVX2), nothing where they do not (`ATTNKIT_HALF_KERNELS=float32`, an
+    """`bf16` scales the forward's work where the units run (AVX512-BF16's own factor, the
+    tiles' on AMX, 1 on AVX2), nothing where they do not (`ATTNKIT_HALF_KERNELS=float32`, an
     ALiBi call); forward and backward both run on the units, so the training factor is
     the kind's `backward_half`."""
     from attnkit.backends import get_backend
-    from attnkit.backends.native import BF16_AVX512
+    from attnkit.backends.nativecost import BF16_AVX512
     from attnkit.call import cost
     from attnkit.contracts import normalize_call
 

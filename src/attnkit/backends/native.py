@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from attnkit._compat import cpu_features
+from attnkit.backends.nativecost import FACTORS
 from attnkit.backends.protocol import Backend, Block, Kernel, PagedDecode, Probe, Work
 from attnkit.call import cost
 from attnkit.call.precision import HALF, HalfKernels
@@ -49,8 +50,6 @@ from attnkit.native.ops import paged_decode as paged_kernel
 __all__ = ["NativeBackend"]
 
 BIG = 2**62  # past any key index
-BF16_AVX512 = 0.67  # the native kernel's bfloat16 factor on AVX512-BF16 (see `cost_factors`)
-SHARED_KEYS = 8192  # a float32 decoding step's B·G·bucket(S) from which the kernel takes it
 
 
 @dataclass(frozen=True)
@@ -166,49 +165,7 @@ class NativeBackend(Backend):
 
     name = "native"
     values_exact = True
-    # against dense SDPA's per pair: `pair` per pair computed (every block's or group's
-    # rows by its keys, masked corners included), `piece` per whole block or cut group,
-    # `call` per call (the spans' checks, the threads' start, the op's dispatch). Fitted
-    # on a 2-core AVX2 CPU by `python benchmarks/native_fit.py` (windows, causal, chunks,
-    # prefix-LM and no mask at L = 256..4096, all within ±10%), and by the same command on
-    # a 2-core AVX512-BF16 CPU, where brgemm's micro-kernels multiply float32 faster than
-    # SDPA's BLAS (within ±13%); `attnkit calibrate` times them on this machine
-    cost_factors = cost.Factors(
-        {
-            "pair": 1.05,
-            "piece": 300.0,
-            "call": 68_000.0,
-            "kv": 0.36,
-            "head": 0.57,
-            "step": 5_000.0,
-            "backward": 3.6,
-            "backward_half": 3.8,
-            "bf16": 1.0,
-        },
-        {
-            "amx": {"bf16": 2.9, "backward_half": 4.5},
-            "avx512_bf16": {"pair": 0.86, "piece": 350.0, "bf16": BF16_AVX512},
-        },
-    )
-    # A decoding call (at most DECODE_ROWS queries) reads keys, not multiplies: `kv` per
-    # key of each K/V head (read once for its G query heads), `head` per key of each query
-    # head, `step` per call, in units of SDPA's decoding pair (its cost counts B·H·L·S);
-    # fitted by hand on the same CPU to float32 steps of B = 1..32, S = 512..8192, GQA
-    # (`python benchmarks/native.py`'s decoding grid) and MHA alike (SDPA then is the
-    # faster at B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without).
-    # `backward`, `backward_half`: forward+backward over forward (`training_factor`), the
-    # medians over every pattern at S = 1024 and 4096 on a 2-core AVX512-BF16 CPU (float32
-    # 2.2-4.8; bfloat16 on the half units 2.9-5.7, median 4.45, as the converting kernel's:
-    # the AVX512 kinds' `backward_half`); the default `backward_half` 3.8 is fitted to the
-    # bfloat16 forward+backward rows of the AVX2 table (native at 0.81-1.06 of tiled's
-    # time at S = 1024 and 4096), where bfloat16's forward is priced high against tiled's
-    # and this factor carries the correction
-    # `bf16`: the kernel's work on bfloat16 inputs that run on the half units (`half_units`)
-    # over its float32 work, each against SDPA's in the same dtype; 1 where blocks convert
-    # to float32 (AVX2). On AMX it is the converting kernel's measured 2.9 (SDPA multiplies
-    # bfloat16 on AMX's tiles), an upper bound until an AMX CPU times the half units'
-    # kernel; on AVX512-BF16 `BF16_AVX512`, the forward's per-pair times over float32's
-    # (`python benchmarks/native.py`: 0.61-0.75 at S = 1024 and 4096, packed documents aside)
+    cost_factors = FACTORS  # nativecost.py: what they are and where they were measured
 
     def __init__(self, kernels: Kernels, half: HalfKernels) -> None:
         self.kernels = kernels  # the runtime's: loaded once, or being built
@@ -290,29 +247,32 @@ class NativeBackend(Backend):
         return self.factors(call.table)["step" if call.dims.L <= DECODE_ROWS else "call"]
 
     def takes_step(self, call: AttentionCall) -> bool:
-        """The decoding steps the kernel wins (`python benchmarks/native.py`'s decoding
-        grid, AVX2 and AVX512-BF16 alike): half inputs at every key length (SDPA's step
-        takes 2-14× the kernel's time on AVX2, converting the whole cache to float32
-        each step, and 2.7-9.8× on AVX512-BF16, where it computes bfloat16 as it is), and
-        float32 GQA steps (G = H / Hkv > 1) whose B·G query heads sharing each key read
-        times the key length's bucket reach SHARED_KEYS (B = 4 from 512 keys: 1.0-1.9×
-        SDPA; B = 1 from 1,025: 1.1-1.6×, where at 512 SDPA takes 0.5-0.8× the kernel's
-        time; MHA stays with SDPA, about even). Padded steps alike: the kernel reads the
-        real keys only, SDPA every key and the mask."""
-        q, d = call.q, call.dims
-        if call.requires_grad or q.device.type != "cpu" or step_of(call) is None:
+        """The decoding steps the kernel wins, by its CPU kind's decoding grid
+        (`python benchmarks/native.py`): those whose B·G query heads sharing each key read
+        times the key length's bucket reach the kind's threshold for the step's dtype, heads
+        and padding (the `step_keys*` factors). On AVX2 and AVX512-BF16 every half step
+        (SDPA converts the cache to float32, or computes bfloat16 slowly: 2-14× the
+        kernel's time); float32 GQA steps from 8,192 on every kind (B = 4 from 512 keys,
+        B = 1 from 1,025: 1.0-2.5× SDPA, where below SDPA takes 0.5-0.8× the kernel's
+        time); float32 MHA and AMX's half steps only where they are large."""
+        q, d, kind = call.q, call.dims, step_of(call)
+        if call.requires_grad or q.device.type != "cpu" or kind is None:
             return False
         if q.dtype not in DTYPES or self.kernels.unavailable() is not None:
             return False
-        shared = d.groups > 1 and d.B * d.groups * bucket(d.S) >= SHARED_KEYS
-        return q.dtype in HALF or (q.dtype == torch.float32 and shared)
+        if q.dtype in HALF:
+            threshold = "step_keys_half_padded" if kind == "padded" else "step_keys_half"
+        else:
+            threshold = "step_keys" if d.groups > 1 else "step_keys_mha"
+        return d.B * d.groups * bucket(d.S) >= self.factors(call.table)[threshold]
 
     def beats_dense(self, call: AttentionCall) -> bool:
         """A call whose pairs the kernel prices below SDPA's (its per-pair factor, times
-        `bf16` on the half units, below 1: AVX512-BF16) is priced like any other;
-        decoding steps are the ones `takes_step` takes."""
+        `bf16` on the half units, below 1: AVX512-BF16), and every call autograd records
+        (the kernel's backward may win where its forward loses: bfloat16 on AMX's tiles),
+        is priced like any other; decoding steps are the ones `takes_step` takes."""
         per_pair = self.factors(call.table)["pair"] * self._dtype_factor(call)
-        return call.dims.L > DECODE_ROWS and per_pair < 1.0
+        return call.dims.L > DECODE_ROWS and (call.requires_grad or per_pair < 1.0)
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""

@@ -37,7 +37,12 @@ __all__ = ["FACTORS", "calibrate", "pair_cost"]
 FACTORS = cost.Factors(
     {"pair": 1.2, "short": 0.1, "causal": 1.15, "predicate": 2.2, "call": 200_000.0}
     | {"backward": 3.7, "backward_half": 3.5},
-    {"amx": {"pair": 1.33, "short": 0.099, "causal": 1.30, "call": 176_600.0}},
+    {
+        "amx": {"pair": 1.33, "short": 0.099, "causal": 1.30, "call": 176_600.0}
+        | {"backward_half": 5.5},  # SDPA's blocks on AMX's tiles (native_amx.json: 4.6-9.2)
+        "avx512_bf16": {"backward_half": 3.5},
+        "avx512": {"backward_half": 3.5},
+    },
 )
 
 

@@ -15,8 +15,10 @@ AVX512-BF16 or AMX (bfloat16) or AMX-FP16 (float16), probed once
 attnkit is imported: `native` or `float32` overrides the probe (`use` changes it in a
 running process), and the test matrix runs both paths on every machine. `amx` is
 `native`, and the native kernel's bfloat16 blocks that every row sees whole multiply on
-AMX's tiles where the CPU has them (`cpublas::brgemm`); it is asked for, not probed,
-until the kernels' tables are measured on an AMX CPU.
+AMX's tiles where the CPU has them (`cpublas::brgemm`); `auto` asks for the tiles on a
+CPU with AMX (`_compat.cpu_kind`), where they run those blocks faster than the pair
+dots, and the amx kind's cost table (from `benchmarks/results/native_amx.md`, measured
+in that mode) prices the kernel on them.
 
 On the native half path GQA K/V are repeated by
 `heads.repeat_kv_exact_grad` (its backward sums the G heads in float32; float32 calls
@@ -39,7 +41,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from attnkit._compat import half_matmul_is_fast
+from attnkit._compat import cpu_kind, half_matmul_is_fast
 
 __all__ = ["HALF", "MODES", "OVERRIDE_ENV", "HalfKernels", "compute_dtype"]
 
@@ -58,7 +60,8 @@ class HalfKernels:
     runtime (`runtime.current().half`) and by the backends it made.
 
     Args:
-        mode: `"auto"` (half natively where `half_matmul_is_fast`, else float32),
+        mode: `"auto"` (half natively where `half_matmul_is_fast`, else float32; whole
+            bfloat16 blocks on AMX's tiles where the CPU has them),
             `"native"` (always half), `"float32"` (always float32) or `"amx"` (always
             half, and the native kernel's whole bfloat16 blocks on AMX's tiles where the
             CPU has them).
@@ -120,7 +123,12 @@ class HalfKernels:
     def plan_key(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, bool]:
         """What a plan for half inputs of `dtype` depends on: the dtype they compute in,
         and whether AMX's tiles are asked for (a prepared call's key holds it)."""
-        return self.kernel_dtype(dtype, device), self.mode == "amx"
+        return self.kernel_dtype(dtype, device), self.asks_tiles()
+
+    def asks_tiles(self) -> bool:
+        """Whether whole bfloat16 blocks are asked onto AMX's tiles: the mode `"amx"`, or
+        `"auto"` on a CPU with AMX (the kernel checks again that it can pack for them)."""
+        return self.mode == "amx" or (self.mode == "auto" and cpu_kind() == "amx")
 
     def on_half_units(self, q: Tensor, *, alibi: bool) -> bool:
         """Whether the native kernels multiply q's blocks on the CPU's bfloat16 units:
@@ -130,7 +138,7 @@ class HalfKernels:
         return dtype == torch.bfloat16 and self.kernel_dtype(dtype, q.device, bias=alibi) in HALF
 
     def on_amx_tiles(self, q: Tensor, *, alibi: bool) -> bool:
-        """Whether the native kernel is asked to multiply q's whole blocks on AMX's tiles:
-        the `"amx"` mode, on the half units; the kernel checks the CPU has the tiles
+        """Whether the native kernel is asked to multiply q's whole blocks on AMX's tiles
+        (`asks_tiles`), on the half units; the kernel checks the CPU has the tiles
         (elsewhere the half units' own products run)."""
-        return self.mode == "amx" and self.on_half_units(q, alibi=alibi)
+        return self.asks_tiles() and self.on_half_units(q, alibi=alibi)
