@@ -116,6 +116,27 @@ def test_large_logits_keep_the_rule_through_the_rest_of_lse():
         assert_rule(f"native at large logits {name}", got[i], ref[i], truth[i])
 
 
+@pytest.mark.parametrize(("H", "L", "S", "mask"), [(4, 1, 1, None), (4, 2, 2, "causal")])
+def test_a_decoding_shaped_backward_weighs_a_lone_key_exactly(H, L, S, mask):
+    """An independent fuzz's case: float32, one K/V head for H query heads, L = S = 1,
+    D = 40, Dv = 8, V transposed, logits near 10⁴: the forward's few rows score through
+    the BLAS and the backward's products in another order, a few ulps apart at 10⁴, so dv
+    was 8·10⁻⁴ off where a lone key weighs exactly 1. The backward now normalises such
+    rows by its own scores (within the rule, as SDPA, tiled and the reference are)."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.nn.functional.normalize(torch.randn(1, H, L, 40, generator=g, dtype=torch.float64))
+    k = q[:, :1, :S].clone()  # each row's own key: logits |q|·|k| / √D ~ 10⁴
+    q, k = q * 40 * 40**0.5, k * 40 * 40**0.5
+    v = torch.randn(1, 1, 8, S, generator=g, dtype=torch.float64).transpose(-1, -2)
+    dout = torch.randn(1, H, L, 8, generator=g, dtype=torch.float64)
+    mask = ak.causal() if mask else None
+    truth = _grads(q, k, v, mask, dout, "reference")
+    x = (q.float(), k.float(), v.float())
+    got, ref = _grads(*x, mask, dout.float()), _grads(*x, mask, dout.float(), "reference")
+    for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
+        assert_rule(f"native lone key {name}", a, r, w)
+
+
 def test_rows_one_apart_are_laid_out_anew():
     """A transposed (B, Hkv, Dv, 1) value tensor is a (B, Hkv, 1, Dv) one whose rows are 1
     apart (a size-1 dimension's stride is free): the kernels' GEMMs take the row stride as

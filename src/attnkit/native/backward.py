@@ -56,8 +56,10 @@ def span_backward(
     `half`: bfloat16 blocks multiplied on the half units (`ops.span_forward`'s); `amx`
     (with `half`): the products of at least `ops.TILE_ROWS` stacked rows on AMX's tiles
     where the CPU has them; `rest` (lse's shape) what the span forward's rounding of lse
-    to float32 left out (its op's third output; None: 0), so that the weights stay exact
-    where |lse| is large."""
+    to float32 left out (its op's third output), so that the weights stay exact where
+    |lse| is large: given, lse is this call's own, and a decoding step's few rows take
+    their weights normalised by the backward's own scores (their forward scored through
+    the BLAS); None (an lse from elsewhere, a context-parallel piece's): 0."""
     _check(q, k, v, float(scale), float(softcap))
     B, H, L, _ = q.shape
     shape = (B, H, L, v.shape[3])

@@ -131,9 +131,18 @@ struct Backward {
   float scale, softcap;
   T *dq, *dk, *dv;  // contiguous
 
+  // Whether the forward's few rows (a decoding step's shape) scored through the BLAS
+  // (blas.h), in another order than the products here, and lse is theirs (`rest` given:
+  // the span forward's own; a context-parallel piece's global lse covers keys this call
+  // does not hold): their weights are normalised by this pass's own scores
+  // (`renormalize`), and Δ is summed from the same weights.
+  bool few_rows() const { return rest != nullptr && z.G * z.L <= kFewRows; }
+
   // Whether Δ = dO·O from the output: a float32 call's, or a half call's kept in float32;
-  // else a half output rounded to its dtype, and `delta_pass` sums Σ P·dP instead.
-  bool delta_from_output() const { return std::is_same_v<T, float> || out32 != nullptr; }
+  // else (a half output rounded to its dtype, or few rows) `delta_pass` sums Σ P·dP.
+  bool delta_from_output() const {
+    return !few_rows() && (std::is_same_v<T, float> || out32 != nullptr);
+  }
 
   int64_t first(int64_t row) const { return lo ? lo[row] : 0; }
   int64_t last(int64_t row) const { return hi ? hi[row] : z.S; }
@@ -310,6 +319,25 @@ struct Backward {
       p[j] = std::exp((p[j] - m) - rest);
       s[j] = p[j] * (s[j] - delta);
     }
+  }
+
+  // Rows whose forward multiplied through the BLAS (`few_rows`) scored their keys in
+  // another order than the products here: at logits in the thousands the two differ by a
+  // few ulps, which exp(s − lse) turns into weights off by 10⁻², where one key seen alone
+  // must weigh exactly 1. So their weights are normalised by this pass's own scores:
+  // rest_i += log Σ_j exp(t_ij − lse_i − rest_i), and Σ_j P_ij = 1 (Δ then sums Σ P·dP
+  // of the same weights: dO·O against this pass's dP would leave dS ≠ 0 for a lone key).
+  void renormalize(Rows& rows, const Tile& t, int64_t hkv, Scratch& w) const {
+    const int64_t M = z.G * t.rows, r0 = ((t.b * z.Hkv + hkv) * z.L + t.r0) * z.G;
+    std::vector<float> sum(M, 0.0f);
+    for (int64_t k0 = t.kmin; k0 < t.kmax; k0 += z.KB) {
+      const int64_t n = std::min(z.KB, t.kmax - k0);
+      weights(t, with_rows(block(t.b, hkv, k0, n, w), rows, t), w, k0, n, false);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t j = 0; j < n; ++j) sum[r] += w.p[r * z.KW + j];
+    }
+    for (int64_t r = 0; r < M; ++r)
+      if (sum[r] > 0.0f) rows.rest[r0 + r] += std::log(sum[r]);  // else it sees nothing
   }
 
   // Half inputs: Δ_i = Σ_j P_ij·dP_ij over the row's keys, in float32 (the same number as

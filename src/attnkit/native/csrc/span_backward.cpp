@@ -97,6 +97,10 @@ void backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       for (int64_t t = begin; t < end; ++t)
         kern.transpose_tile(stacked, tiles[t / z.Hkv], t % z.Hkv);
     });
+  if (kern.few_rows())  // the forward's few rows scored through the BLAS
+    run_items(count * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
+      kern.renormalize(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
+    });
   if (!kern.delta_from_output())
     run_items(count * z.Hkv, z, kern.pairs, [&](int64_t t, Scratch& w) {
       kern.delta_pass(stacked, tiles[t / z.Hkv], t % z.Hkv, w);
