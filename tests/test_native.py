@@ -422,6 +422,43 @@ def test_python_and_cpp_agree_on_the_block_sizes():
     }
 
 
+def test_the_default_build_times_no_stage():
+    """Stage timers are a build of their own (`ATTNKIT_NATIVE=stages`, its flag in the
+    build key): the default kernels time nothing and say so with an empty dict."""
+    native.library()
+    assert ops.stage_times() == {}
+    assert "-DATTNKIT_STAGES" in build.flags("stages")
+    assert "-DATTNKIT_STAGES" not in build.flags("on")
+
+
+@pytest.mark.slow
+def test_the_stage_timers_account_for_the_threads_time():
+    """Built with the timers (a minute), a causal float32 call and a bfloat16 one: every
+    stage is named, the leaf stages sum to at most the work items' time, which is at most
+    the threads' (idle time the rest), and the products and the softmax took time."""
+    code = (
+        "import torch\n"
+        "from attnkit.native import library, ops\n"
+        "library()\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    q = torch.randn(1, 8, 600, 64).to(dtype)\n"
+        "    lo = torch.zeros(1, 600, dtype=torch.long)\n"
+        "    causal = ops.row_intervals(lo, torch.arange(1, 601)[None], 1, 600, 600)\n"
+        "    ops.span_forward(q, q, q, None, 0.125)\n"
+        "    ops.span_forward(q, q, q, causal, 0.125)\n"
+        "print(ops.stage_times(reset=True))\n"
+        "print(ops.stage_times())\n"
+    )
+    got, after = _child({"ATTNKIT_NATIVE": "stages"}, code).splitlines()[-2:]
+    times, zeroed = eval(got), eval(after)  # two dicts of ints
+    leaves = ("load_q", "pack_k", "pack_v", "finite", "scores", "softmax", "convert", "values")
+    leaves += ("cut", "finish")
+    assert set(times) == {"call", "threads", "item", *leaves}
+    assert sum(times[s] for s in leaves) <= times["item"] <= times["threads"]
+    assert min(times[s] for s in ("scores", "softmax", "values", "cut", "convert")) > 0
+    assert set(zeroed.values()) == {0}
+
+
 def test_a_bad_setting_is_refused(monkeypatch):
     monkeypatch.setenv("ATTNKIT_NATIVE", "maybe")
     with pytest.raises(ValueError, match=r"ATTNKIT_NATIVE=.maybe.: use one of on, wait, off"):

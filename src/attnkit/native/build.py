@@ -17,7 +17,8 @@ is `loader`'s.
 `ATTNKIT_NATIVE`: `on` (the default: built ahead, else in the background while the
 composed backends serve), `wait` (a first call waits for the build), `off` (no
 kernels), `sanitize` (built with AddressSanitizer and UndefinedBehaviorSanitizer, for
-`make sanitize`; waited for).
+`make sanitize`; waited for), `stages` (built with stage timers, for
+`benchmarks/stages.py`; waited for).
 """
 
 from __future__ import annotations
@@ -45,20 +46,24 @@ SOURCES = ("csrc/span_attention.cpp", "csrc/span_backward.cpp", "csrc/paged_deco
 # every header (a test checks the list)
 HEADERS = (
     "csrc/backward.h",
+    "csrc/backward_data.h",
     "csrc/blas.h",
     "csrc/common.h",
+    "csrc/forward.h",
     "csrc/half.h",
     "csrc/micro.h",
     "csrc/queue.h",
+    "csrc/stages.h",
 )
 NAME = "attnkit_native"
-MODES = ("on", "wait", "off", "sanitize")
+MODES = ("on", "wait", "off", "sanitize", "stages")
 PROGRESS_EVERY = 10.0  # seconds between a blocking build's lines on stderr
 SANITIZE = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+STAGES = ["-DATTNKIT_STAGES"]  # the stage timers (csrc/stages.h)
 
 
 def setting() -> str:
-    """`ATTNKIT_NATIVE`: on (the default), wait, off, or sanitize; anything else raises."""
+    """`ATTNKIT_NATIVE`: on (the default), wait, off, sanitize or stages; anything else raises."""
     mode = os.environ.get("ATTNKIT_NATIVE", "on").strip().lower() or "on"
     if mode not in MODES:
         raise ValueError(f"ATTNKIT_NATIVE={mode!r}: use one of {', '.join(MODES)}.")
@@ -89,7 +94,7 @@ def flags(mode: str) -> list[str]:
         f"-DCPU_CAPABILITY={cap}",
         f"-DCPU_CAPABILITY_{cap}",
     ]
-    return flags + (SANITIZE if mode == "sanitize" else [])
+    return flags + (SANITIZE if mode == "sanitize" else []) + (STAGES if mode == "stages" else [])
 
 
 def _compiler() -> tuple[str, str] | None:

@@ -33,6 +33,7 @@ __all__ = [
     "register_fakes",
     "row_intervals",
     "span_forward",
+    "stage_times",
 ]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -219,6 +220,13 @@ def span_forward(
         float_out,
     )
     return (out.to(q.dtype) if float_out else out), lse
+
+
+def stage_times(*, reset: bool = False) -> dict[str, int]:
+    """Each stage's thread-nanoseconds in the span forward since the last reset, by name
+    (`csrc/stages.h`: "call", "threads", "item", then the stages), where the kernels were
+    built with stage timers (`ATTNKIT_NATIVE=stages`); else {}. `reset` zeroes them."""
+    return dict(torch.ops.attnkit_native.stage_times(reset))
 
 
 def records_grad(*tensors: Tensor) -> bool:
