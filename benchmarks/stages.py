@@ -14,6 +14,7 @@ on AMX's tiles). Results go to `results/stages_<kind>.{md,json}`.
 
     python benchmarks/stages.py                         # S = 1024 4096 16384, D = 64 128
     python benchmarks/stages.py --sizes 4096 --dims 64  # the budget's case alone
+    python benchmarks/stages.py --table benchmarks/results/stages_avx2.json  # its table again
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ def run_case(case: str, S: int, D: int, engine: str, repeats: int) -> dict[str, 
     row["rest_ns"] = (times["item"] - staged) / scores
     row["idle_ns"] = (times["threads"] - times["item"]) / scores
     row["total_ns"] = times["threads"] / scores
-    for s in PRODUCTS:  # 2·D flops a score (Q·Kᵀ), 2·D a weight (P·V), per thread
-        row[f"{s}_gflops"] = 2 * D * scores / times[s] if times.get(s) else None
+    for s in PRODUCTS:  # 2·D flops a score (Q·Kᵀ), 2·D a weight (P·V), per thread: whole
+        # blocks' rates, so only where no block is cut (a cut block's products are `cut`'s)
+        whole = times.get(s) and not times.get("cut")
+        row[f"{s}_gflops"] = 2 * D * scores / times[s] if whole else None
     return row
 
 
@@ -117,8 +120,8 @@ def markdown(result: dict[str, object]) -> str:
         f"CPU kind: **{result['kind']}** ({cpu['model']}; {result['threads']} threads; "  # type: ignore[index]
         f"torch {result['torch']}). Native forward, B = 1, H = 8 (GQA: H = 32, Hkv = 8): "
         "thread-nanoseconds per score (query-key pair computed, per head) of each stage; "
-        "GFLOP/s of the products per thread; rest = the work items' time outside every "
-        "stage; idle = the threads' time outside the work items.",
+        "GFLOP/s of the products per thread (where no block is cut); rest = the work items' "
+        "time outside every stage; idle = the threads' time outside the work items.",
         "",
         "| case | S | D | engine | ms | load_q | pack_k | pack_v | finite | scores | softmax "
         "| convert | values | cut | finish | rest | idle | total | scores GFLOP/s "
@@ -150,7 +153,11 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=None, help="default: every one here")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--table", type=Path, help="only write the table of a kept JSON again")
     args = parser.parse_args()
+    if args.table is not None:
+        args.table.with_suffix(".md").write_text(markdown(json.loads(args.table.read_text())))
+        return
     if (reason := unavailable()) is not None:
         sys.exit(f"the native kernels are unavailable: {reason}")
     library()

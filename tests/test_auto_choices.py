@@ -136,8 +136,9 @@ STEPS = _steps()
 )
 def test_auto_decodes_on_the_fastest_backend_measured(kind, row, monkeypatch):
     """Each point of every kind's decoding grid (L = 1, H = 8, D = 64; GQA and MHA, full
-    and padded to lengths from S/2 to S) plans the backend within the noise of the
-    fastest of SDPA and the kernel there (the step rule reads the kind's thresholds)."""
+    and padded, the grid to lengths from S/2 to S: the rule reads that a step is padded,
+    not its lengths) plans the backend within the noise of the fastest of SDPA and the
+    kernel there (the step rule reads the kind's thresholds)."""
     half_kernels(monkeypatch, HALF_MODE.get(kind, "native"))
     B, S, Hkv, dtype = row["B"], row["S"], row["Hkv"], getattr(torch, row["dtype"])
     q = torch.empty(B, 8, 1, 64, dtype=dtype)
@@ -156,3 +157,18 @@ def test_auto_decodes_on_the_fastest_backend_measured(kind, row, monkeypatch):
         f"auto plans {picked} ({times.get(picked, 0):.0f} µs) where {fastest} took "
         f"{times[fastest]:.0f} µs"
     )
+
+
+@pytest.mark.parametrize("kind", ["avx2", "avx512_bf16", "amx"])
+def test_a_half_step_sdpa_would_convert_runs_on_the_kernel(kind, monkeypatch):
+    """Where half inputs compute in float32 (`ATTNKIT_HALF_KERNELS=float32`, or a CPU
+    without the units), SDPA converts the whole cache every step: the kernel takes every
+    half step, on AMX too (whose thresholds price SDPA on the tiles)."""
+    half_kernels(monkeypatch, "float32")
+    q, k = torch.empty(1, 8, 1, 64, dtype=torch.bfloat16), torch.empty(1, 2, 512, 64).bfloat16()
+    runtime.current().costs.use(cost.built_in(kind))
+    try:
+        picked = ak.explain(q, k, k, ak.causal(align="bottom_right")).backend
+    finally:
+        runtime.current().costs.use(None)
+    assert picked == "native"

@@ -50,3 +50,15 @@ def test_masks_combine_with_bool_tensors_on_either_side():
 def test_tensor_mask_broadcast_error_names_the_dim():
     with pytest.raises(ak.ShapeContractError, match="its S dim is 4"):
         (ak.causal() & torch.ones(3, 4, dtype=torch.bool)).materialize(1, 1, 3, 3)
+
+
+def test_a_tensor_mask_with_an_empty_dim_materializes_empty():
+    """Fuzz seed 101, case 690: a (0, S) bool mask (L = 0) combined with a predicate mask
+    indexed its empty query dim at 0 (a size-0 dim was taken for a broadcast one)."""
+    from attnkit.masks import as_mask
+
+    every_fourth = ak.Mask.from_mod(lambda b, h, i, j: j % 4 == 0)
+    mask = as_mask(torch.ones(1, 2, 1, 1, dtype=torch.bool)) | (
+        as_mask(torch.ones(0, 5, dtype=torch.bool)) & every_fourth
+    )
+    assert mask.materialize(3, 2, 0, 5).shape == (3, 2, 0, 5)

@@ -116,13 +116,23 @@ def test_large_logits_keep_the_rule_through_the_rest_of_lse():
         assert_rule(f"native at large logits {name}", got[i], ref[i], truth[i])
 
 
-@pytest.mark.parametrize(("H", "L", "S", "mask"), [(4, 1, 1, None), (4, 2, 2, "causal")])
-def test_a_decoding_shaped_backward_weighs_a_lone_key_exactly(H, L, S, mask):
+ALL_GRADS, WEIGHTS = ("out", "dq", "dk", "dv"), ("out", "dv")
+
+
+@pytest.mark.parametrize(
+    ("H", "L", "S", "mask", "checked"),
+    [(4, 1, 1, None, ALL_GRADS), (4, 2, 2, "causal", ALL_GRADS), (1, 129, 1, None, WEIGHTS)],
+)
+def test_a_decoding_shaped_backward_weighs_a_lone_key_exactly(H, L, S, mask, checked):
     """An independent fuzz's case: float32, one K/V head for H query heads, L = S = 1,
     D = 40, Dv = 8, V transposed, logits near 10⁴: the forward's few rows score through
     the BLAS and the backward's products in another order, a few ulps apart at 10⁴, so dv
     was 8·10⁻⁴ off where a lone key weighs exactly 1. The backward now normalises such
-    rows by its own scores (within the rule, as SDPA, tiled and the reference are)."""
+    rows by its own scores (within the rule, as SDPA, tiled and the reference are); a
+    causal pair's cut blocks alike; and a long call's last tile of one row scores on the
+    same products as the backward's (it went through the BLAS too, unnormalised; its dq and
+    dk, 0 in float64, carry flash's Δ = dO·O against dP times |k| ~ 250, as in any flash
+    backward: the weights are checked)."""
     g = torch.Generator().manual_seed(7)
     q = torch.nn.functional.normalize(torch.randn(1, H, L, 40, generator=g, dtype=torch.float64))
     k = q[:, :1, :S].clone()  # each row's own key: logits |q|·|k| / √D ~ 10⁴
@@ -133,8 +143,9 @@ def test_a_decoding_shaped_backward_weighs_a_lone_key_exactly(H, L, S, mask):
     truth = _grads(q, k, v, mask, dout, "reference")
     x = (q.float(), k.float(), v.float())
     got, ref = _grads(*x, mask, dout.float()), _grads(*x, mask, dout.float(), "reference")
-    for name, a, r, w in zip(("out", "dq", "dk", "dv"), got, ref, truth, strict=True):
-        assert_rule(f"native lone key {name}", a, r, w)
+    for name, a, r, w in zip(ALL_GRADS, got, ref, truth, strict=True):
+        if name in checked:
+            assert_rule(f"native lone key {name}", a, r, w)
 
 
 def test_rows_one_apart_are_laid_out_anew():

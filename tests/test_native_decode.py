@@ -107,11 +107,10 @@ def test_auto_routes_a_float32_decoding_step_by_its_shared_reads(B, H, Hkv, S, p
     kernel, unpriced, padded or not (the exact result); a shorter one stays with SDPA."""
     import attnkit as ak
     from attnkit import runtime
-    from attnkit.backends.native import NativeBackend
     from attnkit.call.steps import bucket
 
-    factors = runtime.current().costs.table().of("native", NativeBackend.cost_factors)
-    threshold = factors["step_keys" if H > Hkv else "step_keys_mha"]
+    kind = runtime.current().costs.table().kind
+    threshold = 8192 if H > Hkv else {"avx512_bf16": 8192}.get(kind, 65536)  # each kind's grid
     backend = "native" if B * H // Hkv * bucket(S) >= threshold else "sdpa"
     mask = ak.causal(align="bottom_right")
     if padded:

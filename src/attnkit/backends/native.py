@@ -178,7 +178,8 @@ class NativeBackend(Backend):
 
     def amx_tiles(self, call: AttentionCall) -> bool:
         """Whether the kernel is asked to multiply this call's whole blocks on AMX's tiles
-        (the runtime's half mode `amx`; the kernel checks the CPU has them)."""
+        (`HalfKernels.asks_tiles`: the half mode `amx`, or `auto` on a CPU with AMX; the
+        kernel checks the CPU has them)."""
         return self.half.on_amx_tiles(call.q, alibi=call.has_bias)
 
     @property
@@ -254,12 +255,15 @@ class NativeBackend(Backend):
         (SDPA converts the cache to float32, or computes bfloat16 slowly: 2-14× the
         kernel's time); float32 GQA steps from 8,192 on every kind (B = 4 from 512 keys,
         B = 1 from 1,025: 1.0-2.5× SDPA, where below SDPA takes 0.5-0.8× the kernel's
-        time); float32 MHA and AMX's half steps only where they are large."""
+        time); float32 MHA and AMX's half steps only where they are large. A half step
+        SDPA would compute in float32 (the runtime's half mode) runs on the kernel always."""
         q, d, kind = call.q, call.dims, step_of(call)
         if call.requires_grad or q.device.type != "cpu" or kind is None:
             return False
         if q.dtype not in DTYPES or self.kernels.unavailable() is not None:
             return False
+        if q.dtype in HALF and self.half.kernel_dtype(q.dtype, q.device) not in HALF:
+            return True  # SDPA converts the whole cache to float32 every step
         if q.dtype in HALF:
             threshold = "step_keys_half_padded" if kind == "padded" else "step_keys_half"
         else:
@@ -271,8 +275,10 @@ class NativeBackend(Backend):
         `bf16` on the half units, below 1: AVX512-BF16), and every call autograd records
         (the kernel's backward may win where its forward loses: bfloat16 on AMX's tiles),
         is priced like any other; decoding steps are the ones `takes_step` takes."""
+        if call.dims.L <= DECODE_ROWS or self.kernels.unavailable() is not None:
+            return False
         per_pair = self.factors(call.table)["pair"] * self._dtype_factor(call)
-        return call.dims.L > DECODE_ROWS and (call.requires_grad or per_pair < 1.0)
+        return call.requires_grad or per_pair < 1.0
 
     def prepare(self, call: AttentionCall, *, need_lse: bool) -> Kernel | None:
         """A dense call's kernel, which serves any key length (a growing cache's steps)."""

@@ -42,7 +42,7 @@ FACTORS = cost.Factors(
     {
         "amx": {
             "bf16": 1.6,
-            "backward_half": 2.8,
+            "backward_half": 2.7,
             "step_keys_half": NEVER,
             "step_keys_half_padded": 262144.0,
         },
@@ -60,8 +60,8 @@ FACTORS = cost.Factors(
 # key of each K/V head (read once for its G query heads), `head` per key of each query
 # head, `step` per call, in units of SDPA's decoding pair (its cost counts B·H·L·S);
 # fitted by hand on the same CPU to float32 steps of B = 1..32, S = 512..8192, GQA
-# (`python benchmarks/native.py`'s decoding grid) and MHA alike (SDPA then is the
-# faster at B·H·S <= 4,096, native from about 16,384 keys up with GQA, 131,072 without).
+# (`python benchmarks/native.py`'s decoding grid) and MHA alike; the planner prices no
+# step with them but where no rule decides (`step_keys*` below: the rule).
 # `backward`, `backward_half`: forward+backward over forward (`training_factor`), the
 # medians over every pattern at S = 1024 and 4096 on a 2-core AVX512-BF16 CPU (float32
 # 2.2-4.8; bfloat16 on the half units 2.9-5.7, median 4.45, as the converting kernel's:
@@ -74,9 +74,10 @@ FACTORS = cost.Factors(
 # to float32 (AVX2). On AVX512-BF16 `BF16_AVX512`, the forward's per-pair times over
 # float32's (`python benchmarks/native.py`: 0.61-0.75 at S = 1024 and 4096, packed
 # documents aside). On AMX, where SDPA multiplies bfloat16 on the tiles and so does
-# the kernel by default, `bf16` 1.6 and `backward_half` 2.8 come from the amx table
-# (`benchmarks/results/native_amx.json`): the kernel's dense forward took 1.53-1.60×
-# SDPA's time, its forward+backward 2.4-3.4× its forward (median 2.8)
+# the kernel by default, `bf16` 1.6 and `backward_half` 2.7 come from the amx table
+# (`benchmarks/results/native_amx.json`): the kernel's dense forward took 1.50-1.60×
+# SDPA's time, its forward+backward 2.4-3.4× its forward (median 2.7); both price the
+# tiles, so the half mode `native` (the pair dots) on AMX is priced too low
 # `step_keys*`: a decoding step's B·G·bucket(S) from which the kernel takes it
 # (`takes_step`), read off each kind's decoding grid: float32 GQA steps (`step_keys`),
 # float32 MHA steps (`step_keys_mha`: 8,192 on AVX512-BF16, 65,536 on AVX2 and AMX,

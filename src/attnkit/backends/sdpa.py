@@ -237,7 +237,7 @@ class SdpaBackend(Backend):
     cost_factors = cost.Factors(
         {"causal": 1.0, "masked": 1.25, "convert": 0.9, "backward": 3.9, "backward_half": 3.0},
         {
-            "amx": {"causal": 1.0, "masked": 1.88, "backward_half": 5.4},
+            "amx": {"causal": 1.0, "masked": 1.88, "backward_half": 5.2},
             "avx512_bf16": {"backward_half": 3.0},  # not AMX's tiles
             "avx512": {"backward_half": 3.0},
         },
@@ -248,7 +248,7 @@ class SdpaBackend(Backend):
     # 9 ms for the same call in bfloat16). `backward`: forward+backward over forward, the
     # `training_factor` (float32 3.9 at S = 4096 on a 2-core AVX512-BF16 CPU, none and
     # causal alike); `backward_half` where the kernel computes half as it is (2.9-3.1;
-    # on AMX's tiles 4.8-5.8, median 5.4: benchmarks/results/native_amx.json)
+    # on AMX's tiles 4.3-5.8, median 5.2: benchmarks/results/native_amx.json)
 
     def __init__(self, facts: TorchFacts, half: HalfKernels) -> None:
         self.facts = facts  # what torch's CPU kernels do (the runtime's, probed once)

@@ -39,7 +39,7 @@ FACTORS = cost.Factors(
     | {"backward": 3.7, "backward_half": 3.5},
     {
         "amx": {"pair": 1.33, "short": 0.099, "causal": 1.30, "call": 176_600.0}
-        | {"backward_half": 5.5},  # SDPA's blocks on AMX's tiles (native_amx.json: 4.6-9.2)
+        | {"backward_half": 5.4},  # SDPA's blocks on AMX's tiles (native_amx.json: 2.8-9.3)
         "avx512_bf16": {"backward_half": 3.5},
         "avx512": {"backward_half": 3.5},
     },

@@ -356,8 +356,8 @@ class _TensorMask(Mask):
         t = self.tensor.to(device)  # (B|1, H|1, L|1, S|1)
         zero = torch.zeros((), dtype=torch.long, device=device)
 
-        def pick(idx: Tensor, size: int) -> Tensor:
-            return idx if size > 1 else zero
+        def pick(idx: Tensor, size: int) -> Tensor:  # a size-1 dim broadcasts; 0 stays empty
+            return zero if size == 1 else idx
 
         return lambda b, h, i, j: t[
             pick(b, t.shape[0]), pick(h, t.shape[1]), pick(i, t.shape[2]), pick(j, t.shape[3])

@@ -116,6 +116,7 @@ def _setup_context(
     ctx.scale, ctx.softcap = scale, softcap
     ctx.half, ctx.amx = inputs[11], inputs[12]  # (after rows, keys; then float_out)
     ctx.save_for_backward(q, k, v, lo, hi, slopes, positions, *output)
+    ctx.mark_non_differentiable(output[2])  # lse's rest: the backward's, no gradient to take
 
 
 def _backward(ctx: Any, dout: Tensor, glse: Tensor | None, _: Any) -> tuple[Any, ...]:

@@ -72,7 +72,7 @@ struct Backward {
   // Whether the forward's few rows scored through the BLAS (blas.h), in another order than
   // here, and lse is theirs (`rest` given; a context-parallel piece's covers other keys
   // too): then `renormalize`, and Δ summed from the same weights.
-  bool few_rows() const { return rest != nullptr && z.G * z.L <= kFewRows; }
+  bool few_rows() const { return rest != nullptr && attnkit_native::few_rows(z.G, z.L); }
 
   // Whether Δ = dO·O from the output: a float32 call's, or a half call's kept in float32;
   // else (a half output rounded to its dtype, or few rows) `delta_pass` sums Σ P·dP.

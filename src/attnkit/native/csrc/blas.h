@@ -67,6 +67,11 @@ inline void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, c
 // vector dot products per key are slower still (`benchmarks/native.py`'s decoding grid).
 constexpr int64_t kFewRows = 8;
 
+// Whether a call of L queries of G heads per K/V head is a decoding step's few rows, which
+// the forward scores through the BLAS (only such a call: a longer call's last short tile
+// takes brgemm like the rest, so the backward knows which rows to normalise anew).
+inline bool few_rows(int64_t G, int64_t L) { return G * L <= kFewRows; }
+
 // Row-major C (m × n) = A (m × k) · Bᵀ, B (n × k) read in place (an empty k: C = 0).
 inline void gemm_nt_few(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                         const float* b, int64_t ldb, float* c, int64_t ldc) {

@@ -223,7 +223,7 @@ struct Kernel {
   void whole(const Item& it, Scratch& w, int64_t n, int64_t k0, const float* kb, int64_t ldk,
              const float* vb, int64_t ldv) const {
     const int64_t rows = z.G * it.rows, keys = tile_keys(n);
-    if (rows <= kFewRows) {
+    if (few_rows(z.G, z.L)) {  // rows = G·L
       scores_few(rows, n, kb, ldk, w);
       weigh(it, w, 0, rows, 0, n, k0, false);
       ATTNKIT_STAGE(kValues);
